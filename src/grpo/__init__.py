@@ -1,0 +1,1 @@
+"""grpo: Group Relative Policy Optimization for causal language models."""
