@@ -1,0 +1,142 @@
+"""Group-relative advantages: pure functions on tensors, no model, no I/O.
+
+A rollout batch holds N completions; completions answering the same prompt share a `group_id`.
+GRPO (DeepSeekMath, arXiv 2402.03300) replaces PPO's value baseline with the group's mean reward:
+
+    Â_i = (r_i - mean_{g(i)}) / (scale_i + eps)
+
+Groups are found by id, never by position: ids may be non-contiguous, unsorted or interleaved
+(after shuffling, dynamic sampling or a gather across processes), so nothing here assumes that
+group members sit next to each other. See docs/algorithm.md for the sources of every default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ADVANTAGE_SCALINGS",
+    "discounted_token_advantages",
+    "group_advantages",
+    "group_reward_stats",
+]
+
+
+class _GroupMoments(NamedTuple):
+    inverse: Tensor  # [N] long: index of each sample's group in 0..G-1
+    centered: Tensor  # [N] r - mean of its group
+    std: Tensor  # [G] unbiased per-group std (0 for a group of one)
+    zero_spread: Tensor  # [G] bool: every reward in the group is the same
+
+
+def _group_moments(rewards: Tensor, group_ids: Tensor) -> _GroupMoments:
+    if rewards.dim() != 1 or rewards.shape != group_ids.shape:
+        raise ValueError(
+            f"rewards and group_ids must both be 1-D of the same length, got "
+            f"{tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
+    _, inverse = torch.unique(group_ids, return_inverse=True)  # [N]
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    zeros = rewards.new_zeros(num_groups)  # [G]
+    counts = zeros.index_add(0, inverse, torch.ones_like(rewards))  # [G]
+    group_min = zeros.scatter_reduce(0, inverse, rewards, "amin", include_self=False)  # [G]
+    group_max = zeros.scatter_reduce(0, inverse, rewards, "amax", include_self=False)  # [G]
+    # Averaging rewards shifted by the group minimum makes a group of equal rewards centre to
+    # exactly 0: a plain mean can round the common value (0.9 x 3 in float32 leaves 6e-8), and
+    # dividing that by std + eps = ~1e-7 + 1e-4 would turn it into a spurious advantage.
+    shifted = rewards - group_min[inverse]  # [N]
+    shifted_mean = zeros.index_add(0, inverse, shifted) / counts  # [G]
+    centered = shifted - shifted_mean[inverse]  # [N]
+    sum_sq = zeros.index_add(0, inverse, centered.square())  # [G]
+    # Unbiased (n - 1) variance, torch's default and what DeepSeekMath's reference code and TRL use.
+    # A group of one has no spread to estimate: clamping n - 1 to 1 gives std 0 (its centred
+    # reward is 0, so its advantage is 0, not 0/0).
+    std = (sum_sq / (counts - 1).clamp(min=1)).sqrt()  # [G]
+    return _GroupMoments(inverse, centered, std, group_max == group_min)
+
+
+def _scale_by_group_std(rewards: Tensor, moments: _GroupMoments, eps: float) -> Tensor:
+    return moments.std[moments.inverse] + eps  # [N]
+
+
+def _scale_by_batch_std(rewards: Tensor, moments: _GroupMoments, eps: float) -> Tensor:
+    # One std for every sample keeps the relative weight of easy and hard prompts, which a
+    # per-group std distorts (Dr. GRPO, arXiv 2503.20783). It is the std of the raw rewards, as in
+    # TRL's scale_rewards="batch"; REINFORCE++-baseline (arXiv 2501.03262) uses the std of the
+    # centred rewards instead. torch.std of one element is NaN, hence the guard.
+    batch_std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())  # []
+    return batch_std + eps  # []
+
+
+def _no_scaling(rewards: Tensor, moments: _GroupMoments, eps: float) -> Tensor:
+    return rewards.new_ones(())  # []
+
+
+# name -> divisor of the centred rewards, broadcastable to [N].
+ADVANTAGE_SCALINGS: dict[str, Callable[[Tensor, _GroupMoments, float], Tensor]] = {
+    "group": _scale_by_group_std,  # DeepSeekMath GRPO
+    "batch": _scale_by_batch_std,  # one batch-wide std (TRL's scale_rewards="batch")
+    "none": _no_scaling,  # Dr. GRPO
+}
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, scale: str = "group", eps: float = 1e-4) -> Tensor:
+    """Â = (r - mean of its group) / (divisor + eps), one value per completion.
+
+    rewards:   [N] float, one scalar reward per completion.
+    group_ids: [N] long, equal ids = same prompt; any order, any values.
+    scale:     "group" (per-group std, DeepSeekMath), "batch" (std of all N rewards) or
+               "none" (no division, Dr. GRPO). Stds are unbiased (n - 1).
+    eps:       keeps groups whose rewards barely differ from blowing up; unused by "none".
+    Returns [N], same dtype as rewards. A group of one, or of equal rewards, gets exactly 0.
+    """
+    if scale not in ADVANTAGE_SCALINGS:
+        raise ValueError(f"unknown advantage scale {scale!r}; valid: {sorted(ADVANTAGE_SCALINGS)}")
+    moments = _group_moments(rewards, group_ids)
+    divisor = ADVANTAGE_SCALINGS[scale](rewards, moments, eps)  # [N] or []
+    # A divisor is 0 only with eps = 0 and no spread, where the centred reward is exactly 0:
+    # dividing by 1 there gives the 0 such a sample deserves instead of 0/0 = NaN.
+    divisor = torch.where(divisor == 0, 1.0, divisor)  # [N] or []
+    return moments.centered / divisor  # [N]
+
+
+def group_reward_stats(rewards: Tensor, group_ids: Tensor) -> dict[str, float]:
+    """Per-batch reward-spread statistics for logging.
+
+    frac_zero_std_groups:         fraction of groups whose rewards are all equal; they carry no
+                                  learning signal (DAPO's dynamic sampling drops them).
+    reward_std_within_group_mean: mean over groups of the unbiased within-group std.
+    """
+    moments = _group_moments(rewards, group_ids)
+    if moments.std.numel() == 0:
+        return {"frac_zero_std_groups": 0.0, "reward_std_within_group_mean": 0.0}
+    return {
+        "frac_zero_std_groups": moments.zero_spread.float().mean().item(),
+        "reward_std_within_group_mean": moments.std.mean().item(),
+    }
+
+
+def discounted_token_advantages(advantages: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Spread each completion's terminal advantage over its tokens with discount γ.
+
+    The reward arrives after the last token, so token t of a completion of length L receives
+    γ^(L-1-t)·Â: the last token gets Â in full; γ = 1 gives every token Â (plain GRPO).
+
+    advantages: [B] one advantage per completion.
+    mask:       [B, T] 1 on completion tokens (bool, int or float), 0 on padding.
+    Returns [B, T] in advantages' dtype, 0 where mask is 0.
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
+    mask_f = mask.to(advantages.dtype)  # [B, T]
+    # Completion tokens from t to the end, counted right to left: L - t on a contiguous
+    # completion, and still "tokens left until the reward" if the mask starts after a prompt.
+    tokens_left = mask_f.flip(-1).cumsum(-1).flip(-1)  # [B, T]
+    # Clamp so padding gets exponent 0, not -1 (0^-1 = inf would make inf * 0 = NaN).
+    exponent = (tokens_left - 1).clamp(min=0)  # [B, T]
+    credit = torch.pow(gamma, exponent)  # [B, T]
+    return advantages[:, None] * credit * mask_f  # [B, T]

@@ -1,0 +1,274 @@
+"""The GRPO objective: pure functions on per-token log-probs, no model, no optimiser.
+
+    ℓ_t = -min(ρ_t Â_t, clip(ρ_t, 1 - ε_low, 1 + ε_high) Â_t) + β · KL_t,   ρ_t = π_θ / π_old
+
+Each choice lives in one dict and a new variant is one more entry there:
+POLICY_LOSSES (how the ratio is formed and clipped), KL_ESTIMATORS (k1/k2/k3),
+LOSS_AGGREGATIONS (how per-token losses become one scalar).
+
+Aggregations are written so that micro-batching is only a memory knob: every normaliser is a
+*global* count of the whole optimisation batch (`LossNorm`), so a micro-batch returns its
+additive contribution and the contributions of any split of the rows sum to the full-batch loss
+(and their gradients to the full-batch gradient). See docs/algorithm.md for sources.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, TypeVar
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
+    "LossNorm",
+    "LossOutput",
+    "PolicyLoss",
+    "RatioStats",
+    "apply_truncation_mask",
+    "grpo_loss",
+    "kl_penalty",
+    "per_token_policy_loss",
+]
+
+_T = TypeVar("_T")
+
+
+def _lookup(registry: Mapping[str, _T], name: str, what: str) -> _T:
+    if name not in registry:
+        raise ValueError(f"unknown {what} {name!r}; valid: {sorted(registry)}")
+    return registry[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# KL(π_θ ‖ π_ref) per token, from samples of π_θ (Schulman, "Approximating KL divergence", 2020).
+# Each estimator is a function of Δ = log π_ref - log π_θ only.
+
+
+def _kl_k1(delta: Tensor) -> Tensor:
+    return -delta  # [B, T] unbiased, but negative on some tokens: high variance
+
+
+def _kl_k2(delta: Tensor) -> Tensor:
+    return 0.5 * delta.square()  # [B, T] biased, low variance, always >= 0
+
+
+def _kl_k3(delta: Tensor) -> Tensor:
+    # exp(Δ) - Δ - 1: unbiased and always >= 0. expm1 keeps precision when Δ ≈ 0, the usual
+    # case near the reference, where exp(Δ) - 1 would cancel catastrophically.
+    return torch.expm1(delta) - delta  # [B, T]
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+    "k1": _kl_k1,
+    "k2": _kl_k2,
+    "k3": _kl_k3,  # default, as in DeepSeekMath eq. 4
+}
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref); logp, ref_logp: [B, T] -> [B, T]."""
+    estimate = _lookup(KL_ESTIMATORS, estimator, "KL estimator")
+    return estimate(ref_logp - logp)  # [B, T]
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy-gradient surrogates.
+
+
+class RatioStats(NamedTuple):
+    """What a policy loss reports about its ratio, per token (undetached, unmasked)."""
+
+    ratio: Tensor  # [B, T] the ratio the clip was applied to
+    clipped_low: Tensor  # [B, T] bool: ρ < 1 - ε_low and Â < 0 (gradient cut by the clip)
+    clipped_high: Tensor  # [B, T] bool: ρ > 1 + ε_high and Â > 0
+
+
+class PolicyLoss(Protocol):
+    """Contract of a POLICY_LOSSES entry. grpo_loss calls it with keywords only, so an entry that
+    needs no sequence context (the token-level "grpo") may take `mask` last and optional; one that
+    does (a sequence-level ratio, GSPO) uses it to average log-ratios over completion tokens."""
+
+    def __call__(
+        self,
+        *,
+        logp: Tensor,
+        old_logp: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        clip_low: float,
+        clip_high: float,
+    ) -> tuple[Tensor, RatioStats]: ...
+
+
+def per_token_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, RatioStats]:
+    """PPO's clipped surrogate on a per-token ratio (GRPO, DeepSeekMath eq. 3).
+
+    logp, old_logp, advantages: [B, T]. Returns the per-token loss [B, T] (unmasked) and RatioStats.
+    clip_high > clip_low is DAPO's clip-higher. `mask` is accepted for the PolicyLoss contract and
+    not needed: every token's ratio stands alone.
+    """
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
+    # The pessimistic bound: the clip only ever removes incentive, never adds it, so a token
+    # already moved past the trust region in the advantage's direction gets no more gradient.
+    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)  # [B, T]
+    clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)  # [B, T]
+    clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)  # [B, T]
+    return loss, RatioStats(ratio, clipped_low, clipped_high)
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "grpo": per_token_policy_loss,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation: per-token losses -> this micro-batch's additive share of the batch loss.
+
+
+@dataclass(frozen=True)
+class LossNorm:
+    """Normalisers counted over the whole optimisation batch, never over one micro-batch."""
+
+    num_sequences: int  # completions in the batch, including fully masked ones
+    num_tokens: int  # mask.sum() over the whole batch
+    max_completion_length: int  # the configured generation limit (Dr. GRPO's constant)
+
+    def __post_init__(self) -> None:
+        if self.num_sequences < 1 or self.max_completion_length < 1 or self.num_tokens < 0:
+            raise ValueError(f"invalid loss normalisers: {self}")
+
+    @classmethod
+    def from_mask(cls, mask: Tensor, max_completion_length: int | None = None) -> LossNorm:
+        """Normalisers of a full batch mask [B, T]; the generation limit defaults to T."""
+        return cls(
+            num_sequences=mask.shape[0],
+            num_tokens=int(mask.sum()),
+            max_completion_length=mask.shape[-1] if max_completion_length is None else max_completion_length,
+        )
+
+
+def _sequence_mean(per_token: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
+    # Paper GRPO: mean over each completion's tokens, then over completions. Long completions get
+    # less weight per token (the length bias Dr. GRPO and DAPO point out).
+    row_sum = (per_token * mask).sum(-1)  # [B]
+    row_len = mask.sum(-1).clamp(min=1)  # [B] a fully masked row has sum 0: 0 / 1, not 0 / 0
+    return (row_sum / row_len).sum() / norm.num_sequences  # []
+
+
+def _token_mean(per_token: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
+    # DAPO token-level loss / BNPO: every completion token in the batch weighs the same.
+    return (per_token * mask).sum() / max(norm.num_tokens, 1)  # []
+
+
+def _constant(per_token: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
+    # Dr. GRPO: a normaliser that depends on no sampled length, so no length bias at all.
+    return (per_token * mask).sum() / (norm.num_sequences * norm.max_completion_length)  # []
+
+
+LOSS_AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, LossNorm], Tensor]] = {
+    "sequence_mean": _sequence_mean,
+    "token_mean": _token_mean,
+    "constant": _constant,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole objective.
+
+
+@dataclass
+class LossOutput:
+    """One micro-batch's loss contribution and detached statistics kept as sums with counts,
+    so the caller adds them across micro-batches (and processes) before dividing."""
+
+    loss: Tensor  # [] differentiable contribution to the batch loss
+    kl_sum: Tensor  # [] Σ mask·KL (0 without a reference)
+    ratio_sum: Tensor  # [] Σ mask·ρ
+    clipped_low_sum: Tensor  # [] masked tokens with ρ < 1 - ε_low, Â < 0
+    clipped_high_sum: Tensor  # [] masked tokens with ρ > 1 + ε_high, Â > 0
+    num_tokens: Tensor  # [] Σ mask, the count for all the sums above
+
+
+def grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    variant: str = "grpo",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    aggregation: str = "sequence_mean",
+    norm: LossNorm,
+) -> LossOutput:
+    """Clipped surrogate + β·KL for one micro-batch; see the module docstring.
+
+    logp:       [B, T] log π_θ of the completion tokens (the only input gradients flow into).
+    old_logp:   [B, T] log-probs of the policy that generated the rollout (π_old).
+    ref_logp:   [B, T] log π_ref, or None when beta == 0 (no reference model is loaded).
+    advantages: [B, T] per-token advantages (a group advantage broadcast, or discounted).
+    mask:       [B, T] 1 on completion tokens that count.
+    norm:       normalisers of the whole optimisation batch (LossNorm.from_mask on the full mask).
+    """
+    policy_loss = _lookup(POLICY_LOSSES, variant, "policy loss variant")
+    estimate_kl = _lookup(KL_ESTIMATORS, kl_estimator, "KL estimator")
+    aggregate = _lookup(LOSS_AGGREGATIONS, aggregation, "loss aggregation")
+    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if ref_logp is None and beta != 0:
+        raise ValueError(f"beta={beta} needs ref_logp; pass the reference log-probs or set beta=0")
+    others = {"old_logp": old_logp, "ref_logp": ref_logp, "advantages": advantages, "mask": mask}
+    for name, tensor in others.items():
+        # A [B] advantage would broadcast along T without complaint (and silently wrongly if B == T).
+        if tensor is not None and tensor.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logp has {tuple(logp.shape)}")
+
+    mask_f = mask.to(logp.dtype)  # [B, T]
+    # π_old, π_ref and Â are constants of the objective: detaching here means a caller passing
+    # old_logp = logp (num_iterations = 1) cannot leak a second gradient path through the ratio.
+    per_token, ratio_stats = policy_loss(
+        logp=logp,
+        old_logp=old_logp.detach(),
+        advantages=advantages.detach(),
+        mask=mask_f,
+        clip_low=clip_low,
+        clip_high=clip_high,
+    )  # [B, T]
+    kl = estimate_kl(ref_logp.detach() - logp) if ref_logp is not None else torch.zeros_like(logp)  # [B, T]
+    if beta != 0:
+        per_token = per_token + beta * kl  # [B, T]
+    loss = aggregate(per_token, mask_f, norm)  # []
+
+    with torch.no_grad():
+        return LossOutput(
+            loss=loss,
+            kl_sum=(kl * mask_f).sum(),  # []
+            ratio_sum=(ratio_stats.ratio * mask_f).sum(),  # []
+            clipped_low_sum=(ratio_stats.clipped_low * mask_f).sum(),  # []
+            clipped_high_sum=(ratio_stats.clipped_high * mask_f).sum(),  # []
+            num_tokens=mask_f.sum(),  # []
+        )
+
+
+def apply_truncation_mask(mask: Tensor, truncated: Tensor) -> Tensor:
+    """Zero the mask rows of completions cut off by the length limit (DAPO's overlong filtering:
+    a truncated answer's reward judges text the model never finished). mask [B, T], truncated [B]."""
+    return mask.masked_fill(truncated.bool()[:, None], 0)  # [B, T]
