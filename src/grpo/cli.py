@@ -1,0 +1,197 @@
+"""`grpo train` and `grpo eval`: parse → config → run. Every config key is a flag.
+
+    grpo train                                    # bundled tiny model + task, CPU, a few minutes
+    grpo train --config gsm8k model=Qwen/Qwen2.5-0.5B-Instruct --steps 200
+    grpo train optimizer.lr=2e-5 train.steps=50   # Hydra-style overrides (TorchRL names work)
+    grpo train --multirun optimizer.lr=1e-4,1e-5  # one run per value, in a sweep directory
+    grpo eval --json                              # bundled model on the bundled held-out split
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import logging
+import sys
+import typing
+from datetime import datetime
+from pathlib import Path
+
+from grpo.config import ALIASES, SECTIONS, ConfigError, GRPOConfig, coerce, load_config, preset_names, resolve_key
+
+log = logging.getLogger("grpo")
+DEFAULT_PRESET = "tiny_math"
+
+
+class _Override(argparse.Action):
+    """Collect `--key value` into an ordered list of (key, value) so later flags win."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.overrides.append((self.dest, values))
+
+
+def _aliases_by_path() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for alias, target in ALIASES.items():
+        for path in (target if isinstance(target, tuple) else (target,)):
+            out.setdefault(path, []).append(alias)
+    return out
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = GRPOConfig()
+    aliases = _aliases_by_path()
+    taken = set()
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"{section} settings")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            path = f"{section}.{f.name}"
+            names = [f"--{path}"]
+            try:
+                if resolve_key(f.name) == (path,):
+                    names.insert(0, f"--{f.name.replace('_', '-')}")
+            except ConfigError:
+                pass
+            default = getattr(getattr(defaults, section), f.name)
+            shown = "<redacted>" if f.name.endswith("_token") else default
+            extra = [a for a in aliases.get(path, []) if a != f.name]
+            alias_text = f" Also: {', '.join('--' + a for a in extra)}." if extra else ""
+            is_bool = hints[f.name] is bool
+            group.add_argument(*names, dest=path, action=_Override, metavar="" if is_bool else "VALUE",
+                               nargs="?" if is_bool else None, const="true" if is_bool else None,
+                               help=f"{f.metadata['help']}{alias_text} (default: {shown})")
+            taken.update(names)
+    for alias, target in ALIASES.items():
+        for spelling in {f"--{alias}", f"--{alias.replace('_', '-')}"} - taken:
+            first = target if isinstance(target, str) else target[0]
+            is_bool = typing.get_type_hints(SECTIONS[first.split('.')[0]])[first.split('.')[1]] is bool
+            parser.add_argument(spelling, dest=alias, action=_Override, help=argparse.SUPPRESS,
+                                nargs="?" if is_bool else None, const="true" if is_bool else None)
+            taken.add(spelling)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo", description="GRPO post-training for causal language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="Train with GRPO.", allow_abbrev=False,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           description=f"Train with GRPO. Presets: {', '.join(preset_names())}. Settings "
+                           "apply in order: defaults, --config, then key=value / --key value overrides.")
+    train.add_argument("--config", "--config-name", "--config_file", "--config-file", dest="config",
+                       default=DEFAULT_PRESET, help="A shipped preset name or a YAML file.")
+    train.add_argument("--multirun", action="store_true",
+                       help="Sweep: key=a,b,c runs once per value (cartesian product over keys).")
+    train.add_argument("--print-config", action="store_true", help="Print the resolved config and exit.")
+    train.add_argument("assignments", nargs="*", metavar="key=value", help="Overrides, e.g. optimizer.lr=2e-5.")
+    _add_config_flags(train)
+    train.set_defaults(overrides=[])
+
+    ev = sub.add_parser("eval", help="Accuracy of a model on a dataset (greedy pass@1, or pass@k/maj@k).")
+    ev.add_argument("--model", default=None, help="Model directory or hub id (default: the bundled model).")
+    ev.add_argument("--dataset", default=None, help="Dataset spec (default: the bundled held-out split).")
+    ev.add_argument("--config", default=DEFAULT_PRESET, help="Preset or YAML file for generation settings.")
+    ev.add_argument("--k", type=int, default=1, help="Samples per prompt; k > 1 reports pass@k and maj@k.")
+    ev.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature when k > 1.")
+    ev.add_argument("--limit", type=int, default=None, help="Evaluate the first N rows only.")
+    ev.add_argument("--max-new-tokens", type=int, default=None, help="Completion cap (default: the config's).")
+    ev.add_argument("--hf-access-token", "--hf_access_token", dest="hf_token", default=None,
+                    help="Hub token for gated models (default: $HF_TOKEN).")
+    ev.add_argument("--dump", default=None, help="Write every completion and its score to this JSONL file.")
+    ev.add_argument("--json", action="store_true", help="Print one JSON object (accuracy, n, ...) only.")
+    return parser
+
+
+def _overrides(args) -> dict[str, str]:
+    pairs = list(args.overrides)
+    for item in args.assignments:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"'{item}' is not key=value (e.g. optimizer.lr=2e-5).")
+        pairs.append((key.lstrip("+"), value))
+    return dict(pairs)
+
+
+def _sweep(overrides: dict[str, str]) -> list[dict[str, str]]:
+    axes = []
+    for key, value in overrides.items():
+        is_list = typing.get_origin(_hint_of(key)) is list
+        values = [value] if is_list or "," not in value else value.split(",")
+        axes.append([(key, v) for v in values])
+    return [dict(combo) for combo in itertools.product(*axes)]
+
+
+def _hint_of(key: str):
+    section, name = resolve_key(key)[0].split(".")
+    return typing.get_type_hints(SECTIONS[section])[name]
+
+
+def cmd_train(args) -> int:
+    from grpo.train import GRPOTrainer
+
+    overrides = _overrides(args)
+    runs = _sweep(overrides) if args.multirun else [overrides]
+    sweep_dir = Path("multirun") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    for i, run in enumerate(runs):
+        if args.multirun:
+            run = {**run, "train.output_dir": str(sweep_dir / str(i))}
+        cfg = load_config(args.config, run)
+        if args.print_config:
+            print(cfg.to_yaml())
+            continue
+        if args.multirun:
+            log.info("Sweep run %d/%d: %s", i + 1, len(runs), run)
+        GRPOTrainer(config=cfg).train()
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from grpo.data import PromptFormatter, load_rows
+    from grpo.evaluation import evaluate
+    from grpo.models import load_policy, load_tokenizer, resolve_device
+    from grpo.rollout import build_engine
+
+    overrides = {"model.hf_token": args.hf_token} if args.hf_token else {}
+    if args.model:
+        overrides["model.name_or_path"] = args.model
+    cfg = load_config(args.config, overrides)
+    device = resolve_device(cfg.model.device)
+    tokenizer = load_tokenizer(cfg)
+    rows = load_rows(args.dataset or cfg.data.eval_dataset or "tiny_math:test", cfg.data, split="test",
+                     token=cfg.hf_token())
+    rows = rows[:args.limit] if args.limit else rows
+    model = load_policy(cfg, device)
+    formatter = PromptFormatter(tokenizer, cfg.data)
+    result = evaluate(build_engine(cfg.generation.engine, model, tokenizer), formatter, rows, k=args.k,
+                      temperature=args.temperature, batch_size=cfg.train.eval_batch_size,
+                      max_new_tokens=args.max_new_tokens or cfg.train.eval_max_new_tokens
+                      or cfg.effective_max_new_tokens, stop_strings=cfg.generation.stop_strings)
+    if args.dump:
+        with open(args.dump, "w", encoding="utf-8") as fh:
+            for record in result.records:
+                fh.write(json.dumps(record) + "\n")
+    out = result.as_dict()
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print("  ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in out.items()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from grpo.setup import setup_logging
+
+    setup_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": cmd_train, "eval": cmd_eval}[args.command](args)
+    except ConfigError as e:
+        print(f"grpo {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

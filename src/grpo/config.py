@@ -1,0 +1,604 @@
+"""One typed configuration tree for a GRPO run.
+
+Every field has a docstring (its `help`), a default and, where a seed project names it differently,
+an alias. Values arrive in three layers, later ones winning: the dataclass defaults below, a YAML
+file (a shipped preset such as `tiny_math` or a user file), then overrides (`key=value`,
+`--key value`, or keyword arguments to `GRPOConfig`). Everything is validated before any model is
+loaded: an unknown key names the closest valid one, a bad value names the violated constraint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message says how."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+BUNDLED_MODEL = "tiny-math-lm"  # a name that resolves to the model shipped in grpo/assets
+SECRET_SUFFIXES = ("_token", "_key", "_secret", "password")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = _f(BUNDLED_MODEL, "Policy model: a Hugging Face hub id, a local directory, or "
+                           f"'{BUNDLED_MODEL}' for the bundled tiny model.")
+    load_parameters_path: str | None = _f(None, "Weights to load instead of name_or_path's (MaxText's "
+                                          "--load_parameters_path); the tokenizer still comes from "
+                                          "tokenizer_path or name_or_path.")
+    tokenizer_path: str | None = _f(None, "Tokenizer id or directory; defaults to name_or_path.")
+    ref_model_path: str | None = _f(None, "Reference model for the KL term; defaults to the policy's "
+                                    "initial weights. Not loaded at all when algorithm.beta == 0.")
+    revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the models.")
+    dtype: str = _f("auto", "Parameter dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, "
+                    "bfloat16 or float16.", choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = _f("auto", "Where the policy lives: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    trust_remote_code: bool = _f(False, "Allow model repositories to run their own Python code. Off "
+                                 "unless you trust the repository.")
+    hf_token: str | None = _f(None, "Hugging Face access token for gated models (also read from $HF_TOKEN). "
+                              "Never logged and never written to the run directory.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = _f("tiny_math", "Training prompts: 'tiny_math' (bundled), 'gsm8k' (openai/gsm8k from "
+                      "the hub), a local .jsonl/.json/.parquet/.csv file, or a hub dataset id.")
+    hf_path: str | None = _f(None, "Hub dataset id; overrides `dataset` (MaxText --hf_path).")
+    hf_name: str | None = _f(None, "Hub dataset configuration name, e.g. 'main' for openai/gsm8k.")
+    hf_data_split: str = _f("train", "Split to train on.")
+    hf_data_files: str | None = _f(None, "Data files inside the hub dataset repository (glob allowed).")
+    prompt_field: str | None = _f(None, "Column holding the prompt; auto-detected from prompt/question/"
+                                  "problem/instruction when unset.")
+    answer_field: str | None = _f(None, "Column holding the reference answer (passed to reward functions "
+                                  "as `answer`); auto-detected from answer/solution when unset.")
+    system_prompt: str | None = _f(None, "System message put before every prompt when the tokenizer has "
+                                   "a chat template.")
+    use_chat_template: bool = _f(True, "Format prompts with the tokenizer's chat template when it has one.")
+    max_prompt_length: int = _f(256, "Longest prompt in tokens (MaxText --max_prefill_predict_length).")
+    long_prompt_policy: str = _f("error", "What to do with a longer prompt: error (stop, naming the rows) or "
+                                 "truncate_left (keep the end, warn and count).",
+                                 choices=("error", "truncate_left"))
+    shuffle: bool = _f(True, "Reshuffle the prompts every epoch (seeded).")
+    eval_dataset: str | None = _f("tiny_math:test", "Held-out prompts for evaluation (same forms as "
+                                  "`dataset`, with ':split' to pick a split); none disables evaluation.")
+    eval_max_samples: int | None = _f(None, "Evaluate on at most this many held-out rows (first N).")
+
+
+@dataclass
+class GenerationConfig:
+    num_generations: int = _f(4, "Completions per prompt (G), the group size.")
+    max_new_tokens: int = _f(256, "Longest completion in tokens.")
+    max_total_length: int | None = _f(None, "Cap on prompt + completion tokens (MaxText "
+                                      "--max_target_length); lowers max_new_tokens when smaller.")
+    temperature: float = _f(0.7, "Sampling temperature (> 0). The policy's log-probs in the loss use the "
+                            "same temperature, so the ratio compares like with like.")
+    top_k: int = _f(50, "Keep only the k most likely tokens when sampling; 0 switches the filter off.")
+    top_p: float = _f(0.9, "Nucleus sampling mass; 1.0 switches the filter off.")
+    stop_strings: list[str] = _f([], "Extra strings that end a completion (the eos token always does).")
+    engine: str = _f("transformers", "Rollout engine.", choices=("transformers",))
+    batch_size: int | None = _f(None, "Completions generated per generate() call; default: all at once.")
+
+
+@dataclass
+class AlgorithmConfig:
+    beta: float = _f(0.1, "KL coefficient β toward the reference model; 0 loads no reference model.")
+    kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3 (Schulman 2020; k3 as in DeepSeekMath).",
+                           choices=("k1", "k2", "k3"))
+    epsilon_low: float = _f(0.2, "Lower clip range ε_low: the ratio is clipped at 1 − ε_low.")
+    epsilon_high: float = _f(0.2, "Upper clip range ε_high: the ratio is clipped at 1 + ε_high "
+                             "(DAPO's clip-higher uses 0.28).")
+    loss_variant: str = _f("grpo", "Policy loss: grpo (token-level ratio).", choices=("grpo",))
+    loss_aggregation: str = _f("sequence_mean", "sequence_mean (GRPO paper), token_mean (DAPO/BNPO) or "
+                               "constant (Dr. GRPO).", choices=("sequence_mean", "token_mean", "constant"))
+    advantage_scale: str = _f("group", "Divide group-centred rewards by the group std (group), the batch "
+                              "std (batch) or nothing (none, Dr. GRPO).", choices=("group", "batch", "none"))
+    advantage_eps: float = _f(1e-4, "Added to the std before dividing.")
+    num_iterations: int = _f(1, "Optimisation passes μ over each rollout batch.")
+    mask_truncated_completions: bool = _f(False, "Exclude completions cut off at max_new_tokens from the loss.")
+    gamma: float = _f(1.0, "Discount: token t of a length-L completion gets γ^(L−1−t) of the terminal "
+                      "advantage (1.0 = every token the same).")
+    reward_funcs: list[str] = _f(["gsm8k_correctness", "gsm8k_format"], "Reward functions: registered "
+                                 "names or import paths 'package.module:function'.")
+    reward_weights: list[float] | None = _f(None, "One weight per reward function (default 1.0 each).")
+    reward_model: str | None = _f(None, "A sequence-classification model (hub id or path) scored as one "
+                                  "more reward; a causal LM scores mean completion log-likelihood.")
+
+
+@dataclass
+class OptimConfig:
+    learning_rate: float = _f(1e-6, "Peak AdamW learning rate.")
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW β1.")
+    adam_beta2: float = _f(0.99, "AdamW β2 (0.99 as in DeepSeekMath's RL runs and TRL's GRPO).")
+    adam_epsilon: float = _f(1e-8, "AdamW ε.")
+    lr_scheduler: str = _f("constant", "Schedule after warmup: constant, linear (to 0) or cosine (to 0).",
+                           choices=("constant", "linear", "cosine"))
+    warmup_steps: int = _f(100, "Linear warmup from 0 over this many optimizer steps.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 disables clipping).")
+
+
+@dataclass
+class TrainConfig:
+    prompts_per_step: int = _f(4, "Prompts per rollout batch (P); completions per step = P × G.")
+    micro_batch_size: int | None = _f(None, "Completions per forward/backward (a memory knob only: it "
+                                      "does not change the loss). Default: P × G / gradient_accumulation_steps.")
+    gradient_accumulation_steps: int = _f(4, "Split each step's P × G completions into this many "
+                                          "micro-batches whose gradients are summed (used when "
+                                          "micro_batch_size is unset).")
+    steps: int | None = _f(None, "Optimizer steps to run; default: num_epochs over the dataset.")
+    num_epochs: float = _f(3.0, "Passes over the training prompts (used when steps is unset).")
+    seed: int = _f(42, "Seed for data order, sampling and initialisation.")
+    output_dir: str | None = _f(None, "Run directory; default: base_output_directory/run_name.")
+    base_output_directory: str = _f("runs", "Parent of run directories when output_dir is unset.")
+    run_name: str | None = _f(None, "Run directory name; default: a timestamp YYYY-MM-DD_HH-MM-SS.")
+    logging_steps: int = _f(10, "Console line, metrics.jsonl and TensorBoard every N steps.")
+    save_steps: int = _f(500, "Checkpoint every N steps (0: only the final model).")
+    save_total_limit: int | None = _f(None, "Keep only the newest K checkpoints.")
+    resume: str | None = _f(None, "Resume: 'latest' (newest checkpoint in output_dir) or a checkpoint dir.")
+    eval_before: bool = _f(False, "Evaluate on the held-out set before training.")
+    eval_after: bool = _f(False, "Evaluate on the held-out set after training.")
+    eval_steps: int = _f(0, "Also evaluate every N steps (0: never during training).")
+    eval_batch_size: int = _f(256, "Prompts per generate() call during evaluation.")
+    eval_max_new_tokens: int | None = _f(None, "Completion cap during evaluation; default: max_new_tokens.")
+    use_wandb: bool = _f(False, "Log to Weights & Biases (`pip install grpo[wandb]`; WANDB_MODE=offline "
+                         "works without network).")
+    wandb_project: str = _f("grpo", "W&B project.")
+    wandb_run_name: str | None = _f(None, "W&B run name; default: run_name.")
+    tensorboard: bool = _f(True, "Write TensorBoard events to the run directory.")
+    progress_bar: bool = _f(True, "Show a progress bar with the live reward.")
+    num_threads: int | None = _f(None, "torch CPU threads; default: torch's choice.")
+
+
+@dataclass
+class DistributedConfig:
+    """Names from the MaxText/TorchRL seeds; more than one device per role arrives with multi-process
+    training. Validation explains what each value means here."""
+
+    use_pathways: bool = _f(False, "MaxText: Pathways (TPU only). Not available; see the error for the "
+                            "CUDA equivalent.")
+    inference_devices_per_replica: int = _f(1, "Devices per rollout replica (MaxText).")
+    inference_replicas: int = _f(1, "Rollout replicas (MaxText).")
+    ici_fsdp_parallelism: int = _f(-1, "FSDP degree of the learner (MaxText; -1 = auto).")
+    ici_tensor_parallelism: int = _f(-1, "Tensor-parallel degree (MaxText; -1 = auto).")
+    trainer_devices_fraction: float = _f(1.0, "Fraction of devices for the learner (MaxText).")
+    sampler_devices_fraction: float = _f(1.0, "Fraction of devices for rollout (MaxText).")
+    weight_sync_steps: int = _f(1, "Copy learner weights to rollout every N steps (MaxText "
+                                "inference_rollouts); colocated rollout always uses live weights.")
+    train_devices: int = _f(1, "Devices for the learner (TorchRL train_model.num_devices).")
+    ref_devices: int = _f(1, "Devices for the reference model (TorchRL ref_model.num_devices).")
+    inference_devices: int = _f(1, "Devices for rollout (TorchRL inference_model.num_devices).")
+    profiler: str = _f("none", "none or torch (torch.profiler trace of steps 2-3 in the run dir); MaxText's "
+                       "xplane is TPU/JAX only.", choices=("none", "torch", "xplane"))
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "generation": GenerationConfig,
+    "algorithm": AlgorithmConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "distributed": DistributedConfig,
+}
+
+# Names used by the seed projects (plain PyTorch GRPO, MaxText/Tunix, TorchRL) → our dotted paths.
+ALIASES: dict[str, str] = {
+    # plain-PyTorch seed (GRPOConfig fields and train_grpo.py flags)
+    "model_name": "model.name_or_path",
+    "batch_size": "train.prompts_per_step",
+    "num_epochs": "train.num_epochs",
+    "learning_rate": "optim.learning_rate",
+    "num_generations_per_prompt": "generation.num_generations",
+    "num_generations": "generation.num_generations",
+    "max_new_tokens": "generation.max_new_tokens",
+    "temperature": "generation.temperature",
+    "top_k": "generation.top_k",
+    "top_p": "generation.top_p",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+    "max_grad_norm": "optim.max_grad_norm",
+    "warmup_steps": "optim.warmup_steps",
+    "kl_coef": "algorithm.beta",
+    "clip_range": ("algorithm.epsilon_low", "algorithm.epsilon_high"),
+    "gamma": "algorithm.gamma",
+    "logging_steps": "train.logging_steps",
+    "save_steps": "train.save_steps",
+    "output_dir": "train.output_dir",
+    "use_wandb": "train.use_wandb",
+    "wandb_project": "train.wandb_project",
+    "wandb_run_name": "train.wandb_run_name",
+    "device": "model.device",
+    "steps": "train.steps",
+    "seed": "train.seed",
+    "resume": "train.resume",
+    "reward_model": "algorithm.reward_model",
+    "reward_funcs": "algorithm.reward_funcs",
+    # MaxText / Tunix demo
+    "tokenizer_path": "model.tokenizer_path",
+    "load_parameters_path": "model.load_parameters_path",
+    "base_output_directory": "train.base_output_directory",
+    "hf_access_token": "model.hf_token",
+    "hf_path": "data.hf_path",
+    "hf_data_split": "data.hf_data_split",
+    "hf_data_files": "data.hf_data_files",
+    "per_device_batch_size": "train.prompts_per_step",
+    "run_name": "train.run_name",
+    "grpo_beta": "algorithm.beta",
+    "grpo_epsilon": ("algorithm.epsilon_low", "algorithm.epsilon_high"),
+    "max_prefill_predict_length": "data.max_prompt_length",
+    "max_target_length": "generation.max_total_length",
+    "checkpoint_period": "train.save_steps",
+    "inference_rollouts": "distributed.weight_sync_steps",
+    # TorchRL
+    "optimizer.lr": "optim.learning_rate",
+    "optimizer.weight_decay": "optim.weight_decay",
+    "policy.kl_coef": "algorithm.beta",
+    "env.dataset": "data.dataset",
+    "model.name": "model.name_or_path",
+    "train_model.num_devices": "distributed.train_devices",
+    "ref_model.num_devices": "distributed.ref_devices",
+    "inference_model.num_devices": "distributed.inference_devices",
+    "train.checkpoint_frequency": "train.save_steps",
+    # common spellings
+    "lr": "optim.learning_rate",
+    "epsilon": ("algorithm.epsilon_low", "algorithm.epsilon_high"),
+    "model": "model.name_or_path",
+}
+
+
+def _leaf_index() -> dict[str, list[str]]:
+    index: dict[str, list[str]] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            index.setdefault(f.name, []).append(f"{section}.{f.name}")
+    return index
+
+
+LEAVES = _leaf_index()
+
+
+def all_paths() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def resolve_key(key: str) -> tuple[str, ...]:
+    """Map a user-facing key (dotted path, unique leaf name or alias; '-' == '_') to dotted paths."""
+    k = key.strip().lstrip("-").replace("-", "_")
+    if k in ALIASES:
+        target = ALIASES[k]
+        return target if isinstance(target, tuple) else (target,)
+    if "." in k and k in set(all_paths()):
+        return (k,)
+    if k in LEAVES and len(LEAVES[k]) == 1:
+        return (LEAVES[k][0],)
+    if k in LEAVES:
+        raise ConfigError(f"'{key}' is ambiguous: write one of {', '.join(LEAVES[k])}.")
+    known = sorted(set(all_paths()) | set(LEAVES) | set(ALIASES))
+    close = difflib.get_close_matches(k, known, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise ConfigError(f"Unknown config key '{key}'.{hint} Run `grpo train --help` for every key.")
+
+
+def _field(path: str) -> dataclasses.Field:
+    section, name = path.split(".")
+    return {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
+
+
+def _hint(path: str) -> Any:
+    section, name = path.split(".")
+    return typing.get_type_hints(SECTIONS[section])[name]
+
+
+def coerce(path: str, value: Any) -> Any:
+    """Convert `value` (possibly a string from the command line) to the field's type, or explain."""
+    hint = _hint(path)
+    args = typing.get_args(hint)
+    optional = type(None) in args and (typing.get_origin(hint) in (typing.Union, types.UnionType))
+    if optional:
+        hint = next(a for a in args if a is not type(None))
+    if isinstance(value, str):
+        if optional and value.strip().lower() in ("none", "null", "~", ""):
+            return None
+        if hint is not str:
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                pass
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{path} cannot be empty (expected {_type_name(hint)}).")
+    origin = typing.get_origin(hint)
+    try:
+        if origin is list:
+            (item,) = typing.get_args(hint)
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v]
+            if not isinstance(value, (list, tuple)):
+                value = [value]
+            return [_scalar(item, v) for v in value]
+        return _scalar(hint, value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path} expects {_type_name(hint)}, got {value!r}.") from e
+
+
+def _scalar(hint: type, value: Any) -> Any:
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ValueError(value)
+    if hint is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(value)
+        return int(value)
+    if hint is float:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        return float(value)
+    if hint is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(value)
+        return str(value)
+    raise TypeError(hint)
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", str(hint))
+
+
+@dataclass(init=False)
+class GRPOConfig:
+    """The whole run configuration: seven sections. Accepts sections (objects or dicts) and any flat
+    key `resolve_key` understands, so the seed's `GRPOConfig(batch_size=4, learning_rate=1e-6, ...)`
+    works as written; reading or assigning a seed name (`config.learning_rate`) also works."""
+
+    model: ModelConfig
+    data: DataConfig
+    generation: GenerationConfig
+    algorithm: AlgorithmConfig
+    optim: OptimConfig
+    train: TrainConfig
+    distributed: DistributedConfig
+
+    def __init__(self, **kwargs: Any) -> None:
+        for section, cls in SECTIONS.items():
+            object.__setattr__(self, section, cls())
+        flat = {}
+        for key, value in kwargs.items():
+            if key in SECTIONS and isinstance(value, (dict, SECTIONS[key])):
+                items = dataclasses.asdict(value) if not isinstance(value, dict) else value
+                flat.update({f"{key}.{k}": v for k, v in items.items()})
+            else:
+                flat[key] = value
+        self.update(flat)
+
+    def update(self, overrides: dict[str, Any]) -> GRPOConfig:
+        for key, value in overrides.items():
+            for path in resolve_key(key):
+                section, name = path.split(".")
+                setattr(getattr(self, section), name, coerce(path, value))
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in SECTIONS:
+            raise AttributeError(name)
+        try:
+            paths = resolve_key(name)
+        except ConfigError as e:
+            raise AttributeError(str(e)) from None
+        section, leaf = paths[0].split(".")
+        return getattr(object.__getattribute__(self, section), leaf)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in SECTIONS:
+            object.__setattr__(self, name, value)
+        else:
+            self.update({name: value})
+
+    def to_dict(self, redact: bool = True) -> dict[str, dict[str, Any]]:
+        out = {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
+        if redact:
+            for section in out.values():
+                for k in section:
+                    if is_secret(k) and section[k]:
+                        section[k] = "<redacted>"
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(redact=True), sort_keys=False)
+
+    # -- derived sizes -------------------------------------------------------------------------
+    @property
+    def completions_per_step(self) -> int:
+        return self.train.prompts_per_step * self.generation.num_generations
+
+    @property
+    def resolved_micro_batch_size(self) -> int:
+        if self.train.micro_batch_size is not None:
+            return self.train.micro_batch_size
+        return self.completions_per_step // self.train.gradient_accumulation_steps
+
+    @property
+    def effective_max_new_tokens(self) -> int:
+        cap = self.generation.max_total_length
+        if cap is None:
+            return self.generation.max_new_tokens
+        return min(self.generation.max_new_tokens, cap - self.data.max_prompt_length)
+
+    def hf_token(self) -> str | None:
+        return self.model.hf_token or os.environ.get("HF_TOKEN") or None
+
+    def validate(self) -> GRPOConfig:
+        validate(self)
+        return self
+
+
+def is_secret(key: str) -> bool:
+    return key.lower().endswith(SECRET_SUFFIXES)
+
+
+def validate(cfg: GRPOConfig) -> None:
+    """Check every constraint that needs no model; raise ConfigError naming the key and the fix."""
+    for section in SECTIONS:
+        for f in dataclasses.fields(getattr(cfg, section)):
+            choices = f.metadata.get("choices")
+            value = getattr(getattr(cfg, section), f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"{section}.{f.name} = {value!r} is not one of {', '.join(choices)}.")
+
+    g, a, t, o, d = cfg.generation, cfg.algorithm, cfg.train, cfg.optim, cfg.distributed
+    positive = {
+        "generation.num_generations": g.num_generations, "generation.max_new_tokens": g.max_new_tokens,
+        "train.prompts_per_step": t.prompts_per_step, "algorithm.num_iterations": a.num_iterations,
+        "train.gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "data.max_prompt_length": cfg.data.max_prompt_length, "train.logging_steps": t.logging_steps,
+        "train.eval_batch_size": t.eval_batch_size,
+    }
+    for path, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{path} must be at least 1, got {value}.")
+    for path, value in {"train.steps": t.steps, "train.micro_batch_size": t.micro_batch_size,
+                        "train.save_total_limit": t.save_total_limit,
+                        "data.eval_max_samples": cfg.data.eval_max_samples}.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{path} must be at least 1 (or unset), got {value}.")
+    if g.num_generations < 2:
+        raise ConfigError("generation.num_generations must be at least 2: GRPO compares completions within "
+                          f"a group, and a group of {g.num_generations} has no spread.")
+    if not g.temperature > 0:
+        raise ConfigError(f"generation.temperature must be > 0 for sampling, got {g.temperature}.")
+    if not 0 < g.top_p <= 1:
+        raise ConfigError(f"generation.top_p must be in (0, 1], got {g.top_p} (1.0 switches it off).")
+    if g.top_k < 0:
+        raise ConfigError(f"generation.top_k must be >= 0, got {g.top_k} (0 switches it off).")
+    if cfg.effective_max_new_tokens < 1:
+        raise ConfigError(f"generation.max_total_length ({g.max_total_length}) leaves no room for completions "
+                          f"after data.max_prompt_length ({cfg.data.max_prompt_length}).")
+    if a.beta < 0:
+        raise ConfigError(f"algorithm.beta must be >= 0, got {a.beta}.")
+    if not (0 <= a.epsilon_low < 1) or a.epsilon_high < 0:
+        raise ConfigError(f"clip ranges need 0 <= epsilon_low < 1 and epsilon_high >= 0, got "
+                          f"{a.epsilon_low} and {a.epsilon_high}.")
+    if not 0 < a.gamma <= 1:
+        raise ConfigError(f"algorithm.gamma must be in (0, 1], got {a.gamma}.")
+    if not a.reward_funcs and not a.reward_model:
+        raise ConfigError("No reward: set algorithm.reward_funcs and/or algorithm.reward_model.")
+    if a.reward_weights is not None:
+        n_funcs = len(a.reward_funcs) + (1 if a.reward_model else 0)
+        if len(a.reward_weights) != n_funcs:
+            raise ConfigError(f"algorithm.reward_weights has {len(a.reward_weights)} entries but there are "
+                              f"{n_funcs} rewards ({', '.join(a.reward_funcs)}"
+                              f"{', reward_model' if a.reward_model else ''}).")
+    if o.learning_rate <= 0:
+        raise ConfigError(f"optim.learning_rate must be > 0, got {o.learning_rate}.")
+    if o.warmup_steps < 0 or o.max_grad_norm < 0 or o.weight_decay < 0:
+        raise ConfigError("optim.warmup_steps, optim.max_grad_norm and optim.weight_decay must be >= 0.")
+    if t.num_epochs <= 0 and t.steps is None:
+        raise ConfigError(f"train.num_epochs must be > 0 when train.steps is unset, got {t.num_epochs}.")
+    if t.save_steps < 0 or t.eval_steps < 0:
+        raise ConfigError("train.save_steps and train.eval_steps must be >= 0.")
+
+    n = cfg.completions_per_step
+    mb = cfg.resolved_micro_batch_size
+    if t.micro_batch_size is None and n % t.gradient_accumulation_steps:
+        raise ConfigError(
+            f"Completions per step = prompts_per_step × num_generations = {t.prompts_per_step} × "
+            f"{g.num_generations} = {n}, which gradient_accumulation_steps = {t.gradient_accumulation_steps} "
+            f"does not divide. Pick gradient_accumulation_steps from the divisors of {n} "
+            f"({', '.join(str(k) for k in range(1, n + 1) if n % k == 0)}) or set micro_batch_size.")
+    if mb < 1 or mb > n:
+        raise ConfigError(f"micro_batch_size must be between 1 and prompts_per_step × num_generations = {n}, "
+                          f"got {mb}.")
+
+    if d.use_pathways:
+        raise ConfigError("--use_pathways asks for Google's TPU orchestration, which does not exist on CUDA "
+                          "or CPU. Drop the flag: the trainer and sampler share devices here.")
+    if d.profiler == "xplane":
+        raise ConfigError("profiler=xplane is JAX/TPU's profiler; use profiler=torch for a torch.profiler "
+                          "trace, or profiler=none.")
+    multi = {k: v for k, v in {
+        "inference_devices_per_replica": d.inference_devices_per_replica,
+        "inference_replicas": d.inference_replicas, "train_model.num_devices": d.train_devices,
+        "ref_model.num_devices": d.ref_devices, "inference_model.num_devices": d.inference_devices,
+    }.items() if v != 1}
+    multi.update({k: v for k, v in {"ici_fsdp_parallelism": d.ici_fsdp_parallelism,
+                                    "ici_tensor_parallelism": d.ici_tensor_parallelism}.items()
+                  if v not in (-1, 1)})
+    if multi:
+        settings = ", ".join(f"{k}={v}" for k, v in multi.items())
+        raise ConfigError(f"{settings}: this build trains in one process on one device, where the policy, "
+                          "reference and rollout share it. Leave these at 1 (or -1) for now.")
+    if not (0 < d.trainer_devices_fraction <= 1 and 0 < d.sampler_devices_fraction <= 1):
+        raise ConfigError("trainer_devices_fraction and sampler_devices_fraction must be in (0, 1].")
+    if d.weight_sync_steps < 1:
+        raise ConfigError(f"weight_sync_steps (inference_rollouts) must be >= 1, got {d.weight_sync_steps}.")
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name.removesuffix(".yaml") for p in resources.files("grpo.configs").iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def read_config_file(spec: str) -> dict[str, Any]:
+    """A shipped preset by name (`tiny_math`, `gsm8k`) or a YAML file path → flat {dotted.key: value}."""
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"Config file {spec} does not exist. Shipped presets: {', '.join(preset_names())}.")
+        text = path.read_text(encoding="utf-8")
+    else:
+        name = spec.removeprefix("grpo_")  # TorchRL's `--config-name grpo_gsm8k`
+        if name not in preset_names():
+            close = difflib.get_close_matches(name, preset_names(), n=2)
+            hint = f" Did you mean {' or '.join(close)}?" if close else ""
+            raise ConfigError(f"No preset or file named '{spec}'.{hint} Presets: {', '.join(preset_names())}; "
+                              "or pass a path to a .yaml file.")
+        text = resources.files("grpo.configs").joinpath(f"{name}.yaml").read_text(encoding="utf-8")
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"Config file {spec} is not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"Config file {spec} must hold a mapping of sections to settings.")
+    return flatten(raw)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and dotted in SECTIONS:
+            flat.update(flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def load_config(config: str | None = None, overrides: dict[str, Any] | None = None) -> GRPOConfig:
+    """Defaults ← preset/file ← overrides, validated."""
+    cfg = GRPOConfig()
+    if config:
+        cfg.update(read_config_file(config))
+    cfg.update(overrides or {})
+    return cfg.validate()

@@ -1,0 +1,179 @@
+"""The policy's optimisation step: micro-batched forward/backward of the GRPO loss, then AdamW.
+
+A step sees one TrainBatch (P × G completions). It makes `num_iterations` optimizer steps over it;
+each splits the rows into micro-batches whose loss contributions sum to the full-batch loss
+(`LossNorm` carries the global normalisers), so `micro_batch_size` changes memory, not the update.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from grpo.batch import TrainBatch
+from grpo.config import GRPOConfig
+from grpo.loss import LossNorm, grpo_loss
+
+
+def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False):
+    """log π(completion token | prefix) for every completion position: [N, T] (and entropy [N, T])."""
+    width = batch.prompt_width
+    t = batch.input_ids.shape[1] - width
+    device = next(model.parameters()).device
+    out = model(
+        input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+        position_ids=batch.position_ids.to(device), use_cache=False,
+        logits_to_keep=t + 1,  # the lm head runs only where completion tokens are predicted
+    )
+    logits = out.logits[:, :-1].float() / temperature  # [N, T, V]
+    logp_all = torch.log_softmax(logits, dim=-1)  # [N, T, V]
+    targets = batch.input_ids[:, width:].to(device)  # [N, T]
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # [N, T]
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, T]
+    return logp, entropy
+
+
+def trim(batch: TrainBatch) -> TrainBatch:
+    """Drop completion columns that are padding in every row of this micro-batch."""
+    longest = int(batch.completion_mask.sum(-1).max().item()) if len(batch) else 0
+    keep = batch.prompt_width + max(longest, 1)
+    cols = slice(0, max(longest, 1))
+    pick = lambda x: None if x is None else x[:, cols]  # noqa: E731
+    return TrainBatch(
+        input_ids=batch.input_ids[:, :keep], attention_mask=batch.attention_mask[:, :keep],
+        prompt_width=batch.prompt_width, completion_mask=batch.completion_mask[:, cols],
+        advantages=batch.advantages[:, cols], group_ids=batch.group_ids,
+        ref_logprobs=pick(batch.ref_logprobs), old_logprobs=pick(batch.old_logprobs),
+    )
+
+
+def micro_batches(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def lr_lambda(warmup: int, total: int, schedule: str):
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return 1.0 - progress
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+@dataclass
+class StepStats:
+    loss: float
+    kl: float
+    ratio_mean: float
+    clip_low_frac: float
+    clip_high_frac: float
+    entropy: float
+    grad_norm: float
+    skipped: bool
+
+    def as_dict(self) -> dict[str, float]:
+        return {"loss": self.loss, "kl": self.kl, "ratio_mean": self.ratio_mean,
+                "clip/low_frac": self.clip_low_frac, "clip/high_frac": self.clip_high_frac,
+                "entropy": self.entropy, "grad_norm": self.grad_norm,
+                "skipped_nonfinite": float(self.skipped)}
+
+
+class Learner:
+    def __init__(self, policy, ref_model, cfg: GRPOConfig, total_optimizer_steps: int):
+        self.policy, self.ref_model, self.cfg = policy, ref_model, cfg
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            [p for p in policy.parameters() if p.requires_grad], lr=o.learning_rate,
+            betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon, weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(o.warmup_steps, total_optimizer_steps, o.lr_scheduler))
+        self.micro_batch_size = cfg.resolved_micro_batch_size
+        self.nonfinite_in_a_row = 0
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        t = batch.completion_mask.shape[1]
+        out = torch.zeros(len(batch), t)
+        for rows in micro_batches(len(batch), self.micro_batch_size):
+            mb = trim(batch.rows(rows))
+            logp, _ = token_logprobs(self.ref_model, mb, self.cfg.generation.temperature)
+            out[rows, :logp.shape[1]] = logp.float().cpu()
+        return out  # [N, T]
+
+    def train_step(self, batch: TrainBatch) -> StepStats:
+        a = self.cfg.algorithm
+        norm = LossNorm(num_sequences=len(batch), num_tokens=int(batch.completion_mask.sum().item()),
+                        max_completion_length=self.cfg.effective_max_new_tokens)
+        if batch.old_logprobs is None:
+            batch.old_logprobs = torch.zeros_like(batch.completion_mask)
+        totals: dict[str, float] = {}
+        grad_norm, skipped = 0.0, False
+        for iteration in range(a.num_iterations):
+            first_pass = iteration == 0
+            for rows in micro_batches(len(batch), self.micro_batch_size):
+                mb = trim(batch.rows(rows))
+                logp, entropy = token_logprobs(self.policy, mb, self.cfg.generation.temperature,
+                                               with_entropy=first_pass)
+                device = logp.device
+                if first_pass:
+                    # No update has happened yet in this step: the current policy *is* π_old.
+                    old = logp.detach()
+                    batch.old_logprobs[rows, :old.shape[1]] = old.float().cpu()
+                else:
+                    old = mb.old_logprobs.to(device)
+                mask = mb.completion_mask.to(device)
+                out = grpo_loss(
+                    logp, old, None if mb.ref_logprobs is None else mb.ref_logprobs.to(device),
+                    mb.advantages.to(device), mask, variant=a.loss_variant, clip_low=a.epsilon_low,
+                    clip_high=a.epsilon_high, beta=a.beta, kl_estimator=a.kl_estimator,
+                    aggregation=a.loss_aggregation, norm=norm)
+                out.loss.backward()
+                if first_pass:
+                    _add(totals, loss=out.loss.item(), kl=out.kl_sum.item(), ratio=out.ratio_sum.item(),
+                         clip_low=out.clipped_low_sum.item(), clip_high=out.clipped_high_sum.item(),
+                         entropy=(entropy * mask).sum().item(), tokens=out.num_tokens.item())
+            grad_norm, step_skipped = self._optimizer_step()
+            skipped = skipped or step_skipped
+        tokens = max(totals.get("tokens", 0.0), 1.0)
+        return StepStats(loss=totals.get("loss", 0.0), kl=totals.get("kl", 0.0) / tokens,
+                         ratio_mean=totals.get("ratio", 0.0) / tokens,
+                         clip_low_frac=totals.get("clip_low", 0.0) / tokens,
+                         clip_high_frac=totals.get("clip_high", 0.0) / tokens,
+                         entropy=totals.get("entropy", 0.0) / tokens, grad_norm=grad_norm, skipped=skipped)
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        max_norm = self.cfg.optim.max_grad_norm or float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        if not math.isfinite(grad_norm):
+            # A non-finite gradient would poison AdamW's moments for good: drop this update.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_in_a_row += 1
+            return grad_norm, True
+        self.nonfinite_in_a_row = 0
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, False
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _add(totals: dict[str, float], **values: float) -> None:
+    for k, v in values.items():
+        totals[k] = totals.get(k, 0.0) + v

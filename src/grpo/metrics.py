@@ -1,0 +1,96 @@
+"""Where metrics go: console lines, metrics.jsonl, TensorBoard, W&B, and a stage timer.
+
+metrics.jsonl is opened in append mode so a resumed run continues the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("grpo")
+
+CONSOLE_KEYS = ("reward", "reward_std", "kl", "loss", "completion_len/mean", "entropy", "grad_norm",
+                "lr", "tokens_per_s", "time/step")
+
+
+class StageTimer:
+    """Seconds per named stage of one step (`with timer("rollout"): ...`)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"time/{k}": v for k, v in self.seconds.items()}
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, cfg, config_dict: dict[str, Any]):
+        self.run_dir = Path(run_dir)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.tb = None
+        if cfg.train.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self.wandb = None
+        if cfg.train.use_wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise RuntimeError("use_wandb is on but wandb is not installed: pip install 'grpo[wandb]'.") from e
+            self.wandb = wandb.init(project=cfg.train.wandb_project, dir=str(self.run_dir),
+                                    name=cfg.train.wandb_run_name or self.run_dir.name, config=config_dict)
+
+    def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
+        clean = {k: _clean(v) for k, v in metrics.items()}
+        self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in clean.items():
+                if v is not None:
+                    self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+        if console:
+            log.info("step %d | %s", step, format_metrics(clean))
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def format_metrics(metrics: dict[str, Any], keys: tuple[str, ...] = CONSOLE_KEYS) -> str:
+    parts = []
+    for k in keys:
+        v = metrics.get(k)
+        if isinstance(v, float):
+            parts.append(f"{k} {v:.4g}")
+    for k, v in metrics.items():
+        if k.startswith(("reward/", "eval/")) and isinstance(v, float):
+            parts.append(f"{k} {v:.3g}")
+    return " | ".join(parts)
+
+
+def _clean(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN; a null keeps the line parseable
+    return v

@@ -1,0 +1,30 @@
+"""Rollout engines: prompt token ids in, sampled completions (ids, sampling log-probs, flags) out.
+
+The seam is the `RolloutEngine` protocol; the learner never needs to know which engine ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+from grpo.batch import Rollouts, SamplingParams
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
+        """n completions for each prompt; completion i·n … i·n+n−1 answer prompt i."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Receive new policy weights; a colocated engine shares the learner's parameters and skips this."""
+
+
+def build_engine(name: str, model, tokenizer) -> RolloutEngine:
+    from grpo.rollout.hf_generate import TransformersEngine
+
+    engines = {"transformers": TransformersEngine}
+    if name not in engines:
+        raise ValueError(f"Unknown rollout engine '{name}'; available: {', '.join(engines)}.")
+    return engines[name](model, tokenizer)

@@ -1,0 +1,156 @@
+"""Rollout on `transformers` `generate`, colocated with the learner (it samples with the live policy).
+
+Sampling log-probs: `generate` can return every step's full score matrix, but that is
+[N, vocab] per token — gigabytes for a 150k vocabulary. Instead we switch generate's own
+temperature/top-k/top-p warpers off and apply them in one logits processor that runs last, so the
+distribution generate samples from is exactly the one we recorded; the processor keeps only the
+previous step's log-softmax and gathers the chosen token's log-prob when the next step reveals it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from grpo.batch import Rollouts, SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Temperature, then top-k, then nucleus filtering (the order transformers uses); −inf = removed."""
+    logits = logits / temperature  # [N, V]
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [N, V]
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
+        drop_sorted = probs.cumsum(-1) - probs >= top_p  # [N, V]
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+# Our processor applies temperature/top-k/top-p; generate's own warpers stay off (top_k=0 disables it)
+# so the distribution generate samples from is exactly the one recorded.
+_WARPERS_OFF = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+class _RecordingSampler(LogitsProcessor):
+    def __init__(self, prompt_width: int, sampling: SamplingParams):
+        self.prompt_width = prompt_width
+        self.sampling = sampling
+        self.previous: torch.Tensor | None = None  # [N, V] log-softmax of the last step
+        self.logprobs: list[torch.Tensor] = []  # each [N]
+
+    def record(self, chosen: torch.Tensor) -> None:
+        if self.previous is not None:
+            self.logprobs.append(self.previous.gather(-1, chosen[:, None]).squeeze(-1))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if input_ids.shape[1] > self.prompt_width:
+            self.record(input_ids[:, -1])
+        s = self.sampling
+        if not s.greedy:
+            scores = filter_logits(scores.float(), s.temperature, s.top_k, s.top_p)
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+
+class TransformersEngine:
+    """RolloutEngine on `model.generate`; shares the learner's parameters (no weight sync)."""
+
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        if tokenizer.pad_token_id is None:
+            raise ValueError("The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token).")
+        self.pad_id = tokenizer.pad_token_id
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 chunk_prompts: int | None = None) -> Rollouts:
+        chunk = chunk_prompts or len(prompt_token_ids)
+        parts = [self._generate(prompt_token_ids[i:i + chunk], n, sampling)
+                 for i in range(0, len(prompt_token_ids), chunk)]
+        if len(parts) == 1:
+            return parts[0]
+        return _concat(parts, chunk, self.pad_id)
+
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [P, Lp] left-padded
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            attention[i, width - len(p):] = 1
+        recorder = _RecordingSampler(width, sampling)
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention.to(device),
+            do_sample=not sampling.greedy, num_return_sequences=n, max_new_tokens=sampling.max_new_tokens,
+            **({} if sampling.greedy else _WARPERS_OFF),
+            logits_processor=LogitsProcessorList([recorder]),
+            stop_strings=sampling.stop_strings or None,
+            tokenizer=self.tokenizer if sampling.stop_strings else None,
+            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
+            return_dict_in_generate=True,
+        )
+        self.model.train(was_training)
+        completion = out.sequences[:, width:].cpu()  # [N, T]
+        recorder.record(completion[:, -1].to(device))
+        logprobs = torch.stack(recorder.logprobs, dim=1).cpu()[:, :completion.shape[1]]  # [N, T]
+        mask, truncated = self._completion_mask(completion, sampling)
+        return Rollouts(
+            prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+            completion_ids=completion.masked_fill(mask == 0, self.pad_id),
+            completion_mask=mask, sampling_logprobs=logprobs * mask, truncated=truncated,
+        )
+
+    def _completion_mask(self, completion: torch.Tensor, sampling: SamplingParams):
+        n, t = completion.shape
+        is_eos = torch.zeros_like(completion, dtype=torch.bool)
+        for e in self.eos_ids:
+            is_eos |= completion == e
+        has_eos = is_eos.any(-1)  # [N]
+        first_eos = torch.where(has_eos, is_eos.float().argmax(-1), torch.full((n,), t))  # [N]
+        # Rows stopped by a stop string are padded after it: their length is t minus the trailing pads.
+        not_pad = (completion != self.pad_id).flip(-1).float()
+        trailing_pad = torch.where(not_pad.any(-1), not_pad.argmax(-1), torch.full((n,), t))  # [N]
+        lengths = torch.where(has_eos, first_eos + 1, t - trailing_pad)  # [N]
+        mask = (torch.arange(t)[None, :] < lengths[:, None]).float()  # [N, T]
+        stopped = torch.zeros(n, dtype=torch.bool)
+        if sampling.stop_strings:
+            texts = self.tokenizer.batch_decode(completion.masked_fill(mask == 0, self.pad_id),
+                                                skip_special_tokens=True)
+            stopped = torch.tensor([any(s in txt for s in sampling.stop_strings) for txt in texts])
+        truncated = ~has_eos & ~stopped & (lengths >= sampling.max_new_tokens)
+        return mask, truncated
+
+
+def _concat(parts: list[Rollouts], chunk: int, pad_id: int) -> Rollouts:
+    width = max(p.completion_ids.shape[1] for p in parts)
+
+    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    return Rollouts(
+        prompt_index=torch.cat([p.prompt_index + i * chunk for i, p in enumerate(parts)]),
+        completion_ids=torch.cat([pad(p.completion_ids, pad_id) for p in parts]),
+        completion_mask=torch.cat([pad(p.completion_mask, 0.0) for p in parts]),
+        sampling_logprobs=torch.cat([pad(p.sampling_logprobs, 0.0) for p in parts]),
+        truncated=torch.cat([p.truncated for p in parts]),
+    )

@@ -1,0 +1,188 @@
+"""Turning a validated config (plus any objects the caller passed) into the parts of a run.
+
+Order matters for the user: everything that can fail without a model (run directory, datasets,
+reward names) is checked before the first model loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from grpo.config import ConfigError, GRPOConfig
+from grpo.data import PromptFormatter, load_rows, rows_from_dataset
+from grpo.models import load_causal_lm, load_policy, load_reference, load_tokenizer, prepare_tokenizer
+from grpo.models import resolve_device, resolve_path
+from grpo.rewards import resolve_reward
+from grpo.rollout import RolloutEngine, build_engine
+
+log = logging.getLogger("grpo")
+
+
+@dataclass
+class RunParts:
+    run_dir: Path
+    device: torch.device
+    policy: Any
+    ref_model: Any | None
+    tokenizer: Any
+    engine: RolloutEngine
+    formatter: PromptFormatter
+    train_rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+    reward_funcs: list[Callable]
+    reward_weights: list[float] | None
+
+
+def make_run_dir(cfg: GRPOConfig) -> Path:
+    t = cfg.train
+    if t.output_dir:
+        run_dir = Path(t.output_dir)
+    else:
+        t.run_name = t.run_name or datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        run_dir = Path(t.base_output_directory) / t.run_name
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"Output directory {run_dir} exists and is a file; pass another --output-dir.")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"Cannot write to output directory {run_dir}: {e.strerror}. Pass a writable "
+                          "--output-dir.") from e
+    return run_dir
+
+
+def setup_logging(run_dir: Path | None = None) -> None:
+    import datasets
+    import transformers
+
+    # Our own progress bar and log lines say what is happening; the libraries' per-file bars are noise.
+    datasets.disable_progress_bars()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logger = logging.getLogger("grpo")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+               for h in logger.handlers):
+        console = logging.StreamHandler(sys.stderr)
+        console.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(console)
+    if run_dir is not None:
+        path = str((run_dir / "train.log").resolve())
+        for h in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
+            logger.removeHandler(h)
+            h.close()
+        handler = logging.FileHandler(path, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+
+
+def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None, tokenizer=None,
+              train_dataset=None, reward_funcs=None, eval_dataset=None) -> RunParts:
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    torch.manual_seed(cfg.train.seed)
+    run_dir = make_run_dir(cfg)
+    setup_logging(run_dir)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+    token = cfg.hf_token()
+
+    # Cheap checks first: data and reward names, before any weights are read.
+    train_rows = (rows_from_dataset(train_dataset) if train_dataset is not None
+                  else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
+    eval_rows = _eval_rows(cfg, eval_dataset, token)
+    funcs = [resolve_reward(f) for f in (reward_funcs if reward_funcs is not None else
+                                         ([] if reward_model is not None else cfg.algorithm.reward_funcs))]
+
+    device = resolve_device(cfg.model.device)
+    if tokenizer is None or isinstance(tokenizer, str):
+        if isinstance(tokenizer, str):
+            cfg.model.tokenizer_path = tokenizer
+        tokenizer = load_tokenizer(cfg)
+    else:
+        tokenizer = prepare_tokenizer(tokenizer)
+    if model is None or isinstance(model, str):
+        if isinstance(model, str):
+            cfg.model.name_or_path = model
+        policy = load_policy(cfg, device)
+    else:
+        policy = model.to(device).train()
+    ref = None
+    if cfg.algorithm.beta > 0:
+        if ref_model is None or isinstance(ref_model, str):
+            if isinstance(ref_model, str):
+                cfg.model.ref_model_path = ref_model
+            ref = load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy)
+        else:
+            ref = ref_model.to(device).eval().requires_grad_(False)
+    elif ref_model is not None:
+        log.info("algorithm.beta = 0: the reference model is not used (no KL term).")
+
+    reward_spec = reward_model if reward_model is not None else cfg.algorithm.reward_model
+    if reward_spec is not None:
+        funcs.append(_model_reward(reward_spec, policy, tokenizer, cfg, device))
+    if not funcs:
+        raise ConfigError("No reward: pass reward_funcs=[...] or reward_model=..., or set algorithm.reward_funcs.")
+    weights = cfg.algorithm.reward_weights
+    if weights is not None and len(weights) != len(funcs):
+        raise ConfigError(f"algorithm.reward_weights has {len(weights)} entries for {len(funcs)} rewards.")
+
+    formatter = PromptFormatter(tokenizer, cfg.data)
+    engine = build_engine(cfg.generation.engine, policy, tokenizer)
+    n_params = sum(p.numel() for p in policy.parameters())
+    log.info("Run directory: %s", run_dir)
+    log.info("Policy: %s (%.2fM parameters, %s, %s); reference: %s; rewards: %s",
+             getattr(policy.config, "_name_or_path", "?"), n_params / 1e6, next(policy.parameters()).dtype,
+             device, "none (beta = 0)" if ref is None else "frozen copy",
+             ", ".join(getattr(f, "__name__", type(f).__name__) for f in funcs))
+    return RunParts(run_dir, device, policy, ref, tokenizer, engine, formatter, train_rows, eval_rows,
+                    funcs, weights)
+
+
+def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
+    if eval_dataset is not None:
+        rows = rows_from_dataset(eval_dataset)
+    elif cfg.data.eval_dataset and (cfg.train.eval_before or cfg.train.eval_after or cfg.train.eval_steps):
+        rows = load_rows(cfg.data.eval_dataset, cfg.data, split="test", token=token)
+    else:
+        return []
+    if rows and "answer" not in rows[0]:
+        raise ConfigError("The evaluation dataset has no answer column; evaluation needs reference answers.")
+    return rows[:cfg.data.eval_max_samples] if cfg.data.eval_max_samples else rows
+
+
+def _frozen_copy(policy):
+    import copy
+
+    return copy.deepcopy(policy).eval().requires_grad_(False)
+
+
+def _model_reward(spec, policy, tokenizer, cfg: GRPOConfig, device):
+    from grpo.rewards.model import reward_from_model
+
+    if not isinstance(spec, str):
+        return reward_from_model(spec, tokenizer)
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    path = resolve_path(spec)
+    kw = {"token": cfg.hf_token(), "trust_remote_code": cfg.model.trust_remote_code}
+    arch = (AutoConfig.from_pretrained(path, **kw).architectures or [""])[0]
+    if arch.endswith("ForSequenceClassification"):
+        model = AutoModelForSequenceClassification.from_pretrained(path, use_safetensors=True, **kw)
+    else:
+        model = load_causal_lm(spec, cfg, device, trainable=False)
+    model.to(device).eval().requires_grad_(False)
+    return reward_from_model(model, prepare_tokenizer(AutoTokenizer.from_pretrained(path, **kw)))
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers' fork warning in DataLoader-free runs

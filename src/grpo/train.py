@@ -1,0 +1,254 @@
+"""THE loop: prompts → rollout → rewards → advantages → (reference) → update → log/save/eval.
+
+    CPU, the bundled tiny model and task:   grpo train
+    one GPU, a hub model on GSM8K:          grpo train --config gsm8k model=Qwen/Qwen2.5-0.5B-Instruct
+    Python:                                 GRPOTrainer(model=..., config=GRPOConfig(...), train_dataset=...).train()
+(Several processes and GPUs arrive with the distributed learner; today a run is one process.)
+
+Each step's stages are named and timed (`time/rollout`, `time/reward`, `time/reference`,
+`time/update`); one step can be read top to bottom in `GRPOTrainer.train`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from grpo.advantages import discounted_token_advantages, group_advantages, group_reward_stats
+from grpo.batch import PromptBatch, Rollouts, SamplingParams, TrainBatch
+from grpo.checkpoint import (find_resume_dir, load_training_state, prune_checkpoints, rng_state,
+                             save_model_dir, set_rng_state)
+from grpo.config import GRPOConfig
+from grpo.data import PromptStream, make_prompt_batch
+from grpo.evaluation import EvalResult, evaluate
+from grpo.learner import Learner
+from grpo.loss import apply_truncation_mask
+from grpo.metrics import MetricsLogger, StageTimer
+from grpo.rewards import score_completions
+from grpo.setup import RunParts, build_run
+
+log = logging.getLogger("grpo")
+
+
+class GRPOTrainer:
+    """GRPO on a causal LM. Models and tokenizer may be objects or names/paths; anything left out
+    comes from `config`. `reward_model` (an object or path) scores completions; `reward_funcs` are
+    callables, registered names or 'module:function' paths."""
+
+    def __init__(self, model=None, ref_model=None, reward_model=None, tokenizer=None,
+                 config: GRPOConfig | None = None, train_dataset=None, reward_funcs=None, eval_dataset=None):
+        self.cfg = (config or GRPOConfig()).validate()
+        self.parts: RunParts = build_run(self.cfg, model=model, ref_model=ref_model, reward_model=reward_model,
+                                         tokenizer=tokenizer, train_dataset=train_dataset,
+                                         reward_funcs=reward_funcs, eval_dataset=eval_dataset)
+        self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
+        self.stop_requested = False
+
+    def evaluate(self) -> EvalResult | None:
+        p, t = self.parts, self.cfg.train
+        if not p.eval_rows:
+            return None
+        return evaluate(p.engine, p.formatter, p.eval_rows, batch_size=t.eval_batch_size,
+                        max_new_tokens=t.eval_max_new_tokens or self.cfg.effective_max_new_tokens,
+                        stop_strings=self.cfg.generation.stop_strings)
+
+    def train(self) -> dict[str, float]:
+        cfg, p = self.cfg, self.parts
+        g, t, a = cfg.generation, cfg.train, cfg.algorithm
+        stream = PromptStream(p.train_rows, seed=t.seed, shuffle=cfg.data.shuffle)
+        total_steps = t.steps or max(1, round(t.num_epochs * stream.steps_per_epoch(t.prompts_per_step)))
+        learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations)
+        sampling = SamplingParams(max_new_tokens=cfg.effective_max_new_tokens, temperature=g.temperature,
+                                  top_k=g.top_k, top_p=g.top_p, stop_strings=g.stop_strings)
+        start_step = self._resume(learner, stream)
+        log.info("Sizes: %d prompts/step × %d generations = %d completions/step; micro-batch %d "
+                 "(%d forward/backward per optimizer step); %d optimizer step(s) per rollout; %d steps "
+                 "(%d prompts, %d steps/epoch).", t.prompts_per_step, g.num_generations,
+                 cfg.completions_per_step, learner.micro_batch_size,
+                 -(-cfg.completions_per_step // learner.micro_batch_size), a.num_iterations, total_steps,
+                 len(p.train_rows), stream.steps_per_epoch(t.prompts_per_step))
+        logger = MetricsLogger(p.run_dir, cfg, cfg.to_dict())
+        summary: dict[str, float] = {}
+        if t.eval_before and start_step == 0:
+            summary.update(self._log_eval(logger, 0, "before"))
+        bar = tqdm(total=total_steps, initial=start_step, disable=not t.progress_bar, desc="grpo",
+                   dynamic_ncols=True)
+        previous_handlers = self._install_signal_handlers()
+        step = start_step
+        try:
+            while step < total_steps and not self.stop_requested:
+                step += 1
+                timer = StageTimer()
+                step_start = time.perf_counter()
+                with timer("rollout"):
+                    indices, rows = stream.next_rows(t.prompts_per_step)
+                    prompts = make_prompt_batch(indices, rows, p.formatter)
+                    rollouts = p.engine.generate(prompts.prompt_token_ids, g.num_generations, sampling,
+                                                 chunk_prompts=_chunk(g.batch_size, g.num_generations))
+                    texts = p.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+                with timer("reward"):
+                    group = rollouts.prompt_index  # [N] group id = the prompt it answers
+                    scores = score_completions(
+                        p.reward_funcs, p.reward_weights, [prompts.prompts[i] for i in group],
+                        texts, {k: [v[i] for i in group] for k, v in prompts.columns.items()})
+                    advantages = group_advantages(scores.total, group, a.advantage_scale, a.advantage_eps)
+                batch = build_train_batch(prompts, rollouts, advantages, cfg, p.tokenizer.pad_token_id)
+                if p.ref_model is not None:
+                    with timer("reference"):
+                        batch.ref_logprobs = learner.reference_logprobs(batch)
+                with timer("update"):
+                    stats = learner.train_step(batch)
+                step_seconds = time.perf_counter() - step_start
+                metrics = {
+                    "reward": scores.total.mean().item(), "reward_std": scores.total.std().item(),
+                    **{f"reward/{n}": _nanmean(scores.per_function[:, j]) for j, n in enumerate(scores.names)},
+                    **group_reward_stats(scores.total, group),
+                    "advantage/mean": advantages.mean().item(), "advantage/std": advantages.std().item(),
+                    "advantage/abs_max": advantages.abs().max().item(),
+                    **stats.as_dict(), **rollout_metrics(rollouts),
+                    "lr": learner.scheduler.get_last_lr()[0], "epoch": stream.epoch,
+                    "tokens_per_s": rollouts.completion_mask.sum().item() / step_seconds,
+                    "time/step": step_seconds, **timer.as_metrics(),
+                }
+                summary.update(metrics)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3g}")
+                if step % t.logging_steps == 0 or step == total_steps:
+                    logger.log(step, metrics, console=not t.progress_bar or step == total_steps)
+                    if t.progress_bar:
+                        bar.write(f"step {step}: reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f} "
+                                  f"| kl {metrics['kl']:.4f} | len {metrics['completion_len/mean']:.1f} "
+                                  f"| {step_seconds:.2f}s")
+                if t.eval_steps and step % t.eval_steps == 0 and step != total_steps:
+                    summary.update(self._log_eval(logger, step, "during"))
+                if t.save_steps and step % t.save_steps == 0 and step != total_steps:
+                    self._save_checkpoint(step, learner, stream)
+                if learner.nonfinite_in_a_row >= 3:
+                    raise FloatingPointError(f"Non-finite gradients 3 steps in a row (step {step}); lower "
+                                             "optim.learning_rate or check the rewards.")
+        finally:
+            bar.close()
+            self._restore_signal_handlers(previous_handlers)
+        if self.stop_requested and step < total_steps:
+            where = self._save_checkpoint(step, learner, stream)
+            log.info("Stopped at step %d; checkpoint %s. Resume with: grpo train --resume latest "
+                     "--output-dir %s", step, where, p.run_dir)
+            logger.close()
+            return summary
+        self._save_checkpoint(step, learner, stream)
+        save_model_dir(p.run_dir / "final_model", p.policy, p.tokenizer, cfg.to_yaml(), None)
+        if t.eval_after:
+            summary.update(self._log_eval(logger, step, "after"))
+        logger.close()
+        log.info("Done: %d steps; final model in %s", step, p.run_dir / "final_model")
+        return summary
+
+    # -- side rooms: eval, checkpoints, resume, signals ------------------------------------------
+    def _log_eval(self, logger: MetricsLogger, step: int, when: str) -> dict[str, float]:
+        start = time.perf_counter()
+        result = self.evaluate()
+        if result is None:
+            return {}
+        metrics = {f"eval/accuracy_{when}": result.accuracy, "eval/accuracy": result.accuracy,
+                   "eval/n": float(result.n), "time/eval": time.perf_counter() - start}
+        logger.log(step, metrics, console=False)
+        log.info("Held-out accuracy %s training: %.1f%% (%d problems, greedy)", when, 100 * result.accuracy,
+                 result.n)
+        return metrics
+
+    def _save_checkpoint(self, step: int, learner: Learner, stream: PromptStream) -> Path:
+        p = self.parts
+        state = {"step": step, "learner": learner.state_dict(), "rng": rng_state(),
+                 "data": stream.state_dict(), "nonfinite_in_a_row": learner.nonfinite_in_a_row}
+        path = save_model_dir(p.run_dir / f"checkpoint-{step}", p.policy, p.tokenizer, self.cfg.to_yaml(), state)
+        prune_checkpoints(p.run_dir, self.cfg.train.save_total_limit, protect=path)
+        return path
+
+    def _resume(self, learner: Learner, stream: PromptStream) -> int:
+        spec = self.cfg.train.resume
+        if not spec:
+            torch.manual_seed(self.cfg.train.seed)
+            return 0
+        path = find_resume_dir(self.parts.run_dir, spec)
+        if path is None:
+            log.info("No checkpoint in %s yet; starting from step 0.", self.parts.run_dir)
+            torch.manual_seed(self.cfg.train.seed)
+            return 0
+        from safetensors.torch import load_file
+
+        weights = load_file(str(path / "model.safetensors"))
+        missing, unexpected = self.parts.policy.load_state_dict(weights, strict=False)
+        if unexpected or [k for k in missing if "lm_head" not in k]:  # lm_head may be tied to embeddings
+            raise RuntimeError(f"Checkpoint {path} does not match the model: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}.")
+        if hasattr(self.parts.policy, "tie_weights"):
+            self.parts.policy.tie_weights()
+        state = load_training_state(path)
+        learner.load_state_dict(state["learner"])
+        learner.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        stream.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        log.info("Resumed from %s (step %d).", path, state["step"])
+        return state["step"]
+
+    def _install_signal_handlers(self):
+        def request_stop(signum, frame):
+            if self.stop_requested:  # a second signal: stop now
+                raise KeyboardInterrupt
+            self.stop_requested = True
+            log.warning("Signal %d: finishing this step, then saving a checkpoint (again to stop at once).",
+                        signum)
+
+        try:
+            return {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: leave signals alone
+            return {}
+
+    @staticmethod
+    def _restore_signal_handlers(previous) -> None:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def build_train_batch(prompts: PromptBatch, rollouts: Rollouts, advantages: torch.Tensor, cfg: GRPOConfig,
+                      pad_id: int) -> TrainBatch:
+    """Left-padded prompt | right-padded completion rows, with per-token advantages and masks."""
+    group = rollouts.prompt_index  # [N]
+    width = max(len(prompts.prompt_token_ids[i]) for i in group.tolist())
+    n, t = rollouts.completion_ids.shape
+    prompt_ids = torch.full((n, width), pad_id, dtype=torch.long)  # [N, Lp]
+    prompt_mask = torch.zeros((n, width), dtype=torch.long)
+    for row, i in enumerate(group.tolist()):
+        ids = prompts.prompt_token_ids[i]
+        prompt_ids[row, width - len(ids):] = torch.tensor(ids)
+        prompt_mask[row, width - len(ids):] = 1
+    mask = rollouts.completion_mask  # [N, T]
+    if cfg.algorithm.mask_truncated_completions:
+        mask = apply_truncation_mask(mask, rollouts.truncated)
+    return TrainBatch(
+        input_ids=torch.cat([prompt_ids, rollouts.completion_ids], dim=1),  # [N, Lp + T]
+        attention_mask=torch.cat([prompt_mask, rollouts.completion_mask.long()], dim=1),
+        prompt_width=width, completion_mask=mask,
+        advantages=discounted_token_advantages(advantages, mask, cfg.algorithm.gamma),  # [N, T]
+        group_ids=group,
+    )
+
+
+def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
+    lengths = rollouts.lengths.float()  # [N]
+    return {"completion_len/mean": lengths.mean().item(), "completion_len/max": lengths.max().item(),
+            "completion_len/min": lengths.min().item(),
+            "truncated_frac": rollouts.truncated.float().mean().item()}
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    return x.nanmean().item() if not torch.isnan(x).all() else float("nan")
+
+
+def _chunk(batch_size: int | None, n: int) -> int | None:
+    return None if batch_size is None else max(1, batch_size // n)
