@@ -79,6 +79,8 @@ def _read_local(path: Path) -> list[dict[str, Any]]:
     fmt = LOCAL_FORMATS.get(path.suffix)
     if fmt is None:
         raise ConfigError(f"Cannot read {path}: use one of {', '.join(LOCAL_FORMATS)}.")
+    if fmt != "parquet" and not path.read_bytes().strip():
+        raise ConfigError(f"Dataset file {path} is empty: it has no rows to train or evaluate on.")
     try:
         ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
     except UnicodeDecodeError as e:

@@ -127,10 +127,13 @@ class TransformersEngine:
             is_eos |= completion == e
         has_eos = is_eos.any(-1)  # [N]
         first_eos = torch.where(has_eos, is_eos.float().argmax(-1), torch.full((n,), t))  # [N]
-        # Rows stopped by a stop string are padded after it: their length is t minus the trailing pads.
-        not_pad = (completion != self.pad_id).flip(-1).float()
-        trailing_pad = torch.where(not_pad.any(-1), not_pad.argmax(-1), torch.full((n,), t))  # [N]
-        lengths = torch.where(has_eos, first_eos + 1, t - trailing_pad)  # [N]
+        lengths = torch.where(has_eos, first_eos + 1, torch.full((n,), t))  # [N]
+        if sampling.stop_strings and self.pad_id not in self.eos_ids:
+            # generate pads a row after its stop string; without stop strings a sampled pad token is
+            # a real token, so only then do trailing pads mark the end.
+            not_pad = (completion != self.pad_id).flip(-1).float()
+            trailing_pad = torch.where(not_pad.any(-1), not_pad.argmax(-1), torch.full((n,), t))  # [N]
+            lengths = torch.where(has_eos, lengths, t - trailing_pad)
         mask = (torch.arange(t)[None, :] < lengths[:, None]).float()  # [N, T]
         stopped = torch.zeros(n, dtype=torch.bool)
         if sampling.stop_strings:

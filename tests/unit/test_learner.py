@@ -1,0 +1,78 @@
+"""The learner's update does not depend on micro_batch_size, and π_old is the rollout policy."""
+
+import pytest
+import torch
+
+from grpo.batch import TrainBatch
+from grpo.config import GRPOConfig
+from grpo.learner import Learner, lr_lambda, token_logprobs
+from tests.conftest import tiny_llama
+
+
+def random_batch(n=8, prompt_width=5, t=7, vocab=48, seed=0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(2, prompt_width + 1, (n,), generator=g)
+    comp_lens = torch.randint(1, t + 1, (n,), generator=g)
+    ids = torch.randint(3, vocab, (n, prompt_width + t), generator=g)
+    attn = torch.zeros(n, prompt_width + t, dtype=torch.long)
+    mask = torch.zeros(n, t)
+    for i in range(n):
+        attn[i, prompt_width - prompt_lens[i]:prompt_width + comp_lens[i]] = 1
+        mask[i, :comp_lens[i]] = 1
+    ids = ids.masked_fill(attn == 0, 0)
+    adv = torch.randn(n, generator=g)[:, None] * mask
+    return TrainBatch(input_ids=ids, attention_mask=attn, prompt_width=prompt_width, completion_mask=mask,
+                      advantages=adv, group_ids=torch.arange(n) // 4,
+                      ref_logprobs=-torch.rand(n, t, generator=g) * 3 * mask)
+
+
+def gradient_after_step(aggregation: str, micro: int, beta: float, iterations: int = 1):
+    model = tiny_llama()
+    cfg = GRPOConfig(batch_size=2, num_generations=4, micro_batch_size=micro, loss_aggregation=aggregation,
+                     beta=beta, max_new_tokens=7, learning_rate=1e-3, warmup_steps=0, max_grad_norm=0,
+                     num_iterations=iterations, temperature=0.9).validate()
+    learner = Learner(model, None, cfg, total_optimizer_steps=10)
+    grads = {}
+    # Capture the summed gradient just before the optimizer consumes it.
+    learner.optimizer.register_step_pre_hook(lambda *_: grads.update(
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    stats = learner.train_step(random_batch())
+    return stats, grads
+
+
+@pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean", "constant"])
+def test_loss_and_gradient_do_not_depend_on_micro_batch_size(aggregation):
+    ref_stats, ref_grads = gradient_after_step(aggregation, 8, beta=0.04)
+    for micro in (1, 3, 4):
+        stats, grads = gradient_after_step(aggregation, micro, beta=0.04)
+        assert stats.loss == pytest.approx(ref_stats.loss, abs=1e-6)
+        assert stats.kl == pytest.approx(ref_stats.kl, abs=1e-6)
+        for name in ref_grads:
+            assert torch.allclose(grads[name], ref_grads[name], atol=1e-6), (micro, name)
+
+
+def test_first_pass_ratio_is_one_and_later_passes_move_it():
+    stats, _ = gradient_after_step("sequence_mean", 4, beta=0.0, iterations=1)
+    assert stats.ratio_mean == pytest.approx(1.0, abs=1e-6)
+    assert stats.clip_low_frac == 0 and stats.clip_high_frac == 0
+
+
+def test_temperature_scales_the_policy_logprobs():
+    model = tiny_llama()
+    batch = random_batch()
+    logp1, _ = token_logprobs(model, batch, temperature=1.0)
+    logp2, _ = token_logprobs(model, batch, temperature=2.0)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids).logits
+    manual = (logits[:, 4:-1] / 2.0).log_softmax(-1).gather(-1, batch.input_ids[:, 5:, None]).squeeze(-1)
+    assert torch.allclose(logp2, manual, atol=1e-5)
+    assert not torch.allclose(logp1, logp2)
+
+
+def test_learning_rate_schedule():
+    warm = lr_lambda(warmup=4, total=12, schedule="linear")
+    assert [round(warm(s), 4) for s in (0, 3, 4, 8, 12)] == [0.25, 1.0, 1.0, 0.5, 0.0]
+    cosine = lr_lambda(warmup=0, total=10, schedule="cosine")
+    assert cosine(5) == pytest.approx(0.5) and cosine(10) == pytest.approx(0.0)
+    assert lr_lambda(2, 10, "constant")(7) == 1.0
