@@ -58,7 +58,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             default = getattr(getattr(defaults, section), f.name)
             shown = "<redacted>" if f.name.endswith("_token") else default
             extra = [a for a in aliases.get(path, []) if a != f.name]
-            alias_text = f" Also: {', '.join('--' + a for a in extra)}." if extra else ""
+            alias_text = f" Also: {', '.join('--' + a.replace('_', '-') for a in extra)}." if extra else ""
             is_bool = hints[f.name] is bool
             group.add_argument(*names, dest=path, action=_Override, metavar="" if is_bool else "VALUE",
                                nargs="?" if is_bool else None, const="true" if is_bool else None,

@@ -1,0 +1,110 @@
+"""Short end-to-end runs on the bundled tiny model: it trains, saves, reloads and resumes."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo import GRPOConfig, GRPOTrainer, SimplePromptDataset
+from grpo.cli import main as cli
+from grpo.models import bundled_model_path
+
+pytestmark = pytest.mark.slow
+
+SMALL = {"batch_size": 2, "num_generations": 4, "max_new_tokens": 24, "gradient_accumulation_steps": 2,
+         "learning_rate": 1e-3, "warmup_steps": 0, "logging_steps": 1, "progress_bar": False, "seed": 7,
+         "eval_dataset": None, "num_threads": 1, "beta": 0.04, "tensorboard": True}
+
+
+def shortness(prompts, completions, **_):
+    """A reward that always has spread within a group, so every step has a gradient."""
+    return [-len(c) / 50 for c in completions]
+
+
+def run(output_dir, **overrides):
+    cfg = GRPOConfig(**{**SMALL, "output_dir": str(output_dir), **overrides})
+    return GRPOTrainer(config=cfg, reward_funcs=["gsm8k_correctness", "gsm8k_format", shortness]).train()
+
+
+def test_short_run_trains_saves_and_reloads(tmp_path):
+    out = tmp_path / "run"
+    run(out, steps=4, save_steps=2)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    for key in ("reward", "reward_std", "reward/gsm8k_correctness", "reward/shortness", "reward/gsm8k_format", "frac_zero_std_groups",
+                "kl", "loss", "clip/low_frac", "clip/high_frac", "entropy", "completion_len/mean",
+                "truncated_frac", "grad_norm", "lr", "tokens_per_s", "time/rollout", "time/reward",
+                "time/reference", "time/update", "advantage/std"):
+        assert key in lines[-1], key
+    assert all(math.isfinite(x["loss"]) and math.isfinite(x["grad_norm"]) for x in lines)
+    assert lines[-1]["kl"] > 0  # the policy moved away from the reference
+    assert (out / "checkpoint-2" / "training_state.pt").is_file() and (out / "checkpoint-4").is_dir()
+    assert any((out / "tensorboard").iterdir())
+    model = AutoModelForCausalLM.from_pretrained(out / "final_model")
+    AutoTokenizer.from_pretrained(out / "final_model")
+    before = load_file(f"{bundled_model_path()}/model.safetensors")
+    after = model.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) > len(before) // 2, "training left most weights untouched"
+    assert "hf_token: null" in (out / "config.yaml").read_text()
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight = tmp_path / "straight"
+    run(straight, steps=4, save_steps=2)
+    split = tmp_path / "split"
+    run(split, steps=2, save_steps=2)
+    run(split, steps=4, save_steps=2, resume="latest")
+    lines = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]  # appended, not overwritten
+    a = load_file(str(straight / "final_model" / "model.safetensors"))
+    b = load_file(str(split / "final_model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    straight_lines = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert straight_lines[3]["reward"] == lines[3]["reward"] and straight_lines[3]["loss"] == lines[3]["loss"]
+
+
+def test_seed_quick_start_runs_as_written(tmp_path):
+    # The plain-PyTorch seed's quick start, with the bundled model's path in place of the hub name.
+    model_name = bundled_model_path()
+    model = AutoModelForCausalLM.from_pretrained(model_name)
+    ref_model = AutoModelForCausalLM.from_pretrained(model_name)
+    tokenizer = AutoTokenizer.from_pretrained(model_name)
+    prompts = ["Your prompt 1", "Your prompt 2", "..."]
+    dataset = SimplePromptDataset(prompts)
+    config = GRPOConfig(batch_size=4, num_epochs=3, learning_rate=1e-6, num_generations_per_prompt=4,
+                        output_dir=str(tmp_path / "grpo_output"))
+    trainer = GRPOTrainer(model=model, ref_model=ref_model, reward_model=model, tokenizer=tokenizer,
+                          config=config, train_dataset=dataset)
+    trainer.train()
+    lines = [json.loads(x) for x in (tmp_path / "grpo_output" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == 3 and "reward/reward_model_likelihood" in lines[-1]
+    assert lines[-1]["reward"] < 0  # a mean log-likelihood
+    AutoModelForCausalLM.from_pretrained(tmp_path / "grpo_output" / "final_model")
+
+
+def test_cli_train_eval_and_errors(tmp_path, capsys):
+    out = tmp_path / "cli"
+    code = cli(["train", "--output-dir", str(out), "--steps", "2", "--batch-size", "2", "--num-generations", "4",
+                "--max-new-tokens", "16", "--learning-rate", "1e-4", "--save-steps", "1", "--logging-steps", "1",
+                "--seed", "3", "eval_before=false", "eval_after=false", "progress_bar=false",
+                "train.gradient_accumulation_steps=1", "--hf_access_token", "hf_SECRETXYZ"])
+    assert code == 0 and (out / "final_model" / "model.safetensors").is_file()
+    leaked = [p for p in out.rglob("*") if p.is_file() and b"hf_SECRETXYZ" in p.read_bytes()]
+    assert not leaked, f"the token reached {leaked}"
+    assert (out / "checkpoint-1").is_dir()
+    code = cli(["train", "--output-dir", str(out), "--steps", "3", "--batch-size", "2", "--num-generations", "4",
+                "--max-new-tokens", "16", "--save-steps", "1", "--resume", "latest", "eval_before=false",
+                "eval_after=false", "progress_bar=false", "train.gradient_accumulation_steps=1", "--seed", "3"])
+    assert code == 0
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    capsys.readouterr()
+    assert cli(["eval", "--model", str(out / "final_model"), "--limit", "16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0.0 <= result["accuracy"] <= 1.0 and result["n"] == 16
+    assert cli(["train", "lerning_rate=1e-3"]) == 2
+    assert "Did you mean 'learning_rate'" in capsys.readouterr().err
