@@ -9,6 +9,15 @@ from grpo.rewards import REWARD_FUNCTIONS, resolve_reward, score_completions
 from grpo.rewards.math import extract_answer, gsm8k_correctness, gsm8k_format
 from grpo.train import GRPOTrainer
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "SimplePromptDataset", "REWARD_FUNCTIONS", "resolve_reward",
-           "score_completions", "extract_answer", "gsm8k_correctness", "gsm8k_format"]
+__all__ = [
+           "REWARD_FUNCTIONS",
+           "GRPOConfig",
+           "GRPOTrainer",
+           "SimplePromptDataset",
+           "extract_answer",
+           "gsm8k_correctness",
+           "gsm8k_format",
+           "resolve_reward",
+           "score_completions",
+]
 __version__ = "0.1.0"

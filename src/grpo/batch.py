@@ -71,7 +71,7 @@ class TrainBatch:
 
     def rows(self, index: slice) -> TrainBatch:
         """A micro-batch: the same record restricted to some rows."""
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        pick = lambda t: None if t is None else t[index]
         return TrainBatch(
             input_ids=self.input_ids[index], attention_mask=self.attention_mask[index],
             prompt_width=self.prompt_width, completion_mask=self.completion_mask[index],

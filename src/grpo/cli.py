@@ -19,7 +19,15 @@ import typing
 from datetime import datetime
 from pathlib import Path
 
-from grpo.config import ALIASES, SECTIONS, ConfigError, GRPOConfig, coerce, load_config, preset_names, resolve_key
+from grpo.config import (
+    ALIASES,
+    SECTIONS,
+    ConfigError,
+    GRPOConfig,
+    load_config,
+    preset_names,
+    resolve_key,
+)
 
 log = logging.getLogger("grpo")
 DEFAULT_PRESET = "tiny_math"
@@ -171,8 +179,7 @@ def cmd_eval(args) -> int:
                       or cfg.effective_max_new_tokens, stop_strings=cfg.generation.stop_strings)
     if args.dump:
         with open(args.dump, "w", encoding="utf-8") as fh:
-            for record in result.records:
-                fh.write(json.dumps(record) + "\n")
+            fh.writelines(json.dumps(record) + "\n" for record in result.records)
     out = result.as_dict()
     if args.json:
         print(json.dumps(out))

@@ -88,6 +88,6 @@ def bootstrap_interval(values: list[float], level: float = 0.95, samples: int = 
     x = torch.tensor(values, dtype=torch.float64)
     idx = torch.randint(0, len(x), (samples, len(x)), generator=g)
     means = x[idx].mean(-1).sort().values
-    lo = means[int(math.floor((1 - level) / 2 * samples))].item()
-    hi = means[int(math.ceil((1 + level) / 2 * samples)) - 1].item()
+    lo = means[math.floor((1 - level) / 2 * samples)].item()
+    hi = means[math.ceil((1 + level) / 2 * samples) - 1].item()
     return lo, hi

@@ -40,7 +40,7 @@ class StageTimer:
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg, config_dict: dict[str, Any]):
         self.run_dir = Path(run_dir)
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self.tb = None
         if cfg.train.tensorboard:
             from torch.utils.tensorboard import SummaryWriter

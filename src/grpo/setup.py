@@ -9,17 +9,25 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptFormatter, load_rows, rows_from_dataset
-from grpo.models import load_causal_lm, load_policy, load_reference, load_tokenizer, prepare_tokenizer
-from grpo.models import resolve_device, resolve_path
+from grpo.models import (
+    load_causal_lm,
+    load_policy,
+    load_reference,
+    load_tokenizer,
+    prepare_tokenizer,
+    resolve_device,
+    resolve_path,
+)
 from grpo.rewards import resolve_reward
 from grpo.rollout import RolloutEngine, build_engine
 

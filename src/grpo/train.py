@@ -21,8 +21,14 @@ from tqdm.auto import tqdm
 
 from grpo.advantages import discounted_token_advantages, group_advantages, group_reward_stats
 from grpo.batch import PromptBatch, Rollouts, SamplingParams, TrainBatch
-from grpo.checkpoint import (find_resume_dir, load_training_state, prune_checkpoints, rng_state,
-                             save_model_dir, set_rng_state)
+from grpo.checkpoint import (
+    find_resume_dir,
+    load_training_state,
+    prune_checkpoints,
+    rng_state,
+    save_model_dir,
+    set_rng_state,
+)
 from grpo.config import GRPOConfig
 from grpo.data import PromptStream, make_prompt_batch
 from grpo.evaluation import EvalResult, evaluate
@@ -220,7 +226,7 @@ def build_train_batch(prompts: PromptBatch, rollouts: Rollouts, advantages: torc
     """Left-padded prompt | right-padded completion rows, with per-token advantages and masks."""
     group = rollouts.prompt_index  # [N]
     width = max(len(prompts.prompt_token_ids[i]) for i in group.tolist())
-    n, t = rollouts.completion_ids.shape
+    n = rollouts.completion_ids.shape[0]
     prompt_ids = torch.full((n, width), pad_id, dtype=torch.long)  # [N, Lp]
     prompt_mask = torch.zeros((n, width), dtype=torch.long)
     for row, i in enumerate(group.tolist()):
