@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import sys
+import traceback
 import typing
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +29,7 @@ from grpo.config import (
     preset_names,
     resolve_key,
 )
+from grpo.redact import redact, redact_mapping
 
 log = logging.getLogger("grpo")
 DEFAULT_PRESET = "tiny_math"
@@ -151,8 +153,11 @@ def cmd_train(args) -> int:
             print(cfg.to_yaml())
             continue
         if args.multirun:
-            log.info("Sweep run %d/%d: %s", i + 1, len(runs), run)
-        GRPOTrainer(config=cfg).train()
+            log.info("Sweep run %d/%d: %s", i + 1, len(runs), redact_mapping(run))
+        trainer = GRPOTrainer(config=cfg)
+        trainer.train()
+        if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM: the conventional 128 + signal
+            return 128 + trainer.stop_signal
     return 0
 
 
@@ -189,15 +194,27 @@ def cmd_eval(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from grpo.checkpoint import CheckpointError
     from grpo.setup import setup_logging
+    from grpo.train import TrainingHalted
 
     setup_logging()
     args = build_parser().parse_args(argv)
     try:
         return {"train": cmd_train, "eval": cmd_eval}[args.command](args)
     except ConfigError as e:
-        print(f"grpo {args.command}: error: {e}", file=sys.stderr)
+        print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 2
+    except (CheckpointError, TrainingHalted) as e:
+        print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"grpo {args.command}: stopped at once, without saving; --resume latest continues from the last "
+              "checkpoint.", file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001 (a library message may echo its arguments, a token among them)
+        print(redact(traceback.format_exc()), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
