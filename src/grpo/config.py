@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -291,7 +292,7 @@ def all_paths() -> list[str]:
 
 def resolve_key(key: str) -> tuple[str, ...]:
     """Map a user-facing key (dotted path, unique leaf name or alias; '-' == '_') to dotted paths."""
-    k = key.strip().lstrip("-").replace("-", "_")
+    k = str(key).strip().lstrip("-").replace("-", "_")
     if k in ALIASES:
         target = ALIASES[k]
         return target if isinstance(target, tuple) else (target,)
@@ -346,7 +347,7 @@ def coerce(path: str, value: Any) -> Any:
                 value = [value]
             return [_scalar(item, v) for v in value]
         return _scalar(hint, value)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise ConfigError(f"{path} expects {_type_name(hint)}, got {value!r}.") from e
 
 
@@ -475,6 +476,9 @@ def validate(cfg: GRPOConfig) -> None:
             value = getattr(getattr(cfg, section), f.name)
             if choices and value not in choices:
                 raise ConfigError(f"{section}.{f.name} = {value!r} is not one of {', '.join(choices)}.")
+            if isinstance(value, float) and not math.isfinite(value) or (
+                    isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value)):
+                raise ConfigError(f"{section}.{f.name} must be a finite number, got {value!r}.")
 
     g, a, t, o, d = cfg.generation, cfg.algorithm, cfg.train, cfg.optim, cfg.distributed
     positive = {
