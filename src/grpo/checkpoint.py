@@ -56,6 +56,14 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def seed_everything(seed: int) -> None:
+    """A fresh start: python, numpy and torch (every device) from one seed, so user code that draws
+    random numbers (a reward function, say) is reproducible and resumes exactly too."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]

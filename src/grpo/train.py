@@ -30,6 +30,7 @@ from grpo.checkpoint import (
     prune_checkpoints,
     rng_state,
     save_model_dir,
+    seed_everything,
     set_rng_state,
 )
 from grpo.config import GRPOConfig
@@ -197,7 +198,7 @@ class GRPOTrainer:
         if path is None:
             if self.cfg.train.resume:
                 log.info("No checkpoint in %s yet; starting from step 0.", self.parts.run_dir)
-            torch.manual_seed(self.cfg.train.seed)
+            seed_everything(self.cfg.train.seed)
             return 0
         from safetensors.torch import load_file
 
