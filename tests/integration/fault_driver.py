@@ -88,11 +88,12 @@ def matches_reference(run: Path, reference: Path) -> set[str]:
     for _, path in list_checkpoints(run):
         ref = reference / path.name
         try:
-            if ((path / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
-                    and _equal(*(torch.load(d / "training_state.pt", weights_only=True) for d in (path, ref)))):
-                good.add(path.name)
+            same = ((path / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+                    and _equal(*(torch.load(d / "training_state.pt", weights_only=True) for d in (path, ref))))
         except Exception:  # noqa: BLE001 (a damaged file: simply not a match)
-            pass
+            same = False
+        if same:
+            good.add(path.name)
     return good
 
 
