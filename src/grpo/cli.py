@@ -29,7 +29,7 @@ from grpo.config import (
     preset_names,
     resolve_key,
 )
-from grpo.redact import redact, redact_mapping
+from grpo.redact import redact, redact_mapping, remember_from_argv
 
 log = logging.getLogger("grpo")
 DEFAULT_PRESET = "tiny_math"
@@ -83,8 +83,13 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             taken.add(spelling)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse echoes the arguments it rejects, a token among them
+        super().error(redact(message))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo", description="GRPO post-training for causal language models.")
+    parser = _Parser(prog="grpo", description="GRPO post-training for causal language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="Train with GRPO.", allow_abbrev=False,
@@ -199,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.train import TrainingHalted
 
     setup_logging()
+    remember_from_argv(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         return {"train": cmd_train, "eval": cmd_eval}[args.command](args)

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from grpo.redact import is_secret, remember
+from grpo.redact import redact as redact_text
 
 
 class ConfigError(ValueError):
@@ -434,9 +435,13 @@ class GRPOConfig:
         out = {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
         if redact:
             for section in out.values():
-                for k in section:
-                    if is_secret(k) and section[k]:
+                for k, v in section.items():
+                    if is_secret(k) and v:
                         section[k] = "<redacted>"
+                    elif isinstance(v, str):  # a secret pasted into another value (a path, a URL)
+                        section[k] = redact_text(v)
+                    elif isinstance(v, list):
+                        section[k] = [redact_text(x) if isinstance(x, str) else x for x in v]
         return out
 
     def to_yaml(self) -> str:

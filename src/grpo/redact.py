@@ -29,6 +29,15 @@ def remember(values: Iterable[object]) -> None:
     _known.update(str(v) for v in values if v is not None and len(str(v)) >= MIN_SECRET_LENGTH)
 
 
+def remember_from_argv(argv: list[str]) -> None:
+    """Remember the values given to secret-looking flags (`--hf_access_token X`, `--x-token=X`,
+    `model.hf_token=X`) before anything parses them, so even a usage error cannot echo them."""
+    for i, arg in enumerate(argv):
+        key, sep, value = arg.partition("=")
+        if is_secret(key):
+            remember([value] if sep else argv[i + 1:i + 2])
+
+
 def secrets() -> list[str]:
     from_env = {v for k, v in os.environ.items() if is_secret(k) and len(v) >= MIN_SECRET_LENGTH}
     return sorted(_known | from_env, key=len, reverse=True)  # longest first: no partial leftovers

@@ -206,4 +206,4 @@ def test_the_table_and_the_cases_list_the_same_inputs():
 def test_hostile_input_gets_the_documented_message(case_id, base, tmp_path, monkeypatch):
     message = message_for(case_id, Ctx(base, tmp_path, monkeypatch))
     expected = doc_rows()[case_id]
-    assert re.fullmatch(as_regex(expected), message, flags=re.S), f"{case_id}:\n  got  {message}\n  doc  {expected}"
+    assert re.fullmatch(as_regex(expected), message, flags=re.DOTALL), f"{case_id}:\n  got  {message}\n  doc  {expected}"
