@@ -28,7 +28,7 @@ from grpo.models import (
     resolve_device,
     resolve_path,
 )
-from grpo.rewards import resolve_reward
+from grpo.rewards import resolve_rewards
 from grpo.rollout import RolloutEngine, build_engine
 
 log = logging.getLogger("grpo")
@@ -109,8 +109,8 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
     train_rows = (rows_from_dataset(train_dataset) if train_dataset is not None
                   else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
     eval_rows = _eval_rows(cfg, eval_dataset, token)
-    funcs = [resolve_reward(f) for f in (reward_funcs if reward_funcs is not None else
-                                         ([] if reward_model is not None else cfg.algorithm.reward_funcs))]
+    funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
+                            ([] if reward_model is not None else cfg.algorithm.reward_funcs))
 
     device = resolve_device(cfg.model.device)
     if tokenizer is None or isinstance(tokenizer, str):
@@ -164,8 +164,9 @@ def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
         rows = load_rows(cfg.data.eval_dataset, cfg.data, split="test", token=token)
     else:
         return []
-    if rows and "answer" not in rows[0]:
-        raise ConfigError("The evaluation dataset has no answer column; evaluation needs reference answers.")
+    if rows and "answer" not in rows[0] and "instruction_id_list" not in rows[0]:
+        raise ConfigError("The evaluation dataset has no answer column; evaluation needs reference answers "
+                          "(or IFEval rows with instruction_id_list).")
     return rows[:cfg.data.eval_max_samples] if cfg.data.eval_max_samples else rows
 
 
