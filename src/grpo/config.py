@@ -135,6 +135,8 @@ class AlgorithmConfig:
     reward_weights: list[float] | None = _f(None, "One weight per reward function (default 1.0 each).")
     reward_model: str | None = _f(None, "A sequence-classification model (hub id or path) scored as one "
                                   "more reward; a causal LM scores mean completion log-likelihood.")
+    reward_model_device: str | None = _f(None, "Device of the reward model (cpu, cuda, cuda:N); default: the "
+                                         "policy's device.")
 
 
 @dataclass

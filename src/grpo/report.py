@@ -72,6 +72,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir else run_dir / "report"
@@ -93,6 +94,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
             ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
         if panel.file == "accuracy.png":
             _mark_eval_phases(ax, rows)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(panel.title)
         ax.set_xlabel("step")
         ax.set_ylabel(panel.ylabel)

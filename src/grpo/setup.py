@@ -138,7 +138,8 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
 
     reward_spec = reward_model if reward_model is not None else cfg.algorithm.reward_model
     if reward_spec is not None:
-        funcs.append(_model_reward(reward_spec, policy, tokenizer, cfg, device))
+        funcs.append(_model_reward(reward_spec, policy, tokenizer, cfg,
+                                   resolve_device(cfg.algorithm.reward_model_device or cfg.model.device)))
     if not funcs:
         raise ConfigError("No reward: pass reward_funcs=[...] or reward_model=..., or set algorithm.reward_funcs.")
     weights = cfg.algorithm.reward_weights

@@ -20,6 +20,7 @@ from grpo.rewards.math import (
     reference_answer,
 )
 from grpo.rewards.model import CausalLMLikelihoodReward, SequenceClassifierReward, reward_from_model
+from grpo.rewards.sandbox import code_tests, run_python
 from grpo.rewards.schemes import REWARD_SCHEMES, SCHEME_FUNCTIONS
 from grpo.rewards.scoring import (
     NonFiniteRewardError,
@@ -40,6 +41,8 @@ __all__ = [
     "RewardScores",
     "RewardTimeoutError",
     "check_instructions",
+    "code_tests",
+    "run_python",
     "ifeval_strict",
     "torchrl_ifeval",
     "SequenceClassifierReward",
@@ -64,6 +67,7 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "math_correctness": math_correctness,
     "torchrl_ifeval": torchrl_ifeval,
     "ifeval_strict": ifeval_strict,
+    "code_tests": code_tests,
     **SCHEME_FUNCTIONS,
 }
 

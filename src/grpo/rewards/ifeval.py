@@ -16,7 +16,8 @@ abbreviations (Mr., Dr., e.g., i.e., etc., ...). It splits ordinary prose the sa
 rare abbreviations the trained model knows. Install the data (`python -m nltk.downloader punkt_tab
 punkt`) to use the trained model: it is picked up automatically.
 
-Unknown instruction ids and missing checker arguments are errors (if-verifiable would silently skip the
+Language checks (`language:response_language`, `change_case:english_*`) use langdetect, seeded here so
+that one response always gets one score. Unknown instruction ids and missing checker arguments are errors (if-verifiable would silently skip the
 former and draw random thresholds for the latter).
 """
 
@@ -66,6 +67,11 @@ def _checkers():
     except ImportError as error:
         raise ImportError("IFEval scoring needs the if-verifiable package: pip install 'grpo[ifeval]'") from error
     _use_offline_nltk_if_needed(instructions_util)
+    import langdetect
+
+    # langdetect samples at random: unseeded, a short English text can come out as another language on
+    # some calls, so the same response would score differently from one step to the next.
+    langdetect.DetectorFactory.seed = 0
     return INSTRUCTION_DICT, evaluate_instructions
 
 
