@@ -30,6 +30,7 @@ log = logging.getLogger("grpo")
 RewardFunction = Callable[..., list[float | None]]
 ON_ERROR = ("stop", "skip")
 _CHARS_IN_ERRORS = 200
+_SKIP_HINT = "Set algorithm.reward_on_error=skip to score such samples as missing and go on."
 
 
 class RewardError(RuntimeError):
@@ -214,7 +215,7 @@ def _checked(fn, name: str, result, batch: dict[str, list], timeout: float | Non
     if on_error == "stop":
         i = bad[0]
         raise NonFiniteRewardError(f"reward function {name!r} returned {result[i]} for sample {i} (return None "
-                                   f"for 'not applicable'); {_describe(batch, i)}")
+                                   f"for 'not applicable'); {_describe(batch, i)}. {_SKIP_HINT}")
     for i in bad:
         values[i] = nan
     log.warning("Reward %r returned NaN/inf for %d sample(s); scored as missing.", name, len(bad))
@@ -261,8 +262,7 @@ def _error_for(name: str, error: BaseException, batch: dict[str, list], index: i
     where = (f"on sample {index} of {len(batch['prompts'])}; {_describe(batch, index)}" if index is not None
              else f"on the batch of {len(batch['prompts'])} samples (each sample alone scores fine)")
     cls = RewardTimeoutError if isinstance(error, TimeoutError) else RewardError
-    return cls(f"reward function {name!r} {what} {where}. Set algorithm.reward_on_error=skip to score such "
-               "samples as missing and go on.")
+    return cls(f"reward function {name!r} {what} {where}. {_SKIP_HINT}")
 
 
 def _describe(batch: dict[str, list], i: int) -> str:
