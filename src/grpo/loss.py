@@ -31,9 +31,9 @@ __all__ = [
     "RatioStats",
     "apply_truncation_mask",
     "grpo_loss",
-    "sequence_policy_loss",
     "kl_penalty",
     "per_token_policy_loss",
+    "sequence_policy_loss",
 ]
 
 _T = TypeVar("_T")

@@ -120,7 +120,7 @@ def _summary(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple[str, str]]
     config = {}
     if (run_dir / "config.yaml").is_file():
         config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
-    get = lambda section, key: str((config.get(section) or {}).get(key, "?"))  # noqa: E731
+    get = lambda section, key: str((config.get(section) or {}).get(key, "?"))
     items = [("model", get("model", "name_or_path")), ("dataset", get("data", "dataset")),
              ("rewards", ", ".join((config.get("algorithm") or {}).get("reward_funcs") or []) or "?"),
              ("prompts × generations", f"{get('train', 'prompts_per_step')} × {get('generation', 'num_generations')}"),

@@ -193,7 +193,7 @@ class GRPOTrainer:
 
         try:
             log.info("Report: %s", write_report(self.parts.run_dir))
-        except Exception as error:  # a report must never cost a finished run
+        except Exception as error:  # noqa: BLE001 (a report must never cost a finished run)
             log.warning("Could not write the run report: %r (retry with `grpo report %s`)", error,
                         self.parts.run_dir)
 

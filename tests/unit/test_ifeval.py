@@ -61,7 +61,7 @@ def test_sentence_counting_works_offline_and_knows_abbreviations():
 
 
 def test_offline_fallback_replaces_only_the_two_nltk_entry_points(monkeypatch):
-    import grpo.rewards.ifeval as ifeval
+    from grpo.rewards import ifeval
 
     monkeypatch.setattr(ifeval, "_nltk_has", lambda resource: False)
     util = types.SimpleNamespace(nltk=None, _get_sentence_tokenizer=None)

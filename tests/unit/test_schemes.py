@@ -3,7 +3,13 @@ included: several answers, no tags, huge numbers, unicode digits, empty completi
 
 import pytest
 
-from grpo.rewards import REWARD_FUNCTIONS, expand_schemes, gsm8k_correctness, math_correctness, resolve_rewards
+from grpo.rewards import (
+    REWARD_FUNCTIONS,
+    expand_schemes,
+    gsm8k_correctness,
+    math_correctness,
+    resolve_rewards,
+)
 from grpo.rewards.schemes import (
     torchrl_gsm8k,
     tunix_check_answer,

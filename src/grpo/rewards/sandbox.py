@@ -35,18 +35,18 @@ class SandboxResult:
         return self.returncode == 0 and not self.timed_out
 
 
-def _limits(cpu_seconds: int, memory_mb: int, file_mb: int, processes: int):
-    def apply() -> None:
-        import resource
-
-        os.setsid()  # its own process group, so a timeout kills its children too
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb << 20, file_mb << 20))
-        resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return apply
+# Runs in the child: set the limits, then run the code read from stdin as __main__. (Limits are set here,
+# not in a preexec_fn, because reward calls run on threads, where preexec_fn can deadlock.)
+_BOOTSTRAP = """
+import resource, sys
+cpu, memory, files, processes = (int(x) for x in sys.argv[1:5])
+for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, files),
+                     (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(limit, (value, value))
+source = sys.stdin.read()
+sys.stdin = open("/dev/null")
+exec(compile(source, "<completion>", "exec"), {"__name__": "__main__"})
+"""
 
 
 def run_python(code: str, *, timeout: float = 10.0, memory_mb: int = 512, file_mb: int = 16,
@@ -56,12 +56,13 @@ def run_python(code: str, *, timeout: float = 10.0, memory_mb: int = 512, file_m
         raise OSError("run_python needs POSIX resource limits (Linux or macOS)")
     with tempfile.TemporaryDirectory(prefix="grpo-sandbox-") as workdir:
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+        limits = [str(max(1, int(timeout) + 1)), str(memory_mb << 20), str(file_mb << 20), str(processes)]
         process = subprocess.Popen(
-            [sys.executable, "-I", "-c", code], cwd=workdir, env=env, stdin=subprocess.DEVNULL,
+            [sys.executable, "-I", "-c", _BOOTSTRAP, *limits], cwd=workdir, env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-            preexec_fn=_limits(max(1, int(timeout) + 1), memory_mb, file_mb, processes))
+            start_new_session=True)  # its own process group, so a timeout kills its children too
         try:
-            stdout, stderr = process.communicate(timeout=timeout)
+            stdout, stderr = process.communicate(code, timeout=timeout)
             return SandboxResult(process.returncode, stdout[:output_chars], stderr[:output_chars], False)
         except subprocess.TimeoutExpired:
             try:

@@ -73,7 +73,7 @@ def reward_name(fn: RewardFunction) -> str:
 
 def is_async(fn: RewardFunction) -> bool:
     target = fn.func if hasattr(fn, "func") else fn
-    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None))
+    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
 
 
 def score_completions(
@@ -148,14 +148,14 @@ def _call_sync(fn: RewardFunction, batch: dict[str, list], timeout: float | None
     if timeout is None:
         try:
             return fn(**batch)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 (any failure of user code is reported by _checked)
             return _Failure(error)
     box: dict = {}
 
     def target() -> None:
         try:
             box["value"] = fn(**batch)
-        except BaseException as error:  # a reward's SystemExit must not end the trainer either
+        except BaseException as error:  # noqa: BLE001 (a reward's SystemExit must not end the trainer either)
             box["error"] = error
 
     # A daemon thread: a call that never returns is abandoned and cannot keep the process alive at exit.
@@ -171,9 +171,9 @@ def _run_async(funcs: list[RewardFunction], batches: list[dict[str, list]], time
     async def guarded(fn, batch):
         try:
             return await asyncio.wait_for(fn(**batch), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return _Failure(TimeoutError(f"no result after {timeout:g} s"))
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 (reported by _checked)
             return _Failure(error)
 
     async def everything():
