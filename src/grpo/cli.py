@@ -5,6 +5,7 @@
     grpo train optimizer.lr=2e-5 train.steps=50   # Hydra-style overrides (TorchRL names work)
     grpo train --multirun optimizer.lr=1e-4,1e-5  # one run per value, in a sweep directory
     grpo eval --json                              # bundled model on the bundled held-out split
+    grpo report runs/2025-01-01_12-00-00          # HTML page + PNG plots of a run
 """
 
 from __future__ import annotations
@@ -117,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Hub token for gated models (default: $HF_TOKEN).")
     ev.add_argument("--dump", default=None, help="Write every completion and its score to this JSONL file.")
     ev.add_argument("--json", action="store_true", help="Print one JSON object (accuracy, n, ...) only.")
+
+    rep = sub.add_parser("report", help="Write RUN_DIR/report/index.html and PNG plots from a run's logs.")
+    rep.add_argument("run_dir", help="A run directory (with metrics.jsonl).")
+    rep.add_argument("--output", default=None, help="Report directory (default: RUN_DIR/report).")
     return parser
 
 
@@ -198,6 +203,16 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from grpo.report import write_report
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ConfigError(f"{run_dir} has no metrics.jsonl: pass the directory of a `grpo train` run.")
+    print(write_report(run_dir, Path(args.output) if args.output else None))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from grpo.checkpoint import CheckpointError
     from grpo.setup import setup_logging
@@ -207,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     remember_from_argv(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "eval": cmd_eval}[args.command](args)
+        return {"train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.command](args)
     except ConfigError as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 2

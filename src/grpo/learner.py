@@ -17,8 +17,10 @@ from grpo.config import GRPOConfig
 from grpo.loss import LossNorm, grpo_loss
 
 
-def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False):
-    """log π(completion token | prefix) for every completion position: [N, T] (and entropy [N, T])."""
+def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False,
+                   entropy_grad: bool = False):
+    """log π(completion token | prefix) for every completion position: [N, T] (and entropy [N, T],
+    differentiable when `entropy_grad`, for the entropy bonus)."""
     width = batch.prompt_width
     t = batch.input_ids.shape[1] - width
     device = next(model.parameters()).device
@@ -31,9 +33,9 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
     logp_all = torch.log_softmax(logits, dim=-1)  # [N, T, V]
     targets = batch.input_ids[:, width:].to(device)  # [N, T]
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # [N, T]
-    if not with_entropy:
+    if not (with_entropy or entropy_grad):
         return logp, None
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, T]
     return logp, entropy
 
@@ -123,7 +125,7 @@ class Learner:
             for rows in micro_batches(len(batch), self.micro_batch_size):
                 mb = trim(batch.rows(rows))
                 logp, entropy = token_logprobs(self.policy, mb, self.cfg.generation.temperature,
-                                               with_entropy=first_pass)
+                                               with_entropy=first_pass, entropy_grad=a.entropy_coef != 0)
                 device = logp.device
                 if first_pass:
                     # No update has happened yet in this step: the current policy *is* π_old.
@@ -136,13 +138,14 @@ class Learner:
                     logp, old, None if mb.ref_logprobs is None else mb.ref_logprobs.to(device),
                     mb.advantages.to(device), mask, variant=a.loss_variant, clip_low=a.epsilon_low,
                     clip_high=a.epsilon_high, beta=a.beta, kl_estimator=a.kl_estimator,
-                    aggregation=a.loss_aggregation, norm=norm)
+                    aggregation=a.loss_aggregation, norm=norm, entropy=entropy,
+                    entropy_coef=a.entropy_coef)
                 out.loss.backward()
                 loss_finite = loss_finite and math.isfinite(out.loss.item())
                 if first_pass:
                     _add(totals, loss=out.loss.item(), kl=out.kl_sum.item(), ratio=out.ratio_sum.item(),
                          clip_low=out.clipped_low_sum.item(), clip_high=out.clipped_high_sum.item(),
-                         entropy=(entropy * mask).sum().item(), tokens=out.num_tokens.item())
+                         entropy=(entropy.detach() * mask).sum().item(), tokens=out.num_tokens.item())
             grad_norm, step_skipped = self._optimizer_step(loss_finite)
             skipped = skipped or step_skipped
         tokens = max(totals.get("tokens", 0.0), 1.0)
