@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import re
 import sys
 import traceback
 import typing
@@ -213,6 +214,24 @@ def cmd_report(args) -> int:
     return 0
 
 
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\-]*=")
+
+
+def _assignments_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """Move `key=value` words of `grpo train` behind the flags. argparse takes a run of positionals only
+    once, so `--steps 1 lr=1e-3 --seed 1 beta=0` would otherwise fail with "unrecognized arguments"."""
+    if not argv or argv[0] != "train":
+        return argv
+    train = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("train"))
+    takes_value = {opt for action in train._actions if action.nargs not in (0, "?")
+                   for opt in action.option_strings}
+    flags, assignments = [argv[0]], []
+    for i, word in enumerate(argv[1:], start=1):
+        is_value = argv[i - 1] in takes_value  # e.g. `--dataset a=b.jsonl`: the flag's own value
+        (assignments if _ASSIGNMENT.match(word) and not is_value else flags).append(word)
+    return flags + assignments
+
+
 def main(argv: list[str] | None = None) -> int:
     from grpo.checkpoint import CheckpointError
     from grpo.setup import setup_logging
@@ -220,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     remember_from_argv(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(_assignments_last(parser, sys.argv[1:] if argv is None else list(argv)))
     try:
         return {"train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.command](args)
     except ConfigError as e:
