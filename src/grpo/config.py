@@ -93,7 +93,10 @@ class GenerationConfig:
     top_k: int = _f(50, "Keep only the k most likely tokens when sampling; 0 switches the filter off.")
     top_p: float = _f(0.9, "Nucleus sampling mass; 1.0 switches the filter off.")
     stop_strings: list[str] = _f([], "Extra strings that end a completion (the eos token always does).")
-    engine: str = _f("transformers", "Rollout engine.", choices=("transformers",))
+    engine: str = _f("native", "native: our Llama-family decoder for rollout (shared prompt prefill, KV cache "
+                     "allocated once) and training (shared-prompt, packed forward); other architectures fall "
+                     "back to transformers on their own. transformers: generate() and the model's forward.",
+                     choices=("native", "transformers"))
     batch_size: int | None = _f(None, "Completions generated per generate() call; default: all at once.")
 
 
