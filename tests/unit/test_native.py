@@ -54,7 +54,8 @@ def test_prefill_and_decode_logits_match_transformers(arch):
         cv = [torch.zeros(shape) for _ in dec.layers]
         rows = continuation.view(6, 6)
         for step in range(6):
-            step_logits = dec.decode_step(rows[:, step], step, cache, layout, ck, cv)  # [6, V]
+            weights = dec.decode_weights(fuse=step % 2 == 0)  # fused and separate projections alike
+            step_logits = dec.decode_step(rows[:, step], step, cache, layout, ck, cv, weights)  # [6, V]
             for r in range(6):
                 full = torch.tensor(prompts[r // 2] + rows[r, :step + 1].tolist())
                 ref = model(full[None]).logits[0, -1]

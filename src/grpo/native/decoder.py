@@ -179,23 +179,49 @@ class NativeDecoder:
                           float("-inf"))
         return PromptCache(keys, values, bias, lengths), self.logits(last)
 
+    def decode_weights(self, fuse: bool) -> list[LayerWeights]:
+        """Per-layer weights for decoding. fuse=True concatenates q|k|v and gate|up (one matmul each):
+        a per-call copy worth making on a CPU, where small matmuls are bound by per-call overhead."""
+        out = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv = [(a.q_proj.weight, a.q_proj.bias), (a.k_proj.weight, a.k_proj.bias), (a.v_proj.weight, a.v_proj.bias)]
+            gate_up = [(m.gate_proj.weight, None), (m.up_proj.weight, None)]
+            if fuse:
+                qkv = [(torch.cat([w for w, _ in qkv]),
+                        None if a.q_proj.bias is None else torch.cat([b for _, b in qkv]))]
+                gate_up = [(torch.cat([w for w, _ in gate_up]), None)]
+            out.append(LayerWeights(
+                layer.input_layernorm.weight, qkv, a.q_norm.weight if self.qk_norm else None,
+                a.k_norm.weight if self.qk_norm else None, a.o_proj.weight, a.o_proj.bias,
+                layer.post_attention_layernorm.weight, gate_up, m.down_proj.weight))
+        return out
+
     def decode_step(self, tokens: torch.Tensor, step: int, prompts: PromptCache, layout: GroupLayout,
-                    cache_k: list[torch.Tensor], cache_v: list[torch.Tensor]) -> torch.Tensor:
+                    cache_k: list[torch.Tensor], cache_v: list[torch.Tensor],
+                    weights: list[LayerWeights]) -> torch.Tensor:
         """One token for each of n active rows at completion position `step`; returns logits [n, V].
 
         cache_k/v: L × [≥n, Hkv, T, D], rows aligned with the active rows; this step's K/V land at column
         `step`. Prompt attention is grouped: a group's queries meet its prompt KV in one matmul.
         """
-        n = tokens.shape[0]
+        n, h_q, h_kv, d = tokens.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self.rope(layout.prompt_len_per_row + step)  # [n, D]
-        h = self.embed(tokens)  # [n, d]
-        for i, layer in enumerate(self.layers):
-            q, k, v = self.qkv(layer, rms_norm(h, layer.input_layernorm.weight, self.eps), cos, sin)
-            cache_k[i][:n, :, step] = k
+        cos, sin = cos[:, None], sin[:, None]
+        h = self.embed(tokens)  # [n, d_model]
+        for i, w in enumerate(weights):
+            qkv = _project(rms_norm(h, w.input_norm, self.eps), w.qkv)  # [n, (H + 2·Hkv)·D]
+            q, k, v = qkv.view(n, h_q + 2 * h_kv, d).split([h_q, h_kv, h_kv], dim=1)
+            if w.q_norm is not None:
+                q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
+            cache_k[i][:n, :, step] = rotate(k, cos, sin)
             cache_v[i][:n, :, step] = v
-            attn = self._decode_attention(q, cache_k[i][:n, :, :step + 1], cache_v[i][:n, :, :step + 1],
-                                          prompts.keys[i], prompts.values[i], prompts.bias, layout)
-            h = self.block_tail(layer, h, attn)
+            attn = self._decode_attention(rotate(q, cos, sin), cache_k[i][:n, :, :step + 1],
+                                          cache_v[i][:n, :, :step + 1], prompts.keys[i], prompts.values[i],
+                                          prompts.bias, layout)
+            h = h + F.linear(attn, w.o_proj, w.o_bias)
+            gate, up = _project(rms_norm(h, w.post_norm, self.eps), w.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w.down_proj)
         return self.logits(h)
 
     def _decode_attention(self, q, kc, vc, kp, vp, bias, layout: GroupLayout) -> torch.Tensor:
@@ -241,6 +267,26 @@ class NativeDecoder:
         attn = torch.cat([attn_p.transpose(1, 2).reshape(p * lp, -1).index_select(0, packed.prompt_slot),
                           attn_c.transpose(1, 2).reshape(n * tc, -1).index_select(0, packed.completion_slot)])
         return self.block_tail(layer, h, attn)
+
+
+@dataclass
+class LayerWeights:
+    """One block's weights as decoding uses them (projections possibly fused)."""
+
+    input_norm: torch.Tensor
+    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]  # one fused (weight, bias) or three
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: list[tuple[torch.Tensor, None]]  # one fused or two
+    down_proj: torch.Tensor
+
+
+def _project(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    outs = [F.linear(x, w, b) for w, b in parts]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 def _scatter_rows(x: torch.Tensor, slots: torch.Tensor, size: int) -> torch.Tensor:

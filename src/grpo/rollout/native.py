@@ -7,8 +7,8 @@ dropped from the batch once enough of them have finished (`_COMPACT_FRACTION`), 
 wasted decode work and the cost of compacting the cache.
 
 Sampling is exact: temperature, top-k, top-p applied in float32 by `filter_logits` (the same function
-the transformers engine uses), then an exponential race (argmax p_i / E_i, E_i ~ Exp(1)), which picks
-i with probability p_i. The recorded log-prob is that distribution's log-prob of the chosen token.
+the transformers engine uses), then inverse-CDF sampling (one uniform per row), which picks i with
+probability p_i up to float32 rounding of the cumulative sum. The recorded log-prob is that distribution's log-prob of the chosen token.
 """
 
 from __future__ import annotations
@@ -31,8 +31,13 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch
         tokens = logits.argmax(-1)  # [n]
         return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
     logp = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).log_softmax(-1)  # [n, V]
-    race = torch.empty_like(logp).exponential_().clamp_(min=torch.finfo(logp.dtype).tiny)  # [n, V]
-    tokens = (logp.exp() / race).argmax(-1)  # [n]; a filtered token has p = 0 and never wins
+    # Inverse CDF: token i owns [cdf_{i-1}, cdf_i); a filtered token's interval is empty and never drawn.
+    cdf = logp.exp().cumsum(-1)  # [n, V]
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]  # [n, 1]
+    tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # [n]
+    # u can round up to the total (p ≈ 1e-7): fall back to the last token with mass.
+    last = logp.shape[-1] - 1 - logp.isfinite().flip(-1).int().argmax(-1)  # [n]
+    tokens = torch.where(tokens > last, last, tokens)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -74,6 +79,7 @@ class NativeEngine:
         p, t_max = len(prompts), sampling.max_new_tokens
         rows = p * n
         prompt_cache, first_logits = dec.prefill(prompts, self.pad_id)  # first_logits [P, V]
+        weights = dec.decode_weights(fuse=device.type == "cpu")
         shape = (rows, dec.num_kv_heads, t_max, dec.head_dim)
         cache_k = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
         cache_v = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
@@ -109,7 +115,7 @@ class NativeEngine:
                     cache[:keep.numel(), :, :step] = cache[keep.to(device), :, :step]
                 active, alive, tokens = active[keep], alive[keep], tokens[keep.to(device)]
                 layout = GroupLayout(active.to(device) // n, prompt_cache.lengths, p)
-            logits = dec.decode_step(tokens, step, prompt_cache, layout, cache_k, cache_v)
+            logits = dec.decode_step(tokens, step, prompt_cache, layout, cache_k, cache_v, weights)
 
         mask = (torch.arange(t_max)[None, :] < lengths[:, None]).float()  # [N, T]
         return Rollouts(prompt_index=torch.arange(p).repeat_interleave(n),
