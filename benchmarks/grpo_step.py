@@ -42,10 +42,16 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     _, new_tokens = WORKLOADS[args.workload]
     with tempfile.TemporaryDirectory() as out:
-        cfg = GRPOConfig(model={"name_or_path": str(path), "dtype": "float32", "device": "cpu"}, data={"use_chat_template": False, "max_prompt_length": 512}, generation={"num_generations": GENERATIONS, "max_new_tokens": new_tokens, "temperature": TEMPERATURE,
-                           "top_k": 0, "top_p": 1.0, "engine": args.engine}, algorithm={"beta": BETA}, optim={"learning_rate": LEARNING_RATE, "warmup_steps": 0}, train={"prompts_per_step": PROMPTS, "gradient_accumulation_steps": 1, "steps": args.steps,
-                      "output_dir": out, "logging_steps": 1, "save_steps": 0, "progress_bar": False,
-                      "tensorboard": False, "num_threads": args.threads})
+        cfg = GRPOConfig(
+            model={"name_or_path": str(path), "dtype": "float32", "device": "cpu"},
+            data={"use_chat_template": False, "max_prompt_length": 512},
+            generation={"num_generations": GENERATIONS, "max_new_tokens": new_tokens, "temperature": TEMPERATURE,
+                        "top_k": 0, "top_p": 1.0, "engine": args.engine},
+            algorithm={"beta": BETA},
+            optim={"learning_rate": LEARNING_RATE, "warmup_steps": 0},
+            train={"prompts_per_step": PROMPTS, "gradient_accumulation_steps": 1, "steps": args.steps,
+                   "output_dir": out, "logging_steps": 1, "save_steps": 0, "progress_bar": False,
+                   "tensorboard": False, "num_threads": args.threads})
         trainer = GRPOTrainer(config=cfg, train_dataset=dataset_rows(tok, args.workload, args.steps),
                               reward_funcs=[vowel_reward])
         trainer.train()
