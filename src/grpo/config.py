@@ -97,6 +97,8 @@ class GenerationConfig:
                      "allocated once) and training (shared-prompt, packed forward); other architectures fall "
                      "back to transformers on their own. transformers: generate() and the model's forward.",
                      choices=("native", "transformers"))
+    compile_decode: bool = _f(False, "torch.compile the native engine's decode step (pays off on a GPU, where "
+                              "a step is many small kernel launches; the first generate() compiles).")
     batch_size: int | None = _f(None, "Completions generated per generate() call; default: all at once.")
 
 

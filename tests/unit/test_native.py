@@ -55,7 +55,9 @@ def test_prefill_and_decode_logits_match_transformers(arch):
         rows = continuation.view(6, 6)
         for step in range(6):
             weights = dec.decode_weights(fuse=step % 2 == 0)  # fused and separate projections alike
-            step_logits = dec.decode_step(rows[:, step], step, cache, layout, ck, cv, weights)  # [6, V]
+            cos, sin = dec.rope(layout.prompt_len_per_row + step)
+            caches = [(k[:, :, :step + 1], v[:, :, :step + 1]) for k, v in zip(ck, cv)]
+            step_logits = dec.decode_step(rows[:, step], cache, layout, caches, weights, cos, sin)  # [6, V]
             for r in range(6):
                 full = torch.tensor(prompts[r // 2] + rows[r, :step + 1].tolist())
                 ref = model(full[None]).logits[0, -1]

@@ -117,9 +117,10 @@ class NativeDecoder:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self.final_norm(h), self.lm_head_weight)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [*positions.shape, D] from a table built once by the model's own rotary module."""
-        need = int(positions.max().item()) + 1 if positions.numel() else 1
+    def rope(self, positions: torch.Tensor, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [*positions.shape, D] from a table built by the model's own rotary module. With
+        `limit` (> every position) the lookup does not read positions back to the host."""
+        need = limit if limit is not None else (int(positions.max().item()) + 1 if positions.numel() else 1)
         key = (positions.device, self.dtype)
         table = self._rope.get(key)
         if table is None or table[0].shape[0] < need:
@@ -197,16 +198,17 @@ class NativeDecoder:
                 layer.post_attention_layernorm.weight, gate_up, m.down_proj.weight))
         return out
 
-    def decode_step(self, tokens: torch.Tensor, step: int, prompts: PromptCache, layout: GroupLayout,
-                    cache_k: list[torch.Tensor], cache_v: list[torch.Tensor],
-                    weights: list[LayerWeights]) -> torch.Tensor:
-        """One token for each of n active rows at completion position `step`; returns logits [n, V].
+    def decode_step(self, tokens: torch.Tensor, prompts: PromptCache, layout: GroupLayout,
+                    caches: list[tuple[torch.Tensor, torch.Tensor]], weights: list[LayerWeights],
+                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One token for each of n active rows; returns logits [n, V].
 
-        cache_k/v: L × [≥n, Hkv, T, D], rows aligned with the active rows; this step's K/V land at column
-        `step`. Prompt attention is grouped: a group's queries meet its prompt KV in one matmul.
+        caches: per layer (K, V) views [n, Hkv, t+1, D] of the completion cache up to this step; this
+        step's K/V are written into their last column. Prompt attention is grouped: a group's queries
+        meet its prompt KV in one matmul. cos, sin: [n, D] RoPE at each row's position.
+        No Python number depends on the step, so a compiled step serves every step.
         """
         n, h_q, h_kv, d = tokens.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = self.rope(layout.prompt_len_per_row + step)  # [n, D]
         cos, sin = cos[:, None], sin[:, None]
         h = self.embed(tokens)  # [n, d_model]
         for i, w in enumerate(weights):
@@ -214,11 +216,11 @@ class NativeDecoder:
             q, k, v = qkv.view(n, h_q + 2 * h_kv, d).split([h_q, h_kv, h_kv], dim=1)
             if w.q_norm is not None:
                 q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
-            cache_k[i][:n, :, step] = rotate(k, cos, sin)
-            cache_v[i][:n, :, step] = v
-            attn = self._decode_attention(rotate(q, cos, sin), cache_k[i][:n, :, :step + 1],
-                                          cache_v[i][:n, :, :step + 1], prompts.keys[i], prompts.values[i],
-                                          prompts.bias, layout)
+            cache_k, cache_v = caches[i]
+            cache_k[:, :, -1] = rotate(k, cos, sin)
+            cache_v[:, :, -1] = v
+            attn = self._decode_attention(rotate(q, cos, sin), cache_k, cache_v, prompts.keys[i],
+                                          prompts.values[i], prompts.bias, layout)
             h = h + F.linear(attn, w.o_proj, w.o_bias)
             gate, up = _project(rms_norm(h, w.post_norm, self.eps), w.gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, w.down_proj)
@@ -233,7 +235,7 @@ class NativeDecoder:
         qg = layout.to_groups(qr)  # [P, Hkv, Gm·rep, D]
         scores_p = (qg @ kp.transpose(-1, -2)) + bias  # [P, Hkv, Gm·rep, Lp]
         scores = torch.cat([layout.to_rows(scores_p, rep), scores_c], dim=-1) * self.scale  # [n, Hkv, rep, Lp+t]
-        probs = scores.softmax(-1)
+        probs = scores.float().softmax(-1).to(q.dtype)  # float32 softmax also under bf16, as SDPA does
         out = probs[..., lp:] @ vc  # [n, Hkv, rep, D]
         out_p = layout.to_groups(probs[..., :lp]) @ vp  # [P, Hkv, Gm·rep, D]
         return (out + layout.to_rows(out_p, rep)).reshape(n, -1)  # [n, H·D]

@@ -24,7 +24,7 @@ class RolloutEngine(Protocol):
         """Receive new policy weights; a colocated engine shares the learner's parameters and skips this."""
 
 
-def build_engine(name: str, model, tokenizer) -> RolloutEngine:
+def build_engine(name: str, model, tokenizer, compile_decode: bool = False) -> RolloutEngine:
     """`native` on a supported Llama-family model, else (or when asked) transformers `generate`."""
     from grpo.native.decoder import unsupported_reason
     from grpo.rollout.hf_generate import TransformersEngine
@@ -36,4 +36,6 @@ def build_engine(name: str, model, tokenizer) -> RolloutEngine:
     if name == "native" and (reason := unsupported_reason(model)) is not None:
         log.info("Native engine: unsupported model (%s); using transformers generate.", reason)
         name = "transformers"
-    return engines[name](model, tokenizer)
+    if name == "native":
+        return NativeEngine(model, tokenizer, compile_decode=compile_decode)
+    return TransformersEngine(model, tokenizer)

@@ -44,9 +44,15 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch
 class NativeEngine:
     """RolloutEngine on `NativeDecoder`; colocated, it reads the learner's parameters directly."""
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, compile_decode: bool = False):
         self.model = model
         self.decoder = NativeDecoder(model)
+        # torch.compile fuses the step's many small kernels (a GPU's launch overhead). The cache length
+        # is a dynamic shape; rows are not dropped when compiled (the group layout stays fixed), so one
+        # graph serves every step of every generation of the same batch shape.
+        self.compiled = compile_decode
+        self.decode_step = (torch.compile(self.decoder.decode_step, dynamic=True) if compile_decode
+                            else self.decoder.decode_step)
         self.tokenizer = tokenizer
         if tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token).")
@@ -93,6 +99,7 @@ class NativeEngine:
         active = torch.arange(rows)  # original row of each cache row
         alive = torch.ones(rows, dtype=torch.bool)  # per cache row: still generating
         layout = GroupLayout(torch.arange(rows, device=device) // n, prompt_cache.lengths, p)
+        rope_limit = max(len(x) for x in prompts) + t_max
         logits = first_logits.repeat_interleave(n, dim=0)  # [N, V]: a group's first token shares one prefill
         for step in range(t_max):
             tokens, lp = sample_tokens(logits, sampling)  # [n_active]
@@ -109,13 +116,16 @@ class NativeEngine:
             if step == t_max - 1 or not alive.any():
                 break
             finished = int((~alive).sum())
-            if finished * _COMPACT_FRACTION >= alive.numel() or finished == alive.numel():
+            if not self.compiled and finished * _COMPACT_FRACTION >= alive.numel():
                 keep = alive.nonzero().squeeze(-1)
                 for cache in (*cache_k, *cache_v):
                     cache[:keep.numel(), :, :step] = cache[keep.to(device), :, :step]
                 active, alive, tokens = active[keep], alive[keep], tokens[keep.to(device)]
                 layout = GroupLayout(active.to(device) // n, prompt_cache.lengths, p)
-            logits = dec.decode_step(tokens, step, prompt_cache, layout, cache_k, cache_v, weights)
+            cos, sin = dec.rope(layout.prompt_len_per_row + step, limit=rope_limit)  # [n, D]
+            n_rows = tokens.shape[0]
+            caches = [(k[:n_rows, :, :step + 1], v[:n_rows, :, :step + 1]) for k, v in zip(cache_k, cache_v)]
+            logits = self.decode_step(tokens, prompt_cache, layout, caches, weights, cos, sin)
 
         mask = (torch.arange(t_max)[None, :] < lengths[:, None]).float()  # [N, T]
         return Rollouts(prompt_index=torch.arange(p).repeat_interleave(n),
