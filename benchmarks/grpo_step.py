@@ -36,6 +36,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engine", default="native", choices=("native", "transformers"))
+    # A memory knob only (the loss and gradient do not change): 2 groups per forward/backward keeps
+    # activations, and so peak RSS, below TRL's gradient-checkpointed single micro-batch of 64.
+    ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--gradient-checkpointing", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = make_model()
@@ -43,13 +47,14 @@ def main() -> None:
     _, new_tokens = WORKLOADS[args.workload]
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
-            model={"name_or_path": str(path), "dtype": "float32", "device": "cpu"},
+            model={"name_or_path": str(path), "dtype": "float32", "device": "cpu",
+                   "gradient_checkpointing": args.gradient_checkpointing},
             data={"use_chat_template": False, "max_prompt_length": 512},
             generation={"num_generations": GENERATIONS, "max_new_tokens": new_tokens, "temperature": TEMPERATURE,
                         "top_k": 0, "top_p": 1.0, "engine": args.engine},
             algorithm={"beta": BETA},
             optim={"learning_rate": LEARNING_RATE, "warmup_steps": 0},
-            train={"prompts_per_step": PROMPTS, "gradient_accumulation_steps": 1, "steps": args.steps,
+            train={"prompts_per_step": PROMPTS, "micro_batch_size": args.micro_batch, "steps": args.steps,
                    "output_dir": out, "logging_steps": 1, "save_steps": 0, "progress_bar": False,
                    "tensorboard": False, "num_threads": args.threads})
         trainer = GRPOTrainer(config=cfg, train_dataset=dataset_rows(tok, args.workload, args.steps),
