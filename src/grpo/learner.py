@@ -113,8 +113,8 @@ class Learner:
         self.micro_batch_size = cfg.resolved_micro_batch_size
         self.nonfinite_in_a_row = 0
         native = cfg.generation.engine == "native"
-        self.policy_logprobs = logprob_function(policy, native, cfg.model.gradient_checkpointing)
-        self.ref_logprobs = None if ref_model is None else logprob_function(ref_model, native)
+        self._policy_logprob_fn = logprob_function(policy, native, cfg.model.gradient_checkpointing)
+        self._ref_logprob_fn = None if ref_model is None else logprob_function(ref_model, native)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -122,7 +122,7 @@ class Learner:
         out = torch.zeros(len(batch), t)
         for rows in micro_batches(len(batch), self.micro_batch_size):
             mb = trim(batch.rows(rows))
-            logp, _ = self.ref_logprobs(mb, self.cfg.generation.temperature)
+            logp, _ = self._ref_logprob_fn(mb, self.cfg.generation.temperature)
             out[rows, :logp.shape[1]] = logp.float().cpu()
         return out  # [N, T]
 
@@ -140,7 +140,7 @@ class Learner:
             first_pass = iteration == 0
             for rows in micro_batches(len(batch), self.micro_batch_size):
                 mb = trim(batch.rows(rows))
-                logp, entropy = self.policy_logprobs(mb, self.cfg.generation.temperature,
+                logp, entropy = self._policy_logprob_fn(mb, self.cfg.generation.temperature,
                                                      with_entropy=first_pass)
                 device = logp.device
                 if first_pass and not old_given:
