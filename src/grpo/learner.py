@@ -137,7 +137,7 @@ class Learner:
         totals: dict[str, float] = {}
         grad_norm, skipped = 0.0, False
         for iteration in range(a.num_iterations):
-            first_pass = iteration == 0
+            first_pass, loss_finite = iteration == 0, True
             for rows in micro_batches(len(batch), self.micro_batch_size):
                 mb = trim(batch.rows(rows))
                 logp, entropy = self._policy_logprob_fn(mb, self.cfg.generation.temperature,
@@ -156,11 +156,12 @@ class Learner:
                     clip_high=a.epsilon_high, beta=a.beta, kl_estimator=a.kl_estimator,
                     aggregation=a.loss_aggregation, norm=norm)
                 out.loss.backward()
+                loss_finite = loss_finite and math.isfinite(out.loss.item())
                 if first_pass:
                     _add(totals, loss=out.loss.item(), kl=out.kl_sum.item(), ratio=out.ratio_sum.item(),
                          clip_low=out.clipped_low_sum.item(), clip_high=out.clipped_high_sum.item(),
                          entropy=(entropy * mask).sum().item(), tokens=out.num_tokens.item())
-            grad_norm, step_skipped = self._optimizer_step()
+            grad_norm, step_skipped = self._optimizer_step(loss_finite)
             skipped = skipped or step_skipped
         tokens = max(totals.get("tokens", 0.0), 1.0)
         return StepStats(loss=totals.get("loss", 0.0), kl=totals.get("kl", 0.0) / tokens,
@@ -169,11 +170,11 @@ class Learner:
                          clip_high_frac=totals.get("clip_high", 0.0) / tokens,
                          entropy=totals.get("entropy", 0.0) / tokens, grad_norm=grad_norm, skipped=skipped)
 
-    def _optimizer_step(self) -> tuple[float, bool]:
+    def _optimizer_step(self, loss_finite: bool = True) -> tuple[float, bool]:
         params = [p for p in self.policy.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.max_grad_norm or float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
-        if not math.isfinite(grad_norm):
+        if not (math.isfinite(grad_norm) and loss_finite):
             # A non-finite gradient would poison AdamW's moments for good: drop this update.
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_in_a_row += 1

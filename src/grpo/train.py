@@ -7,6 +7,10 @@
 
 Each step's stages are named and timed (`time/rollout`, `time/reward`, `time/reference`,
 `time/update`); one step can be read top to bottom in `GRPOTrainer.train`.
+
+Stopping: the first SIGINT/SIGTERM finishes the current step, saves a checkpoint and says how to
+resume; a second one stops at once. `train.stop_after_nonfinite_steps` NaN/inf steps in a row also
+save and stop (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from tqdm.auto import tqdm
 from grpo.advantages import discounted_token_advantages, group_advantages, group_reward_stats
 from grpo.batch import PromptBatch, Rollouts, SamplingParams, TrainBatch
 from grpo.checkpoint import (
-    find_resume_dir,
     load_training_state,
     prune_checkpoints,
     rng_state,
     save_model_dir,
+    seed_everything,
     set_rng_state,
 )
 from grpo.config import GRPOConfig
@@ -41,6 +45,10 @@ from grpo.setup import RunParts, build_run
 log = logging.getLogger("grpo")
 
 
+class TrainingHalted(RuntimeError):
+    """Training stopped itself (after saving a checkpoint) because it could not go on; the message says why."""
+
+
 class GRPOTrainer:
     """GRPO on a causal LM. Models and tokenizer may be objects or names/paths; anything left out
     comes from `config`. `reward_model` (an object or path) scores completions; `reward_funcs` are
@@ -53,7 +61,8 @@ class GRPOTrainer:
                                          tokenizer=tokenizer, train_dataset=train_dataset,
                                          reward_funcs=reward_funcs, eval_dataset=eval_dataset)
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
-        self.stop_requested = False
+        self.stop_signal: int | None = None  # the first SIGINT/SIGTERM received
+        self.nonfinite_total = 0
 
     def evaluate(self) -> EvalResult | None:
         p, t = self.parts, self.cfg.train
@@ -78,7 +87,7 @@ class GRPOTrainer:
                  cfg.completions_per_step, learner.micro_batch_size,
                  -(-cfg.completions_per_step // learner.micro_batch_size), a.num_iterations, total_steps,
                  len(p.train_rows), stream.steps_per_epoch(t.prompts_per_step))
-        logger = MetricsLogger(p.run_dir, cfg, cfg.to_dict())
+        logger = MetricsLogger(p.run_dir, cfg, cfg.to_dict(), start_step=start_step)
         summary: dict[str, float] = {}
         if t.eval_before and start_step == 0:
             summary.update(self._log_eval(logger, 0, "before"))
@@ -87,7 +96,7 @@ class GRPOTrainer:
         previous_handlers = self._install_signal_handlers()
         step = start_step
         try:
-            while step < total_steps and not self.stop_requested:
+            while step < total_steps and self.stop_signal is None:
                 step += 1
                 timer = StageTimer()
                 step_start = time.perf_counter()
@@ -111,6 +120,7 @@ class GRPOTrainer:
                         batch.ref_logprobs = learner.reference_logprobs(batch)
                 with timer("update"):
                     stats = learner.train_step(batch)
+                self.nonfinite_total += stats.skipped
                 step_seconds = time.perf_counter() - step_start
                 metrics = {
                     "reward": scores.total.mean().item(), "reward_std": scores.total.std().item(),
@@ -119,6 +129,7 @@ class GRPOTrainer:
                     "advantage/mean": advantages.mean().item(), "advantage/std": advantages.std().item(),
                     "advantage/abs_max": advantages.abs().max().item(),
                     **stats.as_dict(), **rollout_metrics(rollouts),
+                    "nonfinite_steps_total": self.nonfinite_total,
                     "lr": learner.scheduler.get_last_lr()[0], "epoch": stream.epoch,
                     "tokens_per_s": rollouts.completion_mask.sum().item() / step_seconds,
                     "time/step": step_seconds, **timer.as_metrics(),
@@ -136,17 +147,23 @@ class GRPOTrainer:
                     summary.update(self._log_eval(logger, step, "during"))
                 if t.save_steps and step % t.save_steps == 0 and step != total_steps:
                     self._save_checkpoint(step, learner, stream)
-                if learner.nonfinite_in_a_row >= 3:
-                    raise FloatingPointError(f"Non-finite gradients 3 steps in a row (step {step}); lower "
-                                             "optim.learning_rate or check the rewards.")
+                if 0 < t.stop_after_nonfinite_steps <= learner.nonfinite_in_a_row:
+                    break
         finally:
             bar.close()
             self._restore_signal_handlers(previous_handlers)
-        if self.stop_requested and step < total_steps:
+        if step < total_steps:  # stopped early: a signal, or non-finite steps
             where = self._save_checkpoint(step, learner, stream)
-            log.info("Stopped at step %d; checkpoint %s. Resume with: grpo train --resume latest "
-                     "--output-dir %s", step, where, p.run_dir)
             logger.close()
+            how = (f"Resume with the same command plus --resume latest (e.g. grpo train --resume latest "
+                   f"--output-dir {p.run_dir}).")
+            if self.stop_signal is None:
+                raise TrainingHalted(
+                    f"{learner.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient (last: step "
+                    f"{step}); stopped with checkpoint {where}. Lower optim.learning_rate, check the reward "
+                    f"functions for NaN/inf, or raise train.stop_after_nonfinite_steps. {how}")
+            log.warning("Stopped at step %d of %d (signal %d); checkpoint %s. %s", step, total_steps,
+                        self.stop_signal, where, how)
             return summary
         self._save_checkpoint(step, learner, stream)
         save_model_dir(p.run_dir / "final_model", p.policy, p.tokenizer, cfg.to_yaml(), None)
@@ -172,20 +189,18 @@ class GRPOTrainer:
     def _save_checkpoint(self, step: int, learner: Learner, stream: PromptStream) -> Path:
         p = self.parts
         state = {"step": step, "learner": learner.state_dict(), "rng": rng_state(),
-                 "data": stream.state_dict(), "nonfinite_in_a_row": learner.nonfinite_in_a_row}
+                 "data": stream.state_dict(), "nonfinite_in_a_row": learner.nonfinite_in_a_row,
+                 "nonfinite_total": self.nonfinite_total}
         path = save_model_dir(p.run_dir / f"checkpoint-{step}", p.policy, p.tokenizer, self.cfg.to_yaml(), state)
-        prune_checkpoints(p.run_dir, self.cfg.train.save_total_limit, protect=path)
+        prune_checkpoints(p.run_dir, self.cfg.train.save_total_limit, protect=(path, p.resume_from))
         return path
 
     def _resume(self, learner: Learner, stream: PromptStream) -> int:
-        spec = self.cfg.train.resume
-        if not spec:
-            torch.manual_seed(self.cfg.train.seed)
-            return 0
-        path = find_resume_dir(self.parts.run_dir, spec)
+        path = self.parts.resume_from  # verified, settings compared: preflight.plan_resume
         if path is None:
-            log.info("No checkpoint in %s yet; starting from step 0.", self.parts.run_dir)
-            torch.manual_seed(self.cfg.train.seed)
+            if self.cfg.train.resume:
+                log.info("No checkpoint in %s yet; starting from step 0.", self.parts.run_dir)
+            seed_everything(self.cfg.train.seed)
             return 0
         from safetensors.torch import load_file
 
@@ -199,18 +214,19 @@ class GRPOTrainer:
         state = load_training_state(path)
         learner.load_state_dict(state["learner"])
         learner.nonfinite_in_a_row = state["nonfinite_in_a_row"]
-        stream.load_state_dict(state["data"])
+        self.nonfinite_total = state["nonfinite_total"]
+        stream.load_state_dict(state["data"], strict=not self.cfg.train.allow_config_change)
         set_rng_state(state["rng"])
         log.info("Resumed from %s (step %d).", path, state["step"])
         return state["step"]
 
     def _install_signal_handlers(self):
         def request_stop(signum, frame):
-            if self.stop_requested:  # a second signal: stop now
+            if self.stop_signal is not None:  # a second signal: stop now, without saving
                 raise KeyboardInterrupt
-            self.stop_requested = True
-            log.warning("Signal %d: finishing this step, then saving a checkpoint (again to stop at once).",
-                        signum)
+            self.stop_signal = signum
+            log.warning("Signal %d: finishing this step, then saving a checkpoint (send it again to stop at "
+                        "once, without saving).", signum)
 
         try:
             return {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
