@@ -59,7 +59,8 @@ class NativeEngine:
         self.pad_id = tokenizer.pad_token_id
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
         eos = eos if eos is not None else tokenizer.eos_token_id
-        self.eos_ids = torch.tensor(sorted(set(eos if isinstance(eos, list) else [eos])))
+        eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        self.eos_ids = torch.tensor(sorted(set(eos)) or [-1], dtype=torch.long)  # -1: no eos, run to the limit
 
     @property
     def exact_logprobs(self) -> bool:
