@@ -99,7 +99,12 @@ class GenerationConfig:
     top_k: int = _f(50, "Keep only the k most likely tokens when sampling; 0 switches the filter off.")
     top_p: float = _f(0.9, "Nucleus sampling mass; 1.0 switches the filter off.")
     stop_strings: list[str] = _f([], "Extra strings that end a completion (the eos token always does).")
-    engine: str = _f("transformers", "Rollout engine.", choices=("transformers",))
+    engine: str = _f("native", "native: our Llama-family decoder for rollout (shared prompt prefill, KV cache "
+                     "allocated once) and training (shared-prompt, packed forward); other architectures fall "
+                     "back to transformers on their own. transformers: generate() and the model's forward.",
+                     choices=("native", "transformers"))
+    compile_decode: bool = _f(False, "torch.compile the native engine's decode step (pays off on a GPU, where "
+                              "a step is many small kernel launches; the first generate() compiles).")
     batch_size: int | None = _f(None, "Completions generated per generate() call; default: all at once.")
 
 

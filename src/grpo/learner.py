@@ -15,6 +15,8 @@ import torch
 from grpo.batch import TrainBatch
 from grpo.config import GRPOConfig
 from grpo.loss import LossNorm, grpo_loss
+from grpo.native.decoder import NativeDecoder, unsupported_reason
+from grpo.native.logprobs import shared_prompt_logprobs
 
 
 def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False,
@@ -38,6 +40,17 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, T]
     return logp, entropy
+
+
+def logprob_function(model, native: bool, gradient_checkpointing: bool = False):
+    """`fn(batch, temperature, with_entropy)` for this model: the native shared-prompt forward when asked
+    for and the architecture is supported, else the transformers forward."""
+    if native and unsupported_reason(model) is None:
+        decoder = NativeDecoder(model)
+        decoder.gradient_checkpointing = gradient_checkpointing
+        return lambda batch, temperature, with_entropy=False: shared_prompt_logprobs(
+            decoder, batch, temperature, with_entropy)
+    return lambda batch, temperature, with_entropy=False: token_logprobs(model, batch, temperature, with_entropy)
 
 
 def trim(batch: TrainBatch) -> TrainBatch:
@@ -101,6 +114,9 @@ class Learner:
             self.optimizer, lr_lambda(o.warmup_steps, total_optimizer_steps, o.lr_scheduler))
         self.micro_batch_size = cfg.resolved_micro_batch_size
         self.nonfinite_in_a_row = 0
+        native = cfg.generation.engine == "native"
+        self._policy_logprob_fn = logprob_function(policy, native, cfg.model.gradient_checkpointing)
+        self._ref_logprob_fn = None if ref_model is None else logprob_function(ref_model, native)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -108,7 +124,7 @@ class Learner:
         out = torch.zeros(len(batch), t)
         for rows in micro_batches(len(batch), self.micro_batch_size):
             mb = trim(batch.rows(rows))
-            logp, _ = token_logprobs(self.ref_model, mb, self.cfg.generation.temperature)
+            logp, _ = self._ref_logprob_fn(mb, self.cfg.generation.temperature)
             out[rows, :logp.shape[1]] = logp.float().cpu()
         return out  # [N, T]
 
@@ -116,7 +132,9 @@ class Learner:
         a = self.cfg.algorithm
         norm = LossNorm(num_sequences=len(batch), num_tokens=int(batch.completion_mask.sum().item()),
                         max_completion_length=self.cfg.effective_max_new_tokens)
-        if batch.old_logprobs is None:
+        # π_old may arrive as the engine's sampling log-probs (exact engine); else the first pass records it.
+        old_given = batch.old_logprobs is not None
+        if not old_given:
             batch.old_logprobs = torch.zeros_like(batch.completion_mask)
         totals: dict[str, float] = {}
         grad_norm, skipped = 0.0, False
@@ -124,10 +142,14 @@ class Learner:
             first_pass, loss_finite = iteration == 0, True
             for rows in micro_batches(len(batch), self.micro_batch_size):
                 mb = trim(batch.rows(rows))
-                logp, entropy = token_logprobs(self.policy, mb, self.cfg.generation.temperature,
-                                               with_entropy=first_pass, entropy_grad=a.entropy_coef != 0)
+                if a.entropy_coef != 0:  # the bonus needs entropy with a gradient: the transformers forward
+                    logp, entropy = token_logprobs(self.policy, mb, self.cfg.generation.temperature,
+                                                   with_entropy=first_pass, entropy_grad=True)
+                else:
+                    logp, entropy = self._policy_logprob_fn(mb, self.cfg.generation.temperature,
+                                                         with_entropy=first_pass)
                 device = logp.device
-                if first_pass:
+                if first_pass and not old_given:
                     # No update has happened yet in this step: the current policy *is* π_old.
                     old = logp.detach()
                     batch.old_logprobs[rows, :old.shape[1]] = old.float().cpu()

@@ -114,6 +114,8 @@ class GRPOTrainer:
                 group = rollouts.prompt_index  # [N] group id = the prompt it answers
                 advantages = group_advantages(scored.rewards, group, a.advantage_scale, a.advantage_eps)
                 batch = build_train_batch(prompts, rollouts, advantages, cfg, p.tokenizer.pad_token_id)
+                if a.num_iterations == 1 and _logprobs_match_policy(p.engine, sampling):
+                    batch.old_logprobs = rollouts.sampling_logprobs  # π_old as sampled: nothing to recompute
                 if p.ref_model is not None:
                     with timer("reference"):
                         batch.ref_logprobs = learner.reference_logprobs(batch)
@@ -344,6 +346,12 @@ def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
 
 def _nanmean(x: torch.Tensor) -> float:
     return x.nanmean().item() if not torch.isnan(x).all() else float("nan")
+
+
+def _logprobs_match_policy(engine, sampling: SamplingParams) -> bool:
+    """The engine's sampling log-probs are the learner's π_θ (same weights and precision, no filters)."""
+    return (getattr(engine, "exact_logprobs", False) and not sampling.greedy and sampling.top_k == 0
+            and sampling.top_p >= 1.0)
 
 
 def _chunk(batch_size: int | None, n: int) -> int | None:
