@@ -94,7 +94,8 @@ class GRPOTrainer:
         if cfg.distributed.rollout_mode != "colocated":
             from grpo.distributed.ray_rollout import RayRollout
 
-            remote = RayRollout(cfg, p, stream, sampling, rt, learner, version=start_step)
+            remote = RayRollout(cfg, p, stream, sampling, rt, learner, version=start_step,
+                                chunk_prompts=_chunk(g.batch_size, g.num_generations))
         log.info("Sizes: %d prompts/step × %d generations = %d completions/step; micro-batch %d "
                  "(%d forward/backward per optimizer step); %d optimizer step(s) per rollout; %d steps "
                  "(%d prompts, %d steps/epoch).", t.prompts_per_step, g.num_generations,
