@@ -39,6 +39,7 @@ from grpo.config import GRPOConfig
 from grpo.data import PromptStream, make_prompt_batch
 from grpo.distributed import init_runtime
 from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
+from grpo.distributed.roles import apply_role_plan
 from grpo.distributed.runtime import SilentLogger
 from grpo.evaluation import EvalResult, evaluate
 from grpo.learner import Learner
@@ -61,6 +62,7 @@ class GRPOTrainer:
         self.cfg = (config or GRPOConfig()).validate()
         d = self.cfg.distributed
         self.rt = init_runtime(d.strategy, d.backend, d.timeout_s)  # one process unless torchrun started us
+        self.roles = apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
         self.parts: RunParts = build_run(self.cfg, model=model, ref_model=ref_model, reward_model=reward_model,
                                          tokenizer=tokenizer, train_dataset=train_dataset,
                                          reward_funcs=reward_funcs, eval_dataset=eval_dataset)

@@ -106,13 +106,17 @@ class RayRollout:
         plan = plan_roles(cfg, torch.cuda.device_count(), rt.world_size, rt.local_rank)
         replicas = max(1, plan.rollout_replicas // rt.world_size)  # each learner rank drives its own actors
         self.gpus = plan.rollout_gpus_per_replica
+        # On one machine the plan names each replica's GPU; pin it (Ray would pick any free GPU, the
+        # learner's included, as it does not know torchrun's processes use them).
+        self.pinned = plan.rollout_devices[rt.rank * replicas:(rt.rank + 1) * replicas] \
+            if plan.rollout_devices and d.ray_address is None else []
         policy = parts.policy
         base = policy.get_base_model() if is_lora(policy) else policy
         self.lora = asdict(cfg.lora) if is_lora(policy) else None
         self.spawn_args = (base.config, next(policy.parameters()).dtype, self.lora, parts.tokenizer,
                            cfg.generation.engine, cfg.train.seed + rt.rank, cfg.train.num_threads or 1, self.gpus > 0)
         self.spawned = 0
-        self.actors = [self._spawn() for _ in range(replicas)]
+        self.actors = [self._spawn(i) for i in range(replicas)]
         self.pending: deque[_Request] = deque()
         self.restarts = self.dropped = self.staleness_max = self.last_lag = 0
         self.behaviour, self.wait_s = version, 0.0
@@ -122,14 +126,17 @@ class RayRollout:
                  d.max_staleness)
 
     # -- actors and weights ----------------------------------------------------------------------
-    def _spawn(self):
+    def _spawn(self, i: int):
         import ray
 
         # Named, so `ray list actors` (and a test) can find them: grpo-rollout-<pid>-r<rank>-<n>.
         self.spawned += 1
         name = f"{ACTOR_PREFIX}{os.getpid()}-r{self.rt.rank}-{self.spawned}"
-        worker = ray.remote(RolloutWorker).options(name=name, num_cpus=1, num_gpus=self.gpus, max_restarts=0)
-        return worker.remote(*self.spawn_args)
+        options = {"name": name, "num_cpus": 1, "num_gpus": self.gpus, "max_restarts": 0}
+        if self.pinned:
+            devices = ",".join(map(str, self.pinned[i % len(self.pinned)]))
+            options.update(num_gpus=0, runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": devices}})
+        return ray.remote(RolloutWorker).options(**options).remote(*self.spawn_args)
 
     def _weights(self, full: bool) -> list[tuple[str, torch.Tensor]]:
         only = None if full or self.lora is None else ADAPTER_MARK  # LoRA: adapters only after the first push
@@ -212,7 +219,7 @@ class RayRollout:
         log.warning("Rollout actor %d died (%s); starting a new one (restart %d of at most %d).", i,
                     type(error).__name__, self.restarts, d.max_actor_restarts)
         ray.kill(self.actors[i], no_restart=True)
-        self.actors[i] = self._spawn()
+        self.actors[i] = self._spawn(i)
         self._push(full=True, actors=[i])
         for request in self.pending:  # requests queued on the dead actor died with it
             if i < len(request.splits):

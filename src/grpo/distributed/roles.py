@@ -217,3 +217,19 @@ def place_reference(ref, spec: str, policy_device: torch.device):
     if spec == "offload":
         return OffloadedModel(ref, policy_device)
     return ref.to(torch.device(spec))
+
+
+def apply_role_plan(cfg: GRPOConfig, rank: int, world_size: int, local_rank: int) -> RolePlan:
+    """Plan the roles on this machine and point this process's CUDA device at its learner GPU."""
+    num_gpus = torch.cuda.device_count() if cfg.model.device in ("auto", "cuda") else 0
+    plan = plan_roles(cfg, num_gpus, world_size, local_rank)
+    if num_gpus:
+        torch.cuda.set_device(int(plan.learner_devices[local_rank].split(":")[1]))
+    if world_size > 1 and plan.rollout == "ray" and cfg.distributed.ray_address is None:
+        raise ConfigError("Several learner processes share one Ray cluster: start it first (`ray start --head`) "
+                          "and pass ray_address=auto.")
+    if rank == 0:
+        import logging
+
+        logging.getLogger("grpo").info("Device roles: %s", plan.describe())
+    return plan
