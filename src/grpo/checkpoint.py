@@ -2,26 +2,48 @@
 
 Layout (loadable with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`):
 config.json, model.safetensors, tokenizer files, plus `training_state.pt` (optimizer, scheduler,
-RNG states, step, data position) and `config.yaml` (the resolved run config, secrets redacted).
-A checkpoint is written to a `.tmp` sibling and renamed into place, so a crash mid-save never
-leaves a half-written directory under the real name.
+RNG states, step, data position), `config.yaml` (the resolved run config, secrets redacted) and
+`manifest.json` (size and sha256 of every other file, written last).
+
+Crash safety: a checkpoint is written into a `.tmp` sibling, every file and the directory are
+fsynced, and only then is it renamed into place, so a process killed at any moment leaves either
+the old checkpoint or the new one under the real name, never half of one. The manifest catches
+what a rename cannot (a disk that lost data, a file someone truncated): `find_resume_dir`
+verifies it and falls back to the previous checkpoint, saying why.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import logging
 import os
 import random
 import re
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+log = logging.getLogger("grpo")
+
 STATE_FILE = "training_state.pt"
 CONFIG_FILE = "config.yaml"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_VERSION = 1
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+PARTIAL_SUFFIXES = (".tmp", ".old")
+# Test hook (the fault-injection test): "checkpoint-3:model" SIGKILLs this process right after the
+# model weights of checkpoint-3 are written; the points are listed in `save_model_dir`.
+KILL_ENV = "GRPO_TEST_KILL_AT"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says what is intact and what to do."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -34,6 +56,14 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def seed_everything(seed: int) -> None:
+    """A fresh start: python, numpy and torch (every device) from one seed, so user code that draws
+    random numbers (a reward function, say) is reproducible and resumes exactly too."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
@@ -43,61 +73,185 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# -- writing --------------------------------------------------------------------------------------
 def save_model_dir(path: Path, model, tokenizer, config_yaml: str, training_state: dict | None) -> Path:
-    """Write a model directory atomically (tmp dir + fsync + rename)."""
+    """Write a model directory atomically (tmp dir, manifest, fsync, rename). On failure the tmp dir is
+    removed, whatever was under `path` before is left as it was, and a CheckpointError says why."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
-    if training_state is not None:
-        torch.save(training_state, tmp / STATE_FILE)
-    _fsync_dir(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        _fault_point(path, "model")
+        tokenizer.save_pretrained(tmp)
+        (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
+        _fault_point(path, "config")
+        if training_state is not None:
+            torch.save(training_state, tmp / STATE_FILE)
+        _fault_point(path, "state")
+        write_manifest(tmp)
+        _fault_point(path, "manifest")
+        if path.exists():  # moved aside, not deleted, so a crash here still leaves a complete copy
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+        _fault_point(path, "renamed")
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():
+            os.replace(old, path)
+        if isinstance(e, OSError) or "No space left" in str(e):  # safetensors raises its own type
+            raise CheckpointError(_save_failure(path, e)) from e
+        raise
     return path
 
 
-def _fsync_dir(directory: Path) -> None:
-    for f in directory.iterdir():
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+def _save_failure(path: Path, e: BaseException) -> str:
+    previous = [p.name for _, p in list_checkpoints(path.parent) if p != path]
+    intact = (f"The previous checkpoint {previous[-1]} is intact." if previous
+              else "No earlier checkpoint was touched.")
+    if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e):
+        free = shutil.disk_usage(path.parent).free / 2**20
+        return (f"No space left on the device while saving {path.name} in {path.parent} ({free:.0f} MiB "
+                f"free). {intact} Free some space (or set train.save_total_limit to keep fewer "
+                "checkpoints), then resume with --resume latest.")
+    return (f"Could not save {path.name} in {path.parent}: {e}. {intact} Fix the cause, then resume with "
+            "--resume latest.")
+
+
+def write_manifest(directory: Path) -> dict[str, Any]:
+    """Hash every file (fsyncing it on the way), then write manifest.json and fsync the directory."""
+    files = {}
+    for f in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+        _fsync(f)
+        files[str(f.relative_to(directory))] = {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+    manifest = {"version": MANIFEST_VERSION, "files": files}
+    target = directory / MANIFEST_FILE
+    target.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    _fsync(target)
+    _fsync(directory)
+    return manifest
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fault_point(path: Path, point: str) -> None:
+    if os.environ.get(KILL_ENV) == f"{path.name}:{point}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- reading --------------------------------------------------------------------------------------
+def verify_checkpoint(path: Path) -> str | None:
+    """None when every file the manifest lists is there with its size and sha256; else what is wrong."""
+    path = Path(path)
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return f"it has no {MANIFEST_FILE}, so it was not written completely"
+    try:
+        files = json.loads(manifest_path.read_text(encoding="utf-8"))["files"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return f"its {MANIFEST_FILE} is unreadable"
+    for name, meta in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != meta["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes where {meta['bytes']} were written"
+        if file_sha256(f) != meta["sha256"]:
+            return f"{name} does not match its sha256 (the file is corrupted)"
+    if CHECKPOINT_RE.match(path.name) and STATE_FILE not in files:
+        return f"it has no {STATE_FILE}"
+    return None
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (with a training state), oldest first."""
+    """Every `checkpoint-N` directory, oldest first, complete or not (`verify_checkpoint` tells)."""
     found = []
     for p in Path(output_dir).glob("checkpoint-*"):
         m = CHECKPOINT_RE.match(p.name)
-        if m and (p / STATE_FILE).is_file():
+        if m and p.is_dir():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
 
 def find_resume_dir(output_dir: Path, resume: str) -> Path | None:
-    if resume == "latest":
-        found = list_checkpoints(output_dir)
-        return found[-1][1] if found else None
-    path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"--resume {resume}: no {STATE_FILE} there; pass a checkpoint-N directory "
-                                "or 'latest'.")
-    return path
+    """The checkpoint to resume from: 'latest' is the newest one that verifies (saying why any newer one
+    was passed over); a path must verify. None when 'latest' finds no checkpoint at all."""
+    if resume != "latest":
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"--resume {resume}: no such checkpoint directory. Pass a checkpoint-N "
+                                  "directory or 'latest' (the newest intact one in the output directory).")
+        problem = verify_checkpoint(path)
+        if problem:
+            raise CheckpointError(f"--resume {resume}: cannot resume from it: {problem}. Pass an earlier "
+                                  "checkpoint, or 'latest' to pick the newest intact one.")
+        return path
+    found = list_checkpoints(output_dir)
+    rejected = []
+    for _, path in reversed(found):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        rejected.append(f"{path.name} ({problem})")
+        log.warning("Checkpoint %s is unusable: %s. Falling back to the previous one.", path, problem)
+    if rejected:
+        raise CheckpointError(f"No intact checkpoint in {output_dir}: {'; '.join(rejected)}. Start a new run "
+                              "in another --output-dir, or remove these directories to start over here.")
+    return None
 
 
 def load_training_state(path: Path) -> dict[str, Any]:
     return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
 
 
-def prune_checkpoints(output_dir: Path, keep: int | None, protect: Path | None = None) -> None:
+def read_saved_config(path: Path) -> str | None:
+    f = Path(path) / CONFIG_FILE
+    return f.read_text(encoding="utf-8") if f.is_file() else None
+
+
+# -- housekeeping ---------------------------------------------------------------------------------
+def prune_checkpoints(output_dir: Path, keep: int | None, protect: tuple[Path | None, ...] = ()) -> None:
+    """Keep the newest `keep` checkpoints; never delete a protected one (the newest save and the one
+    this run resumed from)."""
     if not keep:
         return
-    found = list_checkpoints(output_dir)
-    for _, path in found[:-keep]:
-        if protect is None or path.resolve() != Path(protect).resolve():
+    kept = {Path(p).resolve() for p in protect if p is not None}
+    for _, path in list_checkpoints(output_dir)[:-keep]:
+        if path.resolve() not in kept:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_partial_saves(output_dir: Path) -> list[str]:
+    """Clean up after a save that was killed: delete `checkpoint-N.tmp` directories, and put an intact
+    `checkpoint-N.old` back under its name if the new one never arrived. Returns what was removed."""
+    removed = []
+    for p in sorted(Path(output_dir).glob("checkpoint-*")):
+        real = p.with_name(p.name[:-4])
+        if not (p.is_dir() and p.name.endswith(PARTIAL_SUFFIXES) and CHECKPOINT_RE.match(real.name)):
+            continue
+        if p.suffix == ".old" and not real.exists() and verify_checkpoint(p) is None:
+            os.replace(p, real)
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p.name)
+    return removed

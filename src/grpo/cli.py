@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import sys
+import traceback
 import typing
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +29,7 @@ from grpo.config import (
     preset_names,
     resolve_key,
 )
+from grpo.redact import redact, redact_mapping, remember_from_argv
 
 log = logging.getLogger("grpo")
 DEFAULT_PRESET = "tiny_math"
@@ -81,8 +83,13 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             taken.add(spelling)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse echoes the arguments it rejects, a token among them
+        super().error(redact(message))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo", description="GRPO post-training for causal language models.")
+    parser = _Parser(prog="grpo", description="GRPO post-training for causal language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="Train with GRPO.", allow_abbrev=False,
@@ -151,8 +158,11 @@ def cmd_train(args) -> int:
             print(cfg.to_yaml())
             continue
         if args.multirun:
-            log.info("Sweep run %d/%d: %s", i + 1, len(runs), run)
-        GRPOTrainer(config=cfg).train()
+            log.info("Sweep run %d/%d: %s", i + 1, len(runs), redact_mapping(run))
+        trainer = GRPOTrainer(config=cfg)
+        trainer.train()
+        if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM: the conventional 128 + signal
+            return 128 + trainer.stop_signal
     return 0
 
 
@@ -189,15 +199,28 @@ def cmd_eval(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from grpo.checkpoint import CheckpointError
     from grpo.setup import setup_logging
+    from grpo.train import TrainingHalted
 
     setup_logging()
+    remember_from_argv(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         return {"train": cmd_train, "eval": cmd_eval}[args.command](args)
     except ConfigError as e:
-        print(f"grpo {args.command}: error: {e}", file=sys.stderr)
+        print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 2
+    except (CheckpointError, TrainingHalted) as e:
+        print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"grpo {args.command}: stopped at once, without saving; --resume latest continues from the last "
+              "checkpoint.", file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001 (a library message may echo its arguments, a token among them)
+        print(redact(traceback.format_exc()), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -20,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from grpo.redact import is_secret, remember
+from grpo.redact import redact as redact_text
 
 
 class ConfigError(ValueError):
@@ -33,7 +37,6 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 
 BUNDLED_MODEL = "tiny-math-lm"  # a name that resolves to the model shipped in grpo/assets
-SECRET_SUFFIXES = ("_token", "_key", "_secret", "password")
 
 
 @dataclass
@@ -77,6 +80,9 @@ class DataConfig:
                                  "truncate_left (keep the end, warn and count).",
                                  choices=("error", "truncate_left"))
     shuffle: bool = _f(True, "Reshuffle the prompts every epoch (seeded).")
+    skip_invalid_rows: bool = _f(False, "Drop rows whose prompt (or, when the dataset has an answer column, "
+                                 "answer) is missing or empty, counting them in the log, instead of "
+                                 "stopping with their row numbers.")
     eval_dataset: str | None = _f("tiny_math:test", "Held-out prompts for evaluation (same forms as "
                                   "`dataset`, with ':split' to pick a split); none disables evaluation.")
     eval_max_samples: int | None = _f(None, "Evaluate on at most this many held-out rows (first N).")
@@ -152,7 +158,14 @@ class TrainConfig:
     logging_steps: int = _f(10, "Console line, metrics.jsonl and TensorBoard every N steps.")
     save_steps: int = _f(500, "Checkpoint every N steps (0: only the final model).")
     save_total_limit: int | None = _f(None, "Keep only the newest K checkpoints.")
-    resume: str | None = _f(None, "Resume: 'latest' (newest checkpoint in output_dir) or a checkpoint dir.")
+    resume: str | None = _f(None, "Resume: 'latest' (the newest intact checkpoint in output_dir; a corrupt "
+                            "or incomplete one is reported and skipped) or a checkpoint directory.")
+    allow_config_change: bool = _f(False, "Resume even when settings that change the training trajectory "
+                                   "(learning rate, data, model, ...) differ from the checkpoint's; the "
+                                   "differences are logged as a warning instead of stopping the run.")
+    stop_after_nonfinite_steps: int = _f(3, "A step whose loss or gradient is NaN/inf is skipped (no update; "
+                                         "counted in skipped_nonfinite / nonfinite_steps_total); after this "
+                                         "many such steps in a row, save a checkpoint and stop (0: never stop).")
     eval_before: bool = _f(False, "Evaluate on the held-out set before training.")
     eval_after: bool = _f(False, "Evaluate on the held-out set after training.")
     eval_steps: int = _f(0, "Also evaluate every N steps (0: never during training).")
@@ -339,7 +352,7 @@ def all_paths() -> list[str]:
 
 def resolve_key(key: str) -> tuple[str, ...]:
     """Map a user-facing key (dotted path, unique leaf name or alias; '-' == '_') to dotted paths."""
-    k = key.strip().lstrip("-").replace("-", "_")
+    k = str(key).strip().lstrip("-").replace("-", "_")
     if k in ALIASES:
         target = ALIASES[k]
         return target if isinstance(target, tuple) else (target,)
@@ -394,7 +407,7 @@ def coerce(path: str, value: Any) -> Any:
                 value = [value]
             return [_scalar(item, v) for v in value]
         return _scalar(hint, value)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise ConfigError(f"{path} expects {_type_name(hint)}, got {value!r}.") from e
 
 
@@ -458,6 +471,8 @@ class GRPOConfig:
             for path in resolve_key(key):
                 section, name = path.split(".")
                 setattr(getattr(self, section), name, coerce(path, value))
+                if is_secret(name):
+                    remember([value])
         return self
 
     def __getattr__(self, name: str) -> Any:
@@ -480,9 +495,13 @@ class GRPOConfig:
         out = {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
         if redact:
             for section in out.values():
-                for k in section:
-                    if is_secret(k) and section[k]:
+                for k, v in section.items():
+                    if is_secret(k) and v:
                         section[k] = "<redacted>"
+                    elif isinstance(v, str):  # a secret pasted into another value (a path, a URL)
+                        section[k] = redact_text(v)
+                    elif isinstance(v, list):
+                        section[k] = [redact_text(x) if isinstance(x, str) else x for x in v]
         return out
 
     def to_yaml(self) -> str:
@@ -514,10 +533,6 @@ class GRPOConfig:
         return self
 
 
-def is_secret(key: str) -> bool:
-    return key.lower().endswith(SECRET_SUFFIXES)
-
-
 def validate(cfg: GRPOConfig) -> None:
     """Check every constraint that needs no model; raise ConfigError naming the key and the fix."""
     for section in SECTIONS:
@@ -526,6 +541,9 @@ def validate(cfg: GRPOConfig) -> None:
             value = getattr(getattr(cfg, section), f.name)
             if choices and value not in choices:
                 raise ConfigError(f"{section}.{f.name} = {value!r} is not one of {', '.join(choices)}.")
+            if isinstance(value, float) and not math.isfinite(value) or (
+                    isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value)):
+                raise ConfigError(f"{section}.{f.name} must be a finite number, got {value!r}.")
 
     g, a, t, o, d = cfg.generation, cfg.algorithm, cfg.train, cfg.optim, cfg.distributed
     positive = {
@@ -576,8 +594,9 @@ def validate(cfg: GRPOConfig) -> None:
         raise ConfigError("optim.warmup_steps, optim.max_grad_norm and optim.weight_decay must be >= 0.")
     if t.num_epochs <= 0 and t.steps is None:
         raise ConfigError(f"train.num_epochs must be > 0 when train.steps is unset, got {t.num_epochs}.")
-    if t.save_steps < 0 or t.eval_steps < 0:
-        raise ConfigError("train.save_steps and train.eval_steps must be >= 0.")
+    if t.save_steps < 0 or t.eval_steps < 0 or t.stop_after_nonfinite_steps < 0:
+        raise ConfigError("train.save_steps, train.eval_steps and train.stop_after_nonfinite_steps must be "
+                          ">= 0 (0 switches them off).")
 
     n = cfg.completions_per_step
     mb = cfg.resolved_micro_batch_size

@@ -8,6 +8,8 @@ local JSONL/JSON/Parquet/CSV files, any hub dataset (through `datasets`), or a P
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 from importlib import resources
@@ -70,17 +72,26 @@ def load_rows(spec: str | None, cfg: DataConfig, split: str | None = None,
         records = _read_local(path)
     else:
         records = _read_hub(name, cfg.hf_name, split, cfg.hf_data_files, token)
-    return normalise_rows(records, cfg.prompt_field, cfg.answer_field, source=spec)
+    return normalise_rows(records, cfg.prompt_field, cfg.answer_field, source=spec,
+                          skip_invalid=cfg.skip_invalid_rows)
 
 
 def _read_local(path: Path) -> list[dict[str, Any]]:
-    import datasets
-
     fmt = LOCAL_FORMATS.get(path.suffix)
     if fmt is None:
         raise ConfigError(f"Cannot read {path}: use one of {', '.join(LOCAL_FORMATS)}.")
-    if fmt != "parquet" and not path.read_bytes().strip():
-        raise ConfigError(f"Dataset file {path} is empty: it has no rows to train or evaluate on.")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"Cannot read dataset file {path}: {e.strerror}. Check its permissions.") from e
+    if fmt != "parquet":
+        text = _utf8(data, path)
+        if not text.strip():
+            raise ConfigError(f"Dataset file {path} is empty: it has no rows to train or evaluate on.")
+        if fmt == "json":
+            return _parse_json(text, path)
+    import datasets
+
     try:
         ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
     except UnicodeDecodeError as e:
@@ -88,6 +99,35 @@ def _read_local(path: Path) -> list[dict[str, Any]]:
     except Exception as e:  # datasets wraps parse errors in several exception types
         raise ConfigError(f"Could not read {path} as {fmt}: {e}") from e
     return ds.to_list()
+
+
+def _utf8(data: bytes, path: Path) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path} is not valid UTF-8: line {line} has the byte 0x{data[e.start]:02x}. Re-encode the "
+                          f"file as UTF-8 (e.g. iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}).") from e
+
+
+def _parse_json(text: str, path: Path) -> list[Any]:
+    """A JSON array of objects, or JSON Lines (one object per line; blank lines are skipped)."""
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}.") from e
+        return records if isinstance(records, list) else [records]
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError as e:
+            raise ConfigError(f"{path}: line {number} is not valid JSON ({e}). Each line of a .jsonl file must "
+                              "be one JSON object, e.g. {\"prompt\": \"...\", \"answer\": \"...\"}.") from e
+    return records
 
 
 def _read_hub(path: str, name: str | None, split: str, data_files: str | None,
@@ -112,18 +152,39 @@ def _pick(columns: list[str], wanted: str | None, candidates: tuple[str, ...], w
 
 
 def normalise_rows(records: list[dict[str, Any]], prompt_field: str | None, answer_field: str | None,
-                   source: str) -> list[dict[str, Any]]:
+                   source: str, skip_invalid: bool = False) -> list[dict[str, Any]]:
+    """Rename the prompt/answer columns to `prompt`/`answer`. Rows whose prompt (or, when there is an
+    answer column, answer) is missing or empty stop the run with their row numbers, or with
+    `skip_invalid` are dropped and counted."""
     if not records:
         raise ConfigError(f"Dataset {source} is empty: it has no rows to train or evaluate on.")
-    columns = list(records[0])
+    not_objects = [i for i, r in enumerate(records) if not isinstance(r, dict)]
+    if not_objects:
+        raise ConfigError(f"{source}: rows {_rows(not_objects)} (counting from 0) are not objects with named "
+                          "fields (e.g. {\"prompt\": \"...\", \"answer\": \"...\"}).")
+    columns = list(dict.fromkeys(k for r in records for k in r))
     prompt_col = _pick(columns, prompt_field, PROMPT_COLUMNS, "prompt", source)
     if prompt_col is None:
         raise ConfigError(f"{source}: no prompt column among {columns}; set data.prompt_field to the "
                           f"column that holds the prompt (looked for {', '.join(PROMPT_COLUMNS)}).")
     answer_col = _pick(columns, answer_field, ANSWER_COLUMNS, "answer", source)
-    bad = [i for i, r in enumerate(records) if not isinstance(r.get(prompt_col), (str, list)) or not r[prompt_col]]
+    bad = {i: prompt_col for i, r in enumerate(records) if not _valid_prompt(r.get(prompt_col))}
+    if answer_col is not None:
+        for i, r in enumerate(records):
+            if r.get(answer_col) is None or (isinstance(r[answer_col], str) and not r[answer_col].strip()):
+                bad.setdefault(i, answer_col)
     if bad:
-        raise ConfigError(f"{source}: rows {_rows(bad)} have an empty or missing '{prompt_col}' field.")
+        fields = " or ".join(f"'{c}'" for c in dict.fromkeys(bad.values()))
+        if not skip_invalid:
+            raise ConfigError(f"{source}: rows {_rows(sorted(bad))} (counting from 0) have an empty or missing "
+                              f"{fields} field. Fix them, or set data.skip_invalid_rows=true to drop such rows "
+                              "(they are counted in the log).")
+        if len(bad) == len(records):
+            raise ConfigError(f"{source}: all {len(records)} rows have an empty or missing {fields} field, so "
+                              "nothing is left to train on.")
+        log.warning("%s: skipped %d of %d rows with an empty or missing %s field (rows %s, counting from 0).",
+                    source, len(bad), len(records), fields, _rows(sorted(bad)))
+        records = [r for i, r in enumerate(records) if i not in bad]
     rows = []
     for r in records:
         row = {k: v for k, v in r.items() if k not in (prompt_col, answer_col)}
@@ -134,21 +195,27 @@ def normalise_rows(records: list[dict[str, Any]], prompt_field: str | None, answ
     return rows
 
 
+def _valid_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return bool(prompt.strip())
+    # Chat format: a non-empty list of {"role": ..., "content": ...} messages.
+    return (isinstance(prompt, list) and bool(prompt) and
+            all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in prompt))
+
+
 def _rows(indices: list[int], limit: int = 10) -> str:
     shown = ", ".join(str(i) for i in indices[:limit])
     return shown + (f" and {len(indices) - limit} more" if len(indices) > limit else "")
 
 
-def rows_from_dataset(dataset: Any) -> list[dict[str, Any]]:
+def rows_from_dataset(dataset: Any, skip_invalid: bool = False) -> list[dict[str, Any]]:
     """Rows from a SimplePromptDataset, a `datasets.Dataset`, a list of dicts or a list of strings."""
     if isinstance(dataset, SimplePromptDataset):
-        return [dataset[i] for i in range(len(dataset))]
+        dataset = [dataset[i] for i in range(len(dataset))]
     if hasattr(dataset, "to_list"):
         dataset = dataset.to_list()
-    dataset = list(dataset)
-    if dataset and isinstance(dataset[0], str):
-        return [{"prompt": p} for p in dataset]
-    return normalise_rows(dataset, None, None, source="train_dataset")
+    dataset = [{"prompt": r} if isinstance(r, str) else r for r in dataset]
+    return normalise_rows(dataset, None, None, source="train_dataset", skip_invalid=skip_invalid)
 
 
 class PromptFormatter:
@@ -176,15 +243,47 @@ class PromptFormatter:
         too_long = [i for i, x in enumerate(ids) if len(x) > limit]
         if too_long and self.cfg.long_prompt_policy == "error":
             where = [indices[i] for i in too_long] if indices else too_long
-            raise ConfigError(f"{len(too_long)} prompt(s) are longer than data.max_prompt_length = {limit} "
-                              f"tokens (dataset rows {_rows(where)}; longest {max(len(ids[i]) for i in too_long)}"
-                              "). Raise data.max_prompt_length or set data.long_prompt_policy=truncate_left.")
+            raise self._too_long(where, max(len(ids[i]) for i in too_long))
         if too_long:
             self.truncated_count += len(too_long)
             log.warning("Left-truncated %d prompt(s) to %d tokens (%d so far).", len(too_long), limit,
                         self.truncated_count)
             ids = [x[-limit:] for x in ids]
         return ids
+
+
+    def check_lengths(self, rows: list[dict[str, Any]], margin: int = 8) -> None:
+        """Measure every prompt before training, so an over-long one stops the run at start-up, not hours in.
+
+        Rendering the chat template and tokenizing row by row is slow (seconds for 10k rows), so a first pass
+        pastes each prompt into the template rendered once around a marker and skips rows with fewer UTF-8
+        bytes than the limit (a token covers at least one byte); rows that tokenize to within `margin`
+        tokens of the limit that way are then measured exactly."""
+        limit = self.cfg.max_prompt_length
+        prefix, marker, suffix = self.text("\x00prompt\x00").partition("\x00prompt\x00")
+        fast = [prefix + r["prompt"] + suffix if isinstance(r["prompt"], str) and marker else None for r in rows]
+        unsure = [i for i, t in enumerate(fast) if t is None or len(t.encode()) + 2 > limit]  # +2: bos/eos
+        rough = self.tokenizer([fast[i] or "" for i in unsure],
+                               add_special_tokens=not self.templated)["input_ids"] if unsure else []
+        lengths = {}
+        near = [i for i, ids in zip(unsure, rough, strict=True) if fast[i] is None or len(ids) > limit - margin]
+        if near:
+            exact = self.tokenizer([self.text(rows[i]["prompt"]) for i in near],
+                                   add_special_tokens=not self.templated)["input_ids"]
+            lengths = {i: len(ids) for i, ids in zip(near, exact, strict=True)}
+        too_long = sorted(i for i, n in lengths.items() if n > limit)
+        if too_long and self.cfg.long_prompt_policy == "error":
+            raise self._too_long(too_long, max(lengths[i] for i in too_long))
+        if too_long:
+            log.warning("%d of %d prompts are longer than data.max_prompt_length = %d tokens; they will be "
+                        "left-truncated (data.long_prompt_policy=truncate_left).", len(too_long), len(rows),
+                        self.cfg.max_prompt_length)
+
+    def _too_long(self, rows: list[int], longest: int) -> ConfigError:
+        return ConfigError(f"{len(rows)} prompt(s) are longer than data.max_prompt_length = "
+                           f"{self.cfg.max_prompt_length} tokens (dataset rows {_rows(rows)}, counting from 0; "
+                           f"longest {longest}). Raise data.max_prompt_length or set "
+                           "data.long_prompt_policy=truncate_left.")
 
 
 def prompt_text(prompt: str | list[dict[str, str]]) -> str:
@@ -202,6 +301,8 @@ class PromptStream:
         self.rows, self.seed, self.shuffle = rows, seed, shuffle
         self.epoch, self.position = 0, 0
         self._order = self._epoch_order(0)
+        # Same count, different rows (an edited or reordered file) would silently change the order.
+        self.fingerprint = hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -220,14 +321,22 @@ class PromptStream:
         self.position += len(picked)
         return picked, [self.rows[i] for i in picked]
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "num_rows": len(self.rows)}
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "num_rows": len(self.rows),
+                "fingerprint": self.fingerprint}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["num_rows"] != len(self.rows):
-            raise ConfigError(f"The checkpoint was trained on {state['num_rows']} prompts, this dataset has "
-                              f"{len(self.rows)}: resume with the same dataset.")
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Continue where the checkpoint stopped. A different dataset is an error, or with strict=False a
+        warning, and the checkpoint's epoch starts over on the new rows."""
         self.epoch, self.position = state["epoch"], state["position"]
+        if state["num_rows"] != len(self.rows) or state.get("fingerprint", self.fingerprint) != self.fingerprint:
+            what = (f"{state['num_rows']} prompts, this dataset has {len(self.rows)}"
+                    if state["num_rows"] != len(self.rows) else "prompts that differ from this dataset's")
+            if strict:
+                raise ConfigError(f"The checkpoint was trained on {what}: resume with the same dataset (or set "
+                                  "train.allow_config_change=true to start the epoch over on this one).")
+            log.warning("The checkpoint was trained on %s; starting epoch %d over.", what, self.epoch)
+            self.position = 0
         self._order = self._epoch_order(self.epoch)
 
 

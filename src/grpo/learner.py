@@ -129,7 +129,7 @@ class Learner:
         totals: dict[str, float] = {}
         grad_norm, skipped = 0.0, False
         for iteration in range(a.num_iterations):
-            first_pass = iteration == 0
+            first_pass, loss_finite = iteration == 0, True
             slices = micro_batches(len(batch), self.micro_batch_size)
             for k, rows in enumerate(slices):
                 mb = trim(batch.rows(rows))
@@ -152,11 +152,12 @@ class Learner:
                     clip_high=a.epsilon_high, beta=a.beta, kl_estimator=a.kl_estimator,
                     aggregation=a.loss_aggregation, norm=norm)
                 (out.loss * rt.loss_scale).backward()
+                loss_finite = loss_finite and math.isfinite(out.loss.item())
                 if first_pass:
                     _add(totals, loss=out.loss.item(), kl=out.kl_sum.item(), ratio=out.ratio_sum.item(),
                          clip_low=out.clipped_low_sum.item(), clip_high=out.clipped_high_sum.item(),
                          entropy=(entropy * mask).sum().item(), tokens=out.num_tokens.item())
-            grad_norm, step_skipped = self._optimizer_step()
+            grad_norm, step_skipped = self._optimizer_step(loss_finite)
             skipped = skipped or step_skipped
         if rt.active:
             keys = sorted(totals)
@@ -188,11 +189,12 @@ class Learner:
              is_tokens=mask.sum().item())
         return weighted
 
-    def _optimizer_step(self) -> tuple[float, bool]:
+    def _optimizer_step(self, loss_finite: bool = True) -> tuple[float, bool]:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.max_grad_norm or float("inf")
         grad_norm = self.rt.clip_grad_norm(params, max_norm)
-        if not math.isfinite(grad_norm):
+        loss_finite = not self.rt.any(not loss_finite)  # every rank skips, or none
+        if not (math.isfinite(grad_norm) and loss_finite):
             # A non-finite gradient would poison AdamW's moments for good: drop this update.
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_in_a_row += 1

@@ -1,6 +1,8 @@
 """Where metrics go: console lines, metrics.jsonl, TensorBoard, W&B, and a stage timer.
 
-metrics.jsonl is opened in append mode so a resumed run continues the same file.
+metrics.jsonl is opened in append mode so a resumed run continues the same file. Lines past the step
+a run resumes from (written by a process killed before its next checkpoint) are dropped first, and
+TensorBoard purges its events past that step, so each step is logged once, as the resumed run logs it.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,14 +41,15 @@ class StageTimer:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, cfg, config_dict: dict[str, Any]):
+    def __init__(self, run_dir: Path, cfg, config_dict: dict[str, Any], start_step: int = 0):
         self.run_dir = Path(run_dir)
+        keep_until_step(self.run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self.tb = None
         if cfg.train.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
         self.wandb = None
         if cfg.train.use_wandb:
             try:
@@ -74,6 +78,23 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def keep_until_step(path: Path, step: int) -> None:
+    """Drop the lines of a metrics.jsonl logged after `step` (all of them for a fresh start), atomically."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            logged = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a kill
+        if step and logged <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def format_metrics(metrics: dict[str, Any], keys: tuple[str, ...] = CONSOLE_KEYS) -> str:

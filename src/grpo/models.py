@@ -61,9 +61,16 @@ def load_tokenizer(cfg: GRPOConfig):
     path = resolve_path(cfg.model.tokenizer_path or cfg.model.name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(path, **_hub_kwargs(cfg))
-    except OSError as e:
-        raise ConfigError(f"Could not load a tokenizer from '{path}': {e}") from e
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"Could not load a tokenizer from '{path}': {_why(e)}") from e
     return prepare_tokenizer(tok)
+
+
+def _why(e: Exception) -> str:
+    if "trust_remote_code" in str(e):
+        return ("the repository needs its own Python code to load; set model.trust_remote_code=true only if "
+                "you trust that code.")
+    return str(e)
 
 
 def prepare_tokenizer(tok):
@@ -73,7 +80,8 @@ def prepare_tokenizer(tok):
                               "(tokenizer.add_special_tokens({'pad_token': ...})) and save it.")
         # Completion masks come from eos positions, so reusing eos as pad is safe here.
         tok.pad_token = tok.eos_token
-        log.info("Tokenizer has no pad token; using its eos token %r.", tok.eos_token)
+        log.warning("The tokenizer has no pad token; padding with its eos token %r (safe: completions end at "
+                    "the first eos, and padding is masked).", tok.eos_token)
     tok.padding_side = "left"
     return tok
 
@@ -83,8 +91,8 @@ def load_causal_lm(name_or_path: str, cfg: GRPOConfig, device: torch.device, tra
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=resolve_dtype(cfg.model.dtype, device), use_safetensors=True, **_hub_kwargs(cfg))
-    except OSError as e:
-        raise ConfigError(f"Could not load a causal LM from '{path}': {e}") from e
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"Could not load a causal LM from '{path}': {_why(e)}") from e
     model.to(device)
     if trainable:
         model.train()

@@ -28,6 +28,8 @@ from grpo.models import (
     resolve_device,
     resolve_path,
 )
+from grpo.preflight import check_model_paths, plan_resume
+from grpo.redact import RedactingFilter
 from grpo.rewards import resolve_reward
 from grpo.rollout import RolloutEngine, build_engine
 
@@ -47,6 +49,7 @@ class RunParts:
     eval_rows: list[dict[str, Any]]
     reward_funcs: list[Callable]
     reward_weights: list[float] | None
+    resume_from: Path | None = None  # a verified checkpoint whose settings match this run's
 
 
 def make_run_dir(cfg: GRPOConfig) -> Path:
@@ -84,6 +87,7 @@ def setup_logging(run_dir: Path | None = None) -> None:
                for h in logger.handlers):
         console = logging.StreamHandler(sys.stderr)
         console.setFormatter(logging.Formatter("%(message)s"))
+        console.addFilter(RedactingFilter())
         logger.addHandler(console)
     if run_dir is not None:
         path = str((run_dir / "train.log").resolve())
@@ -92,6 +96,7 @@ def setup_logging(run_dir: Path | None = None) -> None:
             h.close()
         handler = logging.FileHandler(path, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        handler.addFilter(RedactingFilter())
         logger.addHandler(handler)
 
 
@@ -100,13 +105,20 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     torch.manual_seed(cfg.train.seed)
+    for key, value in (("tokenizer_path", tokenizer), ("name_or_path", model), ("ref_model_path", ref_model)):
+        if isinstance(value, str):  # a name or path passed in place of an object
+            setattr(cfg.model, key, value)
     run_dir = make_run_dir(cfg)
     setup_logging(run_dir)
+    # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
+    # weights are read.
+    resume_from = plan_resume(cfg, run_dir)
     (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+    check_model_paths(cfg, model_given=model is not None and not isinstance(model, str),
+                      tokenizer_given=tokenizer is not None and not isinstance(tokenizer, str))
     token = cfg.hf_token()
 
-    # Cheap checks first: data and reward names, before any weights are read.
-    train_rows = (rows_from_dataset(train_dataset) if train_dataset is not None
+    train_rows = (rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows) if train_dataset is not None
                   else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
     eval_rows = _eval_rows(cfg, eval_dataset, token)
     funcs = [resolve_reward(f) for f in (reward_funcs if reward_funcs is not None else
@@ -114,14 +126,10 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
 
     device = resolve_device(cfg.model.device)
     if tokenizer is None or isinstance(tokenizer, str):
-        if isinstance(tokenizer, str):
-            cfg.model.tokenizer_path = tokenizer
         tokenizer = load_tokenizer(cfg)
     else:
         tokenizer = prepare_tokenizer(tokenizer)
     if model is None or isinstance(model, str):
-        if isinstance(model, str):
-            cfg.model.name_or_path = model
         policy = load_policy(cfg, device)
     else:
         policy = model.to(device).train()
@@ -136,8 +144,6 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
 
             ref = ReferenceWithoutAdapters(policy)
         elif ref_model is None or isinstance(ref_model, str):
-            if isinstance(ref_model, str):
-                cfg.model.ref_model_path = ref_model
             ref = load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy)
         else:
             ref = ref_model.to(device).eval().requires_grad_(False)
@@ -158,6 +164,7 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
         raise ConfigError(f"algorithm.reward_weights has {len(weights)} entries for {len(funcs)} rewards.")
 
     formatter = PromptFormatter(tokenizer, cfg.data)
+    formatter.check_lengths(train_rows)
     engine = build_engine(cfg.generation.engine, policy, tokenizer)
     n_params = sum(p.numel() for p in policy.parameters())
     log.info("Run directory: %s", run_dir)
@@ -167,7 +174,7 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
              "the base weights, adapters off" if cfg.lora.enabled else f"frozen copy ({cfg.distributed.ref_device})",
              ", ".join(getattr(f, "__name__", type(f).__name__) for f in funcs))
     return RunParts(run_dir, device, policy, ref, tokenizer, engine, formatter, train_rows, eval_rows,
-                    funcs, weights)
+                    funcs, weights, resume_from)
 
 
 def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:

@@ -1,9 +1,10 @@
 """THE loop: prompts → rollout → rewards → advantages → (reference) → update → log/save/eval.
 
     CPU, the bundled tiny model and task:   grpo train
-    2 CPU processes (gloo):                 torchrun --nproc_per_node 2 -m grpo train
+    2 CPU processes (gloo):                 torchrun --standalone --nproc_per_node 2 -m grpo train
     one GPU, a hub model on GSM8K:          grpo train --config gsm8k model=Qwen/Qwen2.5-0.5B-Instruct
-    8 GPUs, FSDP2:                          torchrun --nproc_per_node 8 -m grpo train --config gsm8k strategy=fsdp2
+    8 GPUs, FSDP2:                          torchrun --standalone --nproc_per_node 8 -m grpo train --config gsm8k \
+                                                model=... strategy=fsdp2
     several nodes:                          torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \
                                                 --rdzv-endpoint HOST:29500 -m grpo train ...
     Ray rollout workers:                    grpo train rollout.mode=async rollout.replicas=2
@@ -12,6 +13,10 @@
 
 Each step's stages are named and timed (`time/rollout`, `time/reward`, `time/reference`,
 `time/update`); one step can be read top to bottom in `GRPOTrainer.train`.
+
+Stopping: the first SIGINT/SIGTERM finishes the current step, saves a checkpoint and says how to
+resume; a second one stops at once. `train.stop_after_nonfinite_steps` NaN/inf steps in a row also
+save and stop (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -28,11 +33,11 @@ from tqdm.auto import tqdm
 from grpo.advantages import discounted_token_advantages, group_advantages, group_reward_stats
 from grpo.batch import PromptBatch, Rollouts, SamplingParams, TrainBatch
 from grpo.checkpoint import (
-    find_resume_dir,
     list_checkpoints,
     load_training_state,
     prune_checkpoints,
     rng_state,
+    seed_everything,
     set_rng_state,
 )
 from grpo.config import GRPOConfig
@@ -52,6 +57,10 @@ from grpo.setup import RunParts, build_run
 log = logging.getLogger("grpo")
 
 
+class TrainingHalted(RuntimeError):
+    """Training stopped itself (after saving a checkpoint) because it could not go on; the message says why."""
+
+
 class GRPOTrainer:
     """GRPO on a causal LM. Models and tokenizer may be objects or names/paths; anything left out
     comes from `config`. `reward_model` (an object or path) scores completions; `reward_funcs` are
@@ -69,7 +78,8 @@ class GRPOTrainer:
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
         if not self.rt.is_main:  # rank 0 speaks for the group
             logging.getLogger("grpo").setLevel(logging.WARNING)
-        self.stop_requested = False
+        self.stop_signal: int | None = None  # the first SIGINT/SIGTERM received
+        self.nonfinite_total = 0
 
     def evaluate(self) -> EvalResult | None:
         p, t = self.parts, self.cfg.train
@@ -104,7 +114,8 @@ class GRPOTrainer:
                  cfg.completions_per_step, learner.micro_batch_size,
                  -(-cfg.completions_per_step // learner.micro_batch_size), a.num_iterations, total_steps,
                  len(p.train_rows), stream.steps_per_epoch(t.prompts_per_step))
-        logger = MetricsLogger(p.run_dir, cfg, cfg.to_dict()) if rt.is_main else SilentLogger()
+        logger = (MetricsLogger(p.run_dir, cfg, cfg.to_dict(), start_step=start_step) if rt.is_main
+                  else SilentLogger())
         summary: dict[str, float] = {}
         if t.eval_before and start_step == 0:
             summary.update(self._log_eval(logger, 0, "before"))
@@ -114,8 +125,8 @@ class GRPOTrainer:
         step = start_step
         try:
             while step < total_steps:
-                if rt.any(self.stop_requested):  # every rank stops at the same step
-                    self.stop_requested = True
+                if rt.any(self.stop_signal is not None):  # every rank stops at the same step
+                    self.stop_signal = self.stop_signal or signal.SIGTERM
                     break
                 step += 1
                 timer = StageTimer()
@@ -149,6 +160,7 @@ class GRPOTrainer:
                         remote.after_update(step)
                     elif rt.sharded:
                         p.engine.load_weights(rt.full_named_parameters(learner.policy))
+                self.nonfinite_total += stats.skipped
                 step_seconds = time.perf_counter() - step_start
                 metrics = {
                     "reward": scores.total.mean().item(), "reward_std": scores.total.std().item(),
@@ -157,6 +169,7 @@ class GRPOTrainer:
                     "advantage/mean": advantages.mean().item(), "advantage/std": advantages.std().item(),
                     "advantage/abs_max": advantages.abs().max().item(),
                     **stats.as_dict(), **rollout_metrics(rollouts),
+                    "nonfinite_steps_total": self.nonfinite_total,
                     "lr": learner.scheduler.get_last_lr()[0], "epoch": stream.epoch,
                     "tokens_per_s": rollouts.completion_mask.sum().item() / step_seconds,
                     "time/step": step_seconds, **timer.as_metrics(),
@@ -176,9 +189,8 @@ class GRPOTrainer:
                     summary.update(self._log_eval(logger, step, "during"))
                 if t.save_steps and step % t.save_steps == 0 and step != total_steps:
                     self._save_checkpoint(step, learner, remote.data if remote is not None else stream)
-                if learner.nonfinite_in_a_row >= 3:
-                    raise FloatingPointError(f"Non-finite gradients 3 steps in a row (step {step}); lower "
-                                             "optim.learning_rate or check the rewards.")
+                if 0 < t.stop_after_nonfinite_steps <= learner.nonfinite_in_a_row:
+                    break
         except Exception as e:
             self._explain_failure(step, e)
             raise
@@ -187,12 +199,19 @@ class GRPOTrainer:
             self._restore_signal_handlers(previous_handlers)
             if remote is not None:
                 remote.close()
-        data = remote.data if remote is not None else stream
-        if self.stop_requested and step < total_steps:
+        data = remote.data if remote is not None else stream  # the data position of the last batch used
+        if step < total_steps:  # stopped early: a signal, or non-finite steps
             where = self._save_checkpoint(step, learner, data)
-            log.info("Stopped at step %d; checkpoint %s. Resume with: grpo train --resume latest "
-                     "--output-dir %s", step, where, p.run_dir)
             logger.close()
+            how = (f"Resume with the same command plus --resume latest (e.g. grpo train --resume latest "
+                   f"--output-dir {p.run_dir}).")
+            if self.stop_signal is None:
+                raise TrainingHalted(
+                    f"{learner.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient (last: step "
+                    f"{step}); stopped with checkpoint {where}. Lower optim.learning_rate, check the reward "
+                    f"functions for NaN/inf, or raise train.stop_after_nonfinite_steps. {how}")
+            log.warning("Stopped at step %d of %d (signal %d); checkpoint %s. %s", step, total_steps,
+                        self.stop_signal, where, how)
             return summary
         self._save_checkpoint(step, learner, data)
         save_policy_dir(rt, p.run_dir / "final_model", p.policy, p.tokenizer, cfg.to_yaml(), None,
@@ -222,11 +241,12 @@ class GRPOTrainer:
         p = self.parts
         rngs = self.rt.gather_objects(rng_state())  # each rank's sampling noise, for an exact resume
         state = {"step": step, "learner": learner.state_dict(), "rng": rngs[0] if len(rngs) == 1 else rngs,
-                 "data": stream.state_dict(), "nonfinite_in_a_row": learner.nonfinite_in_a_row}
+                 "data": stream.state_dict(), "nonfinite_in_a_row": learner.nonfinite_in_a_row,
+                 "nonfinite_total": self.nonfinite_total}
         path = save_policy_dir(self.rt, p.run_dir / f"checkpoint-{step}", p.policy, p.tokenizer,
                                self.cfg.to_yaml(), state)
         if self.rt.is_main:
-            prune_checkpoints(p.run_dir, self.cfg.train.save_total_limit, protect=path)
+            prune_checkpoints(p.run_dir, self.cfg.train.save_total_limit, protect=(path, p.resume_from))
         return path
 
     def _explain_failure(self, step: int, error: Exception) -> None:
@@ -237,20 +257,19 @@ class GRPOTrainer:
                   "%s.", step, self.rt.rank, type(error).__name__, error, where)
 
     def _resume(self, learner: Learner, stream: PromptStream) -> int:
-        spec = self.cfg.train.resume
-        if not spec:
-            self.rt.seed(self.cfg.train.seed)
-            return 0
-        path = find_resume_dir(self.parts.run_dir, spec)
+        path = self.parts.resume_from  # verified, settings compared: preflight.plan_resume
         if path is None:
-            log.info("No checkpoint in %s yet; starting from step 0.", self.parts.run_dir)
-            self.rt.seed(self.cfg.train.seed)
+            if self.cfg.train.resume:
+                log.info("No checkpoint in %s yet; starting from step 0.", self.parts.run_dir)
+            seed_everything(self.cfg.train.seed)
+            self.rt.seed(self.cfg.train.seed)  # several processes: different sampling noise per rank
             return 0
         state = load_training_state(path)
         load_policy_weights(self.rt, path, self.parts.policy, state)
         learner.load_state_dict(state["learner"])
         learner.nonfinite_in_a_row = state["nonfinite_in_a_row"]
-        stream.load_state_dict(state["data"])
+        self.nonfinite_total = state["nonfinite_total"]
+        stream.load_state_dict(state["data"], strict=not self.cfg.train.allow_config_change)
         rngs = state["rng"]
         set_rng_state(rngs[self.rt.rank] if isinstance(rngs, list) else rngs)
         log.info("Resumed from %s (step %d).", path, state["step"])
@@ -258,11 +277,11 @@ class GRPOTrainer:
 
     def _install_signal_handlers(self):
         def request_stop(signum, frame):
-            if self.stop_requested:  # a second signal: stop now
+            if self.stop_signal is not None:  # a second signal: stop now, without saving
                 raise KeyboardInterrupt
-            self.stop_requested = True
-            log.warning("Signal %d: finishing this step, then saving a checkpoint (again to stop at once).",
-                        signum)
+            self.stop_signal = signum
+            log.warning("Signal %d: finishing this step, then saving a checkpoint (send it again to stop at "
+                        "once, without saving).", signum)
 
         try:
             return {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -43,7 +43,7 @@ def test_bundled_task_is_gsm8k_schema():
 @pytest.mark.parametrize("rows,message", [
     ([], "empty"),
     ([{"text": "no prompt column"}], "no prompt column"),
-    ([{"prompt": "ok"}, {"prompt": ""}, {"prompt": None}], r"rows 1, 2 have an empty or missing 'prompt'"),
+    ([{"prompt": "ok"}, {"prompt": ""}, {"prompt": None}], r"rows 1, 2 \(counting from 0\) have an empty or missing 'prompt'"),
 ])
 def test_bad_datasets_are_refused_with_the_reason(tmp_path, rows, message):
     path = tmp_path / "bad.jsonl"

@@ -1,0 +1,145 @@
+"""Checks that run before any model is loaded: local model/tokenizer paths, and whether (and from where)
+to resume, including whether the checkpoint's settings match this run's.
+
+Each failure is a ConfigError that says what is wrong and how to fix it; docs/reliability.md lists
+them all with the test that covers each.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo.checkpoint import find_resume_dir, list_checkpoints, read_saved_config, remove_partial_saves
+from grpo.config import BUNDLED_MODEL, ConfigError, GRPOConfig
+
+log = logging.getLogger("grpo")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+# Settings that may change between a checkpoint and its resume without changing what is trained:
+# where things go, how often they are logged/saved/evaluated, memory knobs (micro-batching is
+# loss-invariant), and the run length (extending a finished run is the usual reason to resume).
+RESUME_SAFE_KEYS = frozenset({
+    "model.hf_token", "model.device", "model.gradient_checkpointing",
+    "data.eval_dataset", "data.eval_max_samples",
+    "generation.batch_size",
+    "train.steps", "train.num_epochs", "train.micro_batch_size", "train.gradient_accumulation_steps",
+    "train.output_dir", "train.base_output_directory", "train.run_name", "train.logging_steps",
+    "train.save_steps", "train.save_total_limit", "train.resume", "train.allow_config_change",
+    "train.stop_after_nonfinite_steps", "train.eval_before", "train.eval_after", "train.eval_steps",
+    "train.eval_batch_size", "train.eval_max_new_tokens", "train.use_wandb", "train.wandb_project",
+    "train.wandb_run_name", "train.tensorboard", "train.progress_bar", "train.num_threads",
+    "distributed.profiler",
+})
+
+
+def check_model_paths(cfg: GRPOConfig, *, model_given: bool, tokenizer_given: bool) -> None:
+    """Every local model/tokenizer directory the config names exists, is readable, holds safetensors
+    weights and needs no repository code unless model.trust_remote_code is on."""
+    m = cfg.model
+    models = {} if model_given else {"model.name_or_path": m.load_parameters_path or m.name_or_path}
+    if m.ref_model_path and cfg.algorithm.beta > 0:
+        models["model.ref_model_path"] = m.ref_model_path
+    if cfg.algorithm.reward_model:
+        models["algorithm.reward_model"] = cfg.algorithm.reward_model
+    if m.load_parameters_path and not model_given:
+        models["model.load_parameters_path"] = models.pop("model.name_or_path")
+    for key, spec in models.items():
+        path = _local_dir(key, spec)
+        if path is not None:
+            _check_model_dir(key, path, cfg.model.trust_remote_code)
+    if not tokenizer_given:
+        key = "model.tokenizer_path" if m.tokenizer_path else "model.name_or_path"
+        path = _local_dir(key, m.tokenizer_path or m.name_or_path)
+        if path is not None and not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise ConfigError(f"{key} = {path}: no tokenizer files there (looked for {', '.join(TOKENIZER_FILES)}). "
+                              "Point model.tokenizer_path at a directory saved with tokenizer.save_pretrained.")
+
+
+def _local_dir(key: str, spec: str) -> Path | None:
+    """The directory `spec` names, or None for the bundled model and hub ids."""
+    if spec == BUNDLED_MODEL:
+        return None
+    path = Path(spec).expanduser()
+    if not (spec.startswith((".", "/", "~")) or path.exists()):
+        return None  # a hub id (org/name): checked when it is downloaded
+    if not path.exists():
+        raise ConfigError(f"{key} = {spec}: no such file or directory. Pass a hub id (org/name), a directory "
+                          f"saved with save_pretrained, or '{BUNDLED_MODEL}'.")
+    if not path.is_dir():
+        raise ConfigError(f"{key} = {spec} is a file; pass the directory that holds config.json and the weights.")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ConfigError(f"{key} = {spec} cannot be read (permission denied); fix its permissions or copy it.")
+    return path
+
+
+def _check_model_dir(key: str, path: Path, trust_remote_code: bool) -> None:
+    config = path / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"{key} = {path} has no config.json, so it is not a saved model directory.")
+    if not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for pattern in PICKLE_WEIGHTS for p in path.glob(pattern))
+        found = f"only {', '.join(pickles)}" if pickles else "no weight files"
+        raise ConfigError(f"{key} = {path} has {found}: grpo loads weights from .safetensors files only, because "
+                          "a pickled checkpoint can run code when it is opened. If you trust the file, convert it "
+                          "once with AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir).")
+    try:
+        auto_map = json.loads(config.read_text(encoding="utf-8")).get("auto_map")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{key}: {config} is not valid JSON ({e}).") from e
+    if auto_map and not trust_remote_code:
+        raise ConfigError(f"{key} = {path} needs its own Python code to load (auto_map in config.json). Set "
+                          "model.trust_remote_code=true only if you trust that code.")
+
+
+def plan_resume(cfg: GRPOConfig, run_dir: Path) -> Path | None:
+    """The checkpoint this run continues from (verified, settings compatible), or None for a fresh start."""
+    removed = remove_partial_saves(run_dir)
+    if removed:
+        log.info("Removed %s, left by a save that was interrupted.", ", ".join(removed))
+    if not cfg.train.resume:
+        existing = list_checkpoints(run_dir)
+        if existing:
+            raise ConfigError(f"{run_dir} already holds a run ({', '.join(p.name for _, p in existing[-3:])}). "
+                              "Pass --resume latest to continue it, or another --output-dir to start afresh.")
+        return None
+    path = find_resume_dir(run_dir, cfg.train.resume)
+    if path is None:
+        return None
+    saved = read_saved_config(path)
+    differences = config_differences(yaml.safe_load(saved) if saved else {}, cfg.to_dict())
+    if differences and not cfg.train.allow_config_change:
+        raise ConfigError(f"Cannot resume from {path}: these settings differ from the checkpoint's "
+                          f"({path / 'config.yaml'}): {'; '.join(differences)}. Resume with the checkpoint's "
+                          "values, start a new run in another --output-dir, or set "
+                          "train.allow_config_change=true to resume with the new values anyway.")
+    if differences:
+        log.warning("Resuming with settings that differ from the checkpoint's: %s.", "; ".join(differences))
+    newer = [p.name for step, p in list_checkpoints(run_dir) if step > _step(path)]
+    if newer:
+        log.warning("Resuming from %s although newer checkpoints exist (%s); they will be replaced as the "
+                    "run reaches their steps.", path.name, ", ".join(newer))
+    return path
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'section.key: saved → current' for every trajectory-changing setting that differs."""
+    out = []
+    for section, values in current.items():
+        for key, value in values.items():
+            path = f"{section}.{key}"
+            old = (saved.get(section) or {}).get(key, value)
+            if path not in RESUME_SAFE_KEYS and old != value:
+                out.append(f"{path}: {old!r} → {value!r}")
+    return out
+
+
+def _step(path: Path) -> int:
+    return int(path.name.rpartition("-")[2]) if path.name.rpartition("-")[2].isdigit() else -1

@@ -1,0 +1,209 @@
+"""Every hostile input in docs/reliability.md's table, one case each: the message the user gets must be
+the one the table shows (`<...>` there stands for a path, a number or a library's own words)."""
+
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import grpo.checkpoint as ckpt
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.checkpoint import CheckpointError, save_model_dir
+from grpo.config import ConfigError, load_config
+from grpo.models import prepare_tokenizer
+from tests import tiny_run
+
+pytestmark = pytest.mark.slow
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
+ROW = re.compile(r"^\| (H\d+) \| (.+?) \| `(.+)` \|$")
+
+
+def doc_rows() -> dict[str, str]:
+    rows = {}
+    for line in DOC.read_text(encoding="utf-8").splitlines():
+        m = ROW.match(line)
+        if m:
+            rows[m.group(1)] = m.group(3)
+    return rows
+
+
+def as_regex(message: str) -> str:
+    return ".*?".join(re.escape(part) for part in re.split(r"<[^<>]*>", message.replace("\\|", "|")))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile")
+    model = tiny_run.make_model_dir(root / "model")
+    data = tiny_run.write_dataset(root / "data.jsonl", 4)
+    run = root / "run"
+    GRPOTrainer(config=GRPOConfig(**tiny_run.config(model, data, run, steps=1))).train()
+    return {"root": root, "model": model, "data": data, "run": run}
+
+
+class Ctx:
+    def __init__(self, base, tmp: Path, monkeypatch):
+        self.base, self.tmp, self.monkeypatch = base, tmp, monkeypatch
+
+    def trainer(self, **overrides):
+        overrides.setdefault("output_dir", str(self.tmp / "out"))
+        cfg = tiny_run.config(self.base["model"], self.base["data"], overrides.pop("output_dir"), steps=2)
+        return GRPOTrainer(config=GRPOConfig(**{**cfg, **overrides}))
+
+    def file(self, name: str, content: str | bytes) -> Path:
+        path = self.tmp / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return path
+
+    def model_dir(self, name: str, files: dict[str, str]) -> Path:
+        path = self.tmp / name
+        path.mkdir()
+        for f, text in files.items():
+            (path / f).write_text(text)
+        return path
+
+    def copy_run(self) -> Path:
+        return Path(shutil.copytree(self.base["run"], self.tmp / "run"))
+
+
+def _unusable_warning(c: Ctx):
+    run = c.copy_run()
+    ckpt.save_model_dir(run / "checkpoint-2", _Model(), _Tok(), "x: 1\n", {"step": 2})
+    (run / "checkpoint-2" / "manifest.json").unlink()
+    c.trainer(output_dir=str(run), resume="latest")
+
+
+class _Model:
+    def save_pretrained(self, d, safe_serialization=True):
+        (Path(d) / "model.safetensors").write_bytes(b"0")
+
+
+class _Tok:
+    def save_pretrained(self, d):
+        (Path(d) / "tokenizer.json").write_text("{}")
+
+
+class _NoPad:
+    pad_token = None
+    eos_token = "<|end|>"
+
+
+class _NoPadNoEos:
+    pad_token = eos_token = None
+
+
+def _disk_full(c: Ctx):
+    save_model_dir(c.tmp / "checkpoint-1", _Model(), _Tok(), "x: 1\n", {"step": 1})
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    c.monkeypatch.setattr(ckpt.torch, "save", full)
+    save_model_dir(c.tmp / "checkpoint-2", _Model(), _Tok(), "x: 1\n", {"step": 2})
+
+
+def _damaged_explicit(c: Ctx):
+    run = c.copy_run()
+    target = run / "checkpoint-1" / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    data[100] ^= 0xFF
+    target.write_bytes(bytes(data))
+    c.trainer(output_dir=str(run), resume=str(run / "checkpoint-1"))
+
+
+def _different_dataset(c: Ctx):
+    data = tiny_run.write_dataset(c.tmp / "d.jsonl", 4)
+    GRPOTrainer(config=GRPOConfig(**tiny_run.config(c.base["model"], data, c.tmp / "r", steps=1))).train()
+    data.write_text(data.read_text().replace("apples", "pears"))
+    GRPOTrainer(config=GRPOConfig(**tiny_run.config(c.base["model"], data, c.tmp / "r", steps=2,
+                                                    resume="latest"))).train()
+
+
+def _unreadable(c: Ctx, what: str):
+    real = os.access
+    c.monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p).name == what else real(p, mode))
+
+
+CASES = {
+    "H01": lambda c: GRPOConfig(lerning_rate=1e-3),
+    "H02": lambda c: GRPOConfig(beta="high"),
+    "H03": lambda c: GRPOConfig(temperature=0).validate(),
+    "H04": lambda c: GRPOConfig(learning_rate="nan").validate(),
+    "H05": lambda c: GRPOConfig(batch_size=3, num_generations=4, gradient_accumulation_steps=5).validate(),
+    "H06": lambda c: load_config(str(c.file("bad.yaml", "train: [unclosed"))),
+    "H07": lambda c: load_config("tiny_mth"),
+    "H08": lambda c: c.trainer(model=str(c.tmp / "nope")),
+    "H09": lambda c: c.trainer(model=str(c.file("weights.safetensors", "x"))),
+    "H10": lambda c: (_unreadable(c, "model"), c.trainer())[1],
+    "H11": lambda c: c.trainer(model=str(c.model_dir("m", {"model.safetensors": "x"}))),
+    "H12": lambda c: c.trainer(model=str(c.model_dir("m", {"config.json": "{}", "pytorch_model.bin": "x"}))),
+    "H13": lambda c: c.trainer(model=str(c.model_dir("m", {"config.json": json.dumps({"auto_map": {"AutoConfig": "a.B"}}),
+                                                           "model.safetensors": "x"}))),
+    "H14": lambda c: c.trainer(tokenizer_path=str(c.model_dir("t", {"config.json": "{}"}))),
+    "H15": lambda c: c.trainer(dataset=str(c.tmp / "nope.jsonl")),
+    "H16": lambda c: (c.monkeypatch.setattr(Path, "read_bytes", _denied), c.trainer())[1],
+    "H17": lambda c: c.trainer(dataset=str(c.file("empty.jsonl", "\n"))),
+    "H18": lambda c: c.trainer(dataset=str(c.file("none.json", "[]"))),
+    "H19": lambda c: c.trainer(dataset=str(c.file("latin1.jsonl", '{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n'
+                                                  .encode("latin-1")))),
+    "H20": lambda c: c.trainer(dataset=str(c.file("broken.jsonl", '{"prompt": "ok"}\n{"prompt": "no end\n'))),
+    "H21": lambda c: c.trainer(dataset=str(c.file("text.jsonl", '{"text": "hello"}\n'))),
+    "H22": lambda c: c.trainer(dataset=str(c.file("p.jsonl", '{"prompt": "a"}\n{"prompt": ""}\n{"x": 1}\n'))),
+    "H23": lambda c: c.trainer(dataset=str(c.file("a.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n'))),
+    "H24": lambda c: c.trainer(skip_invalid_rows=True,
+                               dataset=str(c.file("s.jsonl", '{"prompt": "a"}\n{"prompt": ""}\n{"x": 1}\n'))),
+    "H25": lambda c: c.trainer(max_prompt_length=8),
+    "H26": lambda c: prepare_tokenizer(_NoPad()),
+    "H27": lambda c: prepare_tokenizer(_NoPadNoEos()),
+    "H28": lambda c: c.trainer(output_dir=str(c.file("out", "x"))),
+    "H29": lambda c: c.trainer(output_dir=str(c.file("f", "x") / "sub")),
+    "H30": lambda c: c.trainer(output_dir=str(c.base["run"])),
+    "H31": lambda c: c.trainer(output_dir=str(c.base["run"]), resume="latest", learning_rate=1e-3, top_k=5),
+    "H32": _damaged_explicit,
+    "H33": _unusable_warning,
+    "H34": _different_dataset,
+    "H35": _disk_full,
+}
+
+
+def _denied(self):
+    raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def message_for(case_id: str, ctx: Ctx) -> str:
+    """The error the case raises, or else the first warning it logs."""
+    logger, handler = logging.getLogger("grpo"), _Collect()
+    logger.addHandler(handler)
+    try:
+        CASES[case_id](ctx)
+    except (ConfigError, CheckpointError) as e:
+        return str(e)
+    finally:
+        logger.removeHandler(handler)
+    assert handler.messages, f"{case_id} was accepted silently"
+    return handler.messages[0]
+
+
+def test_the_table_and_the_cases_list_the_same_inputs():
+    assert sorted(doc_rows()) == sorted(CASES)
+
+
+@pytest.mark.parametrize("case_id", sorted(CASES))
+def test_hostile_input_gets_the_documented_message(case_id, base, tmp_path, monkeypatch):
+    message = message_for(case_id, Ctx(base, tmp_path, monkeypatch))
+    expected = doc_rows()[case_id]
+    assert re.fullmatch(as_regex(expected), message, flags=re.DOTALL), f"{case_id}:\n  got  {message}\n  doc  {expected}"

@@ -1,0 +1,100 @@
+"""Exact resume (mid-epoch and at an epoch boundary), graceful stop on SIGINT/SIGTERM, the second signal,
+and non-finite steps: skipped, counted, then a stop with a checkpoint."""
+
+import signal
+
+import pytest
+import torch
+
+import grpo.learner
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.train import TrainingHalted
+from tests import tiny_run
+from tests.tiny_run import letter_score, metrics, same_weights
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    return {"model": tiny_run.make_model_dir(root / "model"), "root": root}
+
+
+class SignalAt:
+    """letter_score, plus: send `signals` to this process while step `step` is being scored."""
+
+    __name__ = "letter_score"
+
+    def __init__(self, step: int, *signals: int):
+        self.step, self.signals, self.calls = step, signals, 0
+
+    def __call__(self, prompts, completions, **columns):
+        self.calls += 1
+        if self.calls == self.step:
+            for sig in self.signals:
+                signal.raise_signal(sig)
+        return letter_score(prompts, completions, **columns)
+
+
+def train(assets, rows, out, reward=letter_score, **overrides):
+    data = tiny_run.write_dataset(assets["root"] / f"data{rows}.jsonl", rows)
+    cfg = GRPOConfig(**tiny_run.config(assets["model"], data, out, **overrides))
+    trainer = GRPOTrainer(config=cfg, reward_funcs=[reward, "gsm8k_format"])
+    return trainer, trainer.train()
+
+
+@pytest.mark.parametrize("rows,length,stop_at,sig,position", [
+    (5, {"steps": 4}, 2, signal.SIGINT, {"epoch": 0, "position": 4}),  # mid-epoch: 4 of 5 prompts used
+    (6, {"num_epochs": 2}, 3, signal.SIGTERM, {"epoch": 0, "position": 6}),  # exactly at the epoch boundary
+], ids=["mid_epoch", "epoch_boundary"])
+def test_stop_and_resume_equals_an_uninterrupted_run(assets, tmp_path, rows, length, stop_at, sig, position):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(assets, rows, straight, **length)
+    trainer, _ = train(assets, rows, split, reward=SignalAt(stop_at, sig), **length)
+    assert trainer.stop_signal == sig
+    assert {p.name for p in split.glob("checkpoint-*")} == {f"checkpoint-{i}" for i in range(1, stop_at + 1)}
+    assert not (split / "final_model").exists()
+    log = (split / "train.log").read_text()
+    assert f"Stopped at step {stop_at} of" in log and "--resume latest" in log
+    state = torch.load(split / f"checkpoint-{stop_at}" / "training_state.pt", weights_only=True)
+    assert {k: state["data"][k] for k in ("epoch", "position")} == position
+    train(assets, rows, split, resume="latest", **length)
+    assert same_weights(straight / "final_model", split / "final_model")  # bitwise
+    assert metrics(split) == metrics(straight)  # every logged value, steps appended once each
+    total = length.get("steps") or 6
+    assert [m["step"] for m in metrics(split)] == list(range(1, total + 1))
+
+
+def test_a_second_signal_stops_at_once_without_saving(assets, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(assets, 6, out, steps=4, reward=SignalAt(2, signal.SIGINT, signal.SIGINT))
+    assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-1"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    train(assets, 6, out, steps=4, resume="latest")
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(assets, tmp_path, monkeypatch):
+    real = grpo.learner.grpo_loss
+    calls = []
+
+    def poisoned(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) >= 2:  # from step 2 on
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(grpo.learner, "grpo_loss", poisoned)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingHalted, match=r"2 steps in a row had a non-finite loss or gradient \(last: step 3\); "
+                       r"stopped with checkpoint .*checkpoint-3\. .*train.stop_after_nonfinite_steps"):
+        train(assets, 6, out, steps=6, stop_after_nonfinite_steps=2)
+    logged = metrics(out)
+    assert [m["skipped_nonfinite"] for m in logged] == [0.0, 1.0, 1.0]
+    assert [m["nonfinite_steps_total"] for m in logged] == [0, 1, 2]
+    assert same_weights(out / "checkpoint-1", out / "checkpoint-3")  # skipped steps changed nothing
+    state = torch.load(out / "checkpoint-3" / "training_state.pt", weights_only=True)
+    assert state["nonfinite_in_a_row"] == 2 and state["nonfinite_total"] == 2
