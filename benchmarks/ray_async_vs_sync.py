@@ -35,6 +35,7 @@ def constant(prompts, completions, **_):
 
 def random_model(directory: Path) -> str:
     config = AutoConfig.from_pretrained(bundled_model_path())
+    config.max_position_embeddings = 512  # room for prompt + 256 new tokens (rotary: no new weights)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(directory)
