@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -70,6 +71,7 @@ def main() -> None:
     import ray
 
     torch.set_num_threads(1)
+    os.environ.setdefault("RAY_worker_niceness", "0")  # Ray's default 15 starves actors on a busy machine
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     with tempfile.TemporaryDirectory() as tmp:
         model = random_model(Path(tmp) / "model")

@@ -4,6 +4,7 @@ max_staleness, corrects for it, and survives a rollout actor being killed mid-ru
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ SMALL = {"batch_size": 2, "num_generations": 4, "max_new_tokens": 16, "gradient_
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
+    os.environ.setdefault("RAY_worker_niceness", "0")  # Ray's default 15 starves actors on a busy machine
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     yield
     ray.shutdown()

@@ -100,6 +100,8 @@ class RayRollout:
         self.ahead = 0 if d.rollout_mode == "sync" else max(1, d.max_staleness - d.weight_sync_steps + 1)
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
+            # Ray starts workers at niceness 15; rollout is the run's main work, not background work.
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(address=d.ray_address, include_dashboard=False, logging_level=logging.WARNING)
         from grpo.distributed.roles import plan_roles
 
