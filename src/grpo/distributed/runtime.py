@@ -65,7 +65,11 @@ class Runtime:
         if per_rank == 0:
             raise RuntimeError(f"This step has {len(indices)} prompt(s) for {self.world_size} processes; each "
                                "process needs at least one. Raise train.prompts_per_step.")
-        self.dropped_prompts += len(indices) - per_rank * self.world_size
+        left_out = len(indices) - per_rank * self.world_size
+        if left_out and self.is_main:
+            log.warning("%d prompt(s) of this step left out: %d prompts do not split evenly over %d processes "
+                        "(the last batch of an epoch can be short).", left_out, len(indices), self.world_size)
+        self.dropped_prompts += left_out
         take = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
         return indices[take], rows[take]
 
