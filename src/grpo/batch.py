@@ -60,6 +60,9 @@ class TrainBatch:
     group_ids: torch.Tensor  # [N] long
     ref_logprobs: torch.Tensor | None = None  # [N, T] when β > 0
     old_logprobs: torch.Tensor | None = None  # [N, T] π_old, filled in the first optimisation pass
+    # [N, T] log-probs of the (older) policy that sampled the rollout; set only when it lags the
+    # learner (async rollout), which turns on the importance correction
+    behaviour_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -77,4 +80,5 @@ class TrainBatch:
             prompt_width=self.prompt_width, completion_mask=self.completion_mask[index],
             advantages=self.advantages[index], group_ids=self.group_ids[index],
             ref_logprobs=pick(self.ref_logprobs), old_logprobs=pick(self.old_logprobs),
+            behaviour_logprobs=pick(self.behaviour_logprobs),
         )

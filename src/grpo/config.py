@@ -210,8 +210,8 @@ class TrainConfig:
 
 @dataclass
 class DistributedConfig:
-    """Names from the MaxText/TorchRL seeds; more than one device per role arrives with multi-process
-    training. Validation explains what each value means here."""
+    """Devices, processes and rollout placement (docs/scaling.md). Names from the MaxText/TorchRL seeds
+    are accepted; grpo.distributed.roles explains what each value means here."""
 
     use_pathways: bool = _f(False, "MaxText: Pathways (TPU only). Not available; see the error for the "
                             "CUDA equivalent.")
@@ -228,6 +228,50 @@ class DistributedConfig:
     inference_devices: int = _f(1, "Devices for rollout (TorchRL inference_model.num_devices).")
     profiler: str = _f("none", "none or torch (torch.profiler trace of steps 2-3 in the run dir); MaxText's "
                        "xplane is TPU/JAX only.", choices=("none", "torch", "xplane"))
+    # -- scale-out: torchrun learner processes, Ray rollout workers (grpo.distributed) ----------
+    strategy: str = _f("ddp", "How torchrun learner processes share gradients: ddp (each holds the whole model) "
+                       "or fsdp2 (fully_shard: parameters, gradients and optimizer state sharded, for models "
+                       "that do not fit one device).", choices=("ddp", "fsdp2"))
+    backend: str = _f("auto", "torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.",
+                      choices=("auto", "nccl", "gloo"))
+    timeout_s: float = _f(600.0, "Seconds any collective or Ray call may take before the run stops with an "
+                          "error naming it (no silent hangs).")
+    rollout_mode: str = _f("colocated", "colocated: each learner process samples with its live weights; sync: "
+                           "Ray rollout actors sample with the newest weights while the learner waits "
+                           "(on-policy); async: actors sample the next batch while the learner trains "
+                           "(off-policy by at most max_staleness).", choices=("colocated", "sync", "async"))
+    max_staleness: int = _f(1, "async: rollouts sampled with weights more than this many learner steps old "
+                            "are dropped and counted (rollout/dropped_stale).")
+    importance_correction: str = _f("tis", "Correction for rollouts sampled by an older policy: tis (per-token "
+                                    "weight π_old/π_behaviour truncated at importance_cap) or none.",
+                                    choices=("tis", "none"))
+    importance_cap: float = _f(2.0, "Upper bound of the truncated importance weight.")
+    train_device_ids: list[int] | None = _f(None, "GPUs for the learner by index (TorchRL train_model.devices); "
+                                            "default: train_devices of them.")
+    ref_device_ids: list[int] | None = _f(None, "GPUs for the reference model (TorchRL ref_model.devices).")
+    inference_device_ids: list[int] | None = _f(None, "GPUs for rollout actors (TorchRL inference_model.devices).")
+    ref_device: str = _f("auto", "Where the reference model lives: auto (with the policy), cpu (host memory, "
+                         "computed there), offload (host memory, moved to the policy's device for each "
+                         "reference pass) or cuda:N (its own GPU).")
+    ray_address: str | None = _f(None, "Ray cluster to join ('auto' = the one `ray start` made here); default: "
+                                 "start a local one.")
+    max_actor_restarts: int = _f(3, "A rollout actor that dies is replaced this many times before the run stops.")
+
+
+@dataclass
+class LoraSettings:
+    """LoRA through peft (TorchRL's train_model.lora.*). The reference model is the base model with the
+    adapters switched off, so the base weights are held once."""
+
+    enabled: bool = _f(False, "Train LoRA adapters instead of every weight.")
+    r: int = _f(8, "Adapter rank.")
+    alpha: float = _f(16.0, "Adapter scale numerator: updates are scaled by alpha / r.")
+    dropout: float = _f(0.0, "Dropout on the adapter input (TorchRL uses 0.1; 0 keeps π_old and π_θ the same "
+                        "function on the first pass).")
+    target_modules: list[str] = _f([], "Module names to adapt, e.g. q_proj,v_proj, or all-linear; default: "
+                                   "peft's choice for the architecture.")
+    save_merged: bool = _f(True, "final_model/ holds the merged model (adapters folded into the base weights) "
+                           "with the adapters alone in final_model/adapter/; false: adapters only.")
 
 
 SECTIONS = {
@@ -238,6 +282,7 @@ SECTIONS = {
     "optim": OptimConfig,
     "train": TrainConfig,
     "distributed": DistributedConfig,
+    "lora": LoraSettings,
 }
 
 # Names used by the seed projects (plain PyTorch GRPO, MaxText/Tunix, TorchRL) → our dotted paths.
@@ -297,6 +342,20 @@ ALIASES: dict[str, str] = {
     "ref_model.num_devices": "distributed.ref_devices",
     "inference_model.num_devices": "distributed.inference_devices",
     "train.checkpoint_frequency": "train.save_steps",
+    "train_model.devices": "distributed.train_device_ids",
+    "ref_model.devices": "distributed.ref_device_ids",
+    "inference_model.devices": "distributed.inference_device_ids",
+    "mode": "distributed.rollout_mode",
+    "rollout.mode": "distributed.rollout_mode",
+    "rollout.max_staleness": "distributed.max_staleness",
+    "rollout.replicas": "distributed.inference_replicas",
+    "train.weight_update_frequency": "distributed.weight_sync_steps",
+    "weight_update_frequency": "distributed.weight_sync_steps",
+    "train_model.lora.enabled": "lora.enabled",
+    "train_model.lora.r": "lora.r",
+    "train_model.lora.alpha": "lora.alpha",
+    "train_model.lora.dropout": "lora.dropout",
+    "train_model.lora.target_modules": "lora.target_modules",
     # common spellings
     "lr": "optim.learning_rate",
     "epsilon": ("algorithm.epsilon_low", "algorithm.epsilon_high"),
@@ -410,7 +469,7 @@ def _type_name(hint: Any) -> str:
 
 @dataclass(init=False)
 class GRPOConfig:
-    """The whole run configuration: seven sections. Accepts sections (objects or dicts) and any flat
+    """The whole run configuration: eight sections. Accepts sections (objects or dicts) and any flat
     key `resolve_key` understands, so the seed's `GRPOConfig(batch_size=4, learning_rate=1e-6, ...)`
     works as written; reading or assigning a seed name (`config.learning_rate`) also works."""
 
@@ -421,6 +480,7 @@ class GRPOConfig:
     optim: OptimConfig
     train: TrainConfig
     distributed: DistributedConfig
+    lora: LoraSettings
 
     def __init__(self, **kwargs: Any) -> None:
         for section, cls in SECTIONS.items():
@@ -594,20 +654,9 @@ def validate(cfg: GRPOConfig) -> None:
     if d.profiler == "xplane":
         raise ConfigError("profiler=xplane is JAX/TPU's profiler; use profiler=torch for a torch.profiler "
                           "trace, or profiler=none.")
-    multi = {k: v for k, v in {
-        "inference_devices_per_replica": d.inference_devices_per_replica,
-        "inference_replicas": d.inference_replicas, "train_model.num_devices": d.train_devices,
-        "ref_model.num_devices": d.ref_devices, "inference_model.num_devices": d.inference_devices,
-    }.items() if v != 1}
-    multi.update({k: v for k, v in {"ici_fsdp_parallelism": d.ici_fsdp_parallelism,
-                                    "ici_tensor_parallelism": d.ici_tensor_parallelism}.items()
-                  if v not in (-1, 1)})
-    if multi:
-        settings = ", ".join(f"{k}={v}" for k, v in multi.items())
-        raise ConfigError(f"{settings}: this build trains in one process on one device, where the policy, "
-                          "reference and rollout share it. Leave these at 1 (or -1) for now.")
-    if not (0 < d.trainer_devices_fraction <= 1 and 0 < d.sampler_devices_fraction <= 1):
-        raise ConfigError("trainer_devices_fraction and sampler_devices_fraction must be in (0, 1].")
+    from grpo.distributed.roles import validate_roles
+
+    validate_roles(cfg)
     if d.weight_sync_steps < 1:
         raise ConfigError(f"weight_sync_steps (inference_rollouts) must be >= 1, got {d.weight_sync_steps}.")
 

@@ -60,6 +60,7 @@ class ScoredRollouts:
     texts: list[str]  # [N] decoded completions
     scores: RewardScores  # per function, [N, F]
     rewards: Tensor  # [N] total reward after shaping: what advantages are computed from
+    lag: int = 0  # learner steps between the weights that sampled these and now (Ray async rollout)
 
     @property
     def num_prompts(self) -> int:
@@ -85,7 +86,7 @@ def select_groups(part: ScoredRollouts, keep: Tensor) -> ScoredRollouts:
         prompts=prompts, rollouts=type(part.rollouts)(**picked), texts=[part.texts[i] for i in rows.tolist()],
         scores=RewardScores(per_function=scores.per_function[rows], names=scores.names, total=scores.total[rows],
                             none_applicable=scores.none_applicable, skipped=scores.skipped),
-        rewards=part.rewards[rows])
+        rewards=part.rewards[rows], lag=part.lag)
 
 
 def concat_rounds(parts: list[ScoredRollouts], pad_id: int) -> ScoredRollouts:
@@ -119,7 +120,7 @@ def concat_rounds(parts: list[ScoredRollouts], pad_id: int) -> ScoredRollouts:
                           skipped=sum(q.scores.skipped for q in parts))
     return ScoredRollouts(prompts=prompts, rollouts=type(parts[0].rollouts)(**joined),
                           texts=[t for q in parts for t in q.texts], scores=scores,
-                          rewards=torch.cat([q.rewards for q in parts]))
+                          rewards=torch.cat([q.rewards for q in parts]), lag=max(q.lag for q in parts))
 
 
 def truncate_prompts(part: ScoredRollouts, num_prompts: int) -> ScoredRollouts:

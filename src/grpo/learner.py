@@ -8,12 +8,13 @@ each splits the rows into micro-batches whose loss contributions sum to the full
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from grpo.batch import TrainBatch
 from grpo.config import GRPOConfig
+from grpo.distributed.runtime import Runtime
 from grpo.loss import LossNorm, grpo_loss
 from grpo.native.decoder import NativeDecoder, unsupported_reason
 from grpo.native.logprobs import shared_prompt_logprobs
@@ -64,6 +65,7 @@ def trim(batch: TrainBatch) -> TrainBatch:
         prompt_width=batch.prompt_width, completion_mask=batch.completion_mask[:, cols],
         advantages=batch.advantages[:, cols], group_ids=batch.group_ids,
         ref_logprobs=pick(batch.ref_logprobs), old_logprobs=pick(batch.old_logprobs),
+        behaviour_logprobs=pick(batch.behaviour_logprobs),
     )
 
 
@@ -95,27 +97,35 @@ class StepStats:
     entropy: float
     grad_norm: float
     skipped: bool
+    importance: dict[str, float] = field(default_factory=dict)  # off-policy correction, when applied
 
     def as_dict(self) -> dict[str, float]:
         return {"loss": self.loss, "kl": self.kl, "ratio_mean": self.ratio_mean,
                 "clip/low_frac": self.clip_low_frac, "clip/high_frac": self.clip_high_frac,
                 "entropy": self.entropy, "grad_norm": self.grad_norm,
-                "skipped_nonfinite": float(self.skipped)}
+                "skipped_nonfinite": float(self.skipped), **self.importance}
 
 
 class Learner:
-    def __init__(self, policy, ref_model, cfg: GRPOConfig, total_optimizer_steps: int):
+    def __init__(self, policy, ref_model, cfg: GRPOConfig, total_optimizer_steps: int,
+                 runtime: Runtime | None = None):
         self.policy, self.ref_model, self.cfg = policy, ref_model, cfg
+        # Several processes: `model` is the DDP/FSDP2-wrapped policy that forward/backward go through,
+        # and every count below is made global with the runtime's all-reduces.
+        self.rt = runtime or Runtime()
+        self.model = self.rt.wrap(policy)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
-            [p for p in policy.parameters() if p.requires_grad], lr=o.learning_rate,
+            [p for p in self.model.parameters() if p.requires_grad], lr=o.learning_rate,
             betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon, weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(o.warmup_steps, total_optimizer_steps, o.lr_scheduler))
         self.micro_batch_size = cfg.resolved_micro_batch_size
         self.nonfinite_in_a_row = 0
-        native = cfg.generation.engine == "native"
-        self._policy_logprob_fn = logprob_function(policy, native, cfg.model.gradient_checkpointing)
+        # The native forward reads parameters directly, skipping module hooks: DDP and FSDP2 rely on their
+        # wrapper's forward, so several processes train through the transformers forward.
+        native = cfg.generation.engine == "native" and not self.rt.active
+        self._policy_logprob_fn = logprob_function(self.model, native, cfg.model.gradient_checkpointing)
         self._ref_logprob_fn = None if ref_model is None else logprob_function(ref_model, native)
 
     @torch.no_grad()
@@ -130,7 +140,9 @@ class Learner:
 
     def train_step(self, batch: TrainBatch) -> StepStats:
         a = self.cfg.algorithm
-        norm = LossNorm(num_sequences=len(batch), num_tokens=int(batch.completion_mask.sum().item()),
+        rt = self.rt
+        norm = LossNorm(num_sequences=int(rt.sum(len(batch))),
+                        num_tokens=int(rt.sum(batch.completion_mask.sum().item())),
                         max_completion_length=self.cfg.effective_max_new_tokens)
         # π_old may arrive as the engine's sampling log-probs (exact engine); else the first pass records it.
         old_given = batch.old_logprobs is not None
@@ -140,10 +152,12 @@ class Learner:
         grad_norm, skipped = 0.0, False
         for iteration in range(a.num_iterations):
             first_pass, loss_finite = iteration == 0, True
-            for rows in micro_batches(len(batch), self.micro_batch_size):
+            slices = micro_batches(len(batch), self.micro_batch_size)
+            for k, rows in enumerate(slices):
                 mb = trim(batch.rows(rows))
+                rt.set_grad_sync(self.model, k == len(slices) - 1)  # all-reduce once, after the last
                 if a.entropy_coef != 0:  # the bonus needs entropy with a gradient: the transformers forward
-                    logp, entropy = token_logprobs(self.policy, mb, self.cfg.generation.temperature,
+                    logp, entropy = token_logprobs(self.model, mb, self.cfg.generation.temperature,
                                                    with_entropy=first_pass, entropy_grad=True)
                 else:
                     logp, entropy = self._policy_logprob_fn(mb, self.cfg.generation.temperature,
@@ -153,6 +167,8 @@ class Learner:
                     # No update has happened yet in this step: the current policy *is* π_old.
                     old = logp.detach()
                     batch.old_logprobs[rows, :old.shape[1]] = old.float().cpu()
+                    if mb.behaviour_logprobs is not None:
+                        mb.advantages = self._importance_weighted(batch, rows, mb, old.float().cpu(), totals)
                 else:
                     old = mb.old_logprobs.to(device)
                 mask = mb.completion_mask.to(device)
@@ -162,7 +178,7 @@ class Learner:
                     clip_high=a.epsilon_high, beta=a.beta, kl_estimator=a.kl_estimator,
                     aggregation=a.loss_aggregation, norm=norm, entropy=entropy,
                     entropy_coef=a.entropy_coef)
-                out.loss.backward()
+                (out.loss * rt.loss_scale).backward()
                 loss_finite = loss_finite and math.isfinite(out.loss.item())
                 if first_pass:
                     _add(totals, loss=out.loss.item(), kl=out.kl_sum.item(), ratio=out.ratio_sum.item(),
@@ -170,17 +186,41 @@ class Learner:
                          entropy=(entropy.detach() * mask).sum().item(), tokens=out.num_tokens.item())
             grad_norm, step_skipped = self._optimizer_step(loss_finite)
             skipped = skipped or step_skipped
+        if rt.active:
+            keys = sorted(totals)
+            summed = rt.sum_tensor(torch.tensor([totals[k] for k in keys], dtype=torch.float64))
+            totals = dict(zip(keys, summed.tolist(), strict=True))
         tokens = max(totals.get("tokens", 0.0), 1.0)
         return StepStats(loss=totals.get("loss", 0.0), kl=totals.get("kl", 0.0) / tokens,
                          ratio_mean=totals.get("ratio", 0.0) / tokens,
                          clip_low_frac=totals.get("clip_low", 0.0) / tokens,
                          clip_high_frac=totals.get("clip_high", 0.0) / tokens,
-                         entropy=totals.get("entropy", 0.0) / tokens, grad_norm=grad_norm, skipped=skipped)
+                         entropy=totals.get("entropy", 0.0) / tokens, grad_norm=grad_norm, skipped=skipped,
+                         importance=_importance_stats(totals))
+
+    def _importance_weighted(self, batch: TrainBatch, rows: slice, mb: TrainBatch, old: torch.Tensor,
+                             totals: dict[str, float]) -> torch.Tensor:
+        """Rollouts from an older policy (async): weight each token's advantage by π_old / π_behaviour,
+        truncated at importance_cap (truncated IS, as in IMPALA/V-trace), so the surrogate still
+        estimates the gradient at π_old. The weighted advantages are written back for later passes."""
+        d = self.cfg.distributed
+        mask = mb.completion_mask  # [B, T]
+        if d.importance_correction == "none":
+            return mb.advantages
+        log_w = (old - mb.behaviour_logprobs) * mask  # [B, T]
+        w = log_w.exp().clamp(max=d.importance_cap)  # [B, T]
+        weighted = mb.advantages * w  # [B, T]
+        batch.advantages[rows, :weighted.shape[1]] = weighted
+        _add(totals, is_w=(w * mask).sum().item(), is_w2=(w.square() * mask).sum().item(),
+             is_clipped=((log_w.exp() > d.importance_cap).float() * mask).sum().item(),
+             is_tokens=mask.sum().item())
+        return weighted
 
     def _optimizer_step(self, loss_finite: bool = True) -> tuple[float, bool]:
-        params = [p for p in self.policy.parameters() if p.grad is not None]
+        params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.max_grad_norm or float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        grad_norm = self.rt.clip_grad_norm(params, max_norm)
+        loss_finite = not self.rt.any(not loss_finite)  # every rank skips, or none
         if not (math.isfinite(grad_norm) and loss_finite):
             # A non-finite gradient would poison AdamW's moments for good: drop this update.
             self.optimizer.zero_grad(set_to_none=True)
@@ -193,11 +233,21 @@ class Learner:
         return grad_norm, False
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return {"optimizer": self.rt.optimizer_state(self.model, self.optimizer),
+                "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.rt.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _importance_stats(totals: dict[str, float]) -> dict[str, float]:
+    """Kish effective sample size of the token weights, as a fraction: (Σw)² / (n Σw²) ∈ (0, 1]."""
+    n = totals.get("is_tokens", 0.0)
+    if not n:
+        return {}
+    return {"is/ess": totals["is_w"] ** 2 / (n * max(totals["is_w2"], 1e-12)), "is/weight_mean": totals["is_w"] / n,
+            "is/clipped_frac": totals["is_clipped"] / n}
 
 
 def _add(totals: dict[str, float], **values: float) -> None:

@@ -63,7 +63,7 @@ def make_run_dir(cfg: GRPOConfig) -> Path:
         raise ConfigError(f"Output directory {run_dir} exists and is a file; pass another --output-dir.")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_test"
+        probe = run_dir / f".write_test.{os.getpid()}"  # one per process: torchrun ranks share run_dir
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
@@ -133,14 +133,26 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
         policy = load_policy(cfg, device)
     else:
         policy = model.to(device).train()
+    if cfg.lora.enabled:
+        from grpo.lora import apply_lora
+
+        policy = apply_lora(policy, cfg.lora)
     ref = None
     if cfg.algorithm.beta > 0:
-        if ref_model is None or isinstance(ref_model, str):
+        if cfg.lora.enabled:  # the base weights with the adapters off: no second copy
+            from grpo.lora import ReferenceWithoutAdapters
+
+            ref = ReferenceWithoutAdapters(policy)
+        elif ref_model is None or isinstance(ref_model, str):
             ref = load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy)
         else:
             ref = ref_model.to(device).eval().requires_grad_(False)
     elif ref_model is not None:
         log.info("algorithm.beta = 0: the reference model is not used (no KL term).")
+    if ref is not None and not cfg.lora.enabled:
+        from grpo.distributed.roles import place_reference
+
+        ref = place_reference(ref, cfg.distributed.ref_device, device)
 
     reward_spec = reward_model if reward_model is not None else cfg.algorithm.reward_model
     if reward_spec is not None:
@@ -159,7 +171,8 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
     log.info("Run directory: %s", run_dir)
     log.info("Policy: %s (%.2fM parameters, %s, %s); reference: %s; rewards: %s",
              getattr(policy.config, "_name_or_path", "?"), n_params / 1e6, next(policy.parameters()).dtype,
-             device, "none (beta = 0)" if ref is None else "frozen copy",
+             device, "none (beta = 0)" if ref is None else
+             "the base weights, adapters off" if cfg.lora.enabled else f"frozen copy ({cfg.distributed.ref_device})",
              ", ".join(getattr(f, "__name__", type(f).__name__) for f in funcs))
     return RunParts(run_dir, device, policy, ref, tokenizer, engine, formatter, train_rows, eval_rows,
                     funcs, weights, resume_from)

@@ -1,9 +1,15 @@
 """THE loop: prompts → rollout → rewards → advantages → (reference) → update → log/save/eval.
 
     CPU, the bundled tiny model and task:   grpo train
+    2 CPU processes (gloo):                 torchrun --standalone --nproc_per_node 2 -m grpo train
     one GPU, a hub model on GSM8K:          grpo train --config gsm8k model=Qwen/Qwen2.5-0.5B-Instruct
+    8 GPUs, FSDP2:                          torchrun --standalone --nproc_per_node 8 -m grpo train --config gsm8k \
+                                                model=... strategy=fsdp2
+    several nodes:                          torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \
+                                                --rdzv-endpoint HOST:29500 -m grpo train ...
+    Ray rollout workers:                    grpo train rollout.mode=async rollout.replicas=2
     Python:                                 GRPOTrainer(model=..., config=GRPOConfig(...), train_dataset=...).train()
-(Several processes and GPUs arrive with the distributed learner; today a run is one process.)
+(docs/scaling.md has the device-role settings for each.)
 
 Each step's stages are named and timed (`time/rollout`, `time/reward`, `time/reference`,
 `time/update`); one step can be read top to bottom in `GRPOTrainer.train`.
@@ -15,6 +21,7 @@ save and stop (docs/reliability.md).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import signal
@@ -27,6 +34,7 @@ from tqdm.auto import tqdm
 from grpo.advantages import discounted_token_advantages, group_advantages, group_reward_stats
 from grpo.batch import PromptBatch, Rollouts, SamplingParams, TrainBatch
 from grpo.checkpoint import (
+    list_checkpoints,
     load_training_state,
     prune_checkpoints,
     rng_state,
@@ -44,11 +52,16 @@ from grpo.dapo import (
     truncate_prompts,
 )
 from grpo.data import PromptStream, make_prompt_batch
+from grpo.distributed import init_runtime
+from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
+from grpo.distributed.roles import apply_role_plan
+from grpo.distributed.runtime import SilentLogger
 from grpo.evaluation import EvalResult, evaluate
 from grpo.learner import Learner
 from grpo.loss import apply_truncation_mask
 from grpo.metrics import MetricsLogger, StageTimer, sample_records
 from grpo.rewards import score_completions
+from grpo.rollout import build_engine
 from grpo.setup import RunParts, build_run
 
 log = logging.getLogger("grpo")
@@ -66,10 +79,15 @@ class GRPOTrainer:
     def __init__(self, model=None, ref_model=None, reward_model=None, tokenizer=None,
                  config: GRPOConfig | None = None, train_dataset=None, reward_funcs=None, eval_dataset=None):
         self.cfg = (config or GRPOConfig()).validate()
+        d = self.cfg.distributed
+        self.rt = init_runtime(d.strategy, d.backend, d.timeout_s)  # one process unless torchrun started us
+        self.roles = apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
         self.parts: RunParts = build_run(self.cfg, model=model, ref_model=ref_model, reward_model=reward_model,
                                          tokenizer=tokenizer, train_dataset=train_dataset,
                                          reward_funcs=reward_funcs, eval_dataset=eval_dataset)
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
+        if not self.rt.is_main:  # rank 0 speaks for the group
+            logging.getLogger("grpo").setLevel(logging.WARNING)
         self.stop_signal: int | None = None  # the first SIGINT/SIGTERM received
         self.nonfinite_total = 0
 
@@ -82,45 +100,66 @@ class GRPOTrainer:
                         stop_strings=self.cfg.generation.stop_strings)
 
     def train(self) -> dict[str, float]:
-        cfg, p = self.cfg, self.parts
+        cfg, p, rt = self.cfg, self.parts, self.rt
         g, t, a = cfg.generation, cfg.train, cfg.algorithm
         stream = PromptStream(p.train_rows, seed=t.seed, shuffle=cfg.data.shuffle)
         total_steps = t.steps or max(1, round(t.num_epochs * stream.steps_per_epoch(t.prompts_per_step)))
-        learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations)
+        if rt.sharded and getattr(p.engine, "model", None) is p.policy:
+            # FSDP2 leaves no rank with whole weights: colocated rollout samples from a full copy that
+            # receives the new weights after every update.
+            p.engine = build_engine(g.engine, copy.deepcopy(p.policy), p.tokenizer)
+        learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt)
         sampling = SamplingParams(max_new_tokens=cfg.effective_max_new_tokens, temperature=g.temperature,
                                   top_k=g.top_k, top_p=g.top_p, stop_strings=g.stop_strings)
         start_step = self._resume(learner, stream)
+        remote = None  # Ray rollout actors (rollout.mode=sync|async); None: sample here, colocated
+        if cfg.distributed.rollout_mode != "colocated":
+            from grpo.distributed.ray_rollout import RayRollout
+
+            remote = RayRollout(cfg, p, stream, sampling, rt, learner, version=start_step,
+                                chunk_prompts=_chunk(g.batch_size, g.num_generations))
         log.info("Sizes: %d prompts/step × %d generations = %d completions/step; micro-batch %d "
                  "(%d forward/backward per optimizer step); %d optimizer step(s) per rollout; %d steps "
                  "(%d prompts, %d steps/epoch).", t.prompts_per_step, g.num_generations,
                  cfg.completions_per_step, learner.micro_batch_size,
                  -(-cfg.completions_per_step // learner.micro_batch_size), a.num_iterations, total_steps,
                  len(p.train_rows), stream.steps_per_epoch(t.prompts_per_step))
-        logger = MetricsLogger(p.run_dir, cfg, cfg.to_dict(), start_step=start_step)
+        logger = (MetricsLogger(p.run_dir, cfg, cfg.to_dict(), start_step=start_step) if rt.is_main
+                  else SilentLogger())
         summary: dict[str, float] = {}
         if t.eval_before and start_step == 0:
             summary.update(self._log_eval(logger, 0, "before"))
-        bar = tqdm(total=total_steps, initial=start_step, disable=not t.progress_bar, desc="grpo",
-                   dynamic_ncols=True)
+        bar = tqdm(total=total_steps, initial=start_step, disable=not t.progress_bar or not rt.is_main,
+                   desc="grpo", dynamic_ncols=True)
         previous_handlers = self._install_signal_handlers()
         step = start_step
         try:
-            while step < total_steps and self.stop_signal is None:
+            while step < total_steps:
+                if rt.any(self.stop_signal is not None):  # every rank stops at the same step
+                    self.stop_signal = self.stop_signal or signal.SIGTERM
+                    break
                 step += 1
                 timer = StageTimer()
                 step_start = time.perf_counter()
-                scored, sampling_stats = self._collect(stream, sampling, timer)
+                scored, sampling_stats = self._collect(stream, sampling, timer, remote)
                 prompts, rollouts, scores = scored.prompts, scored.rollouts, scored.scores
                 group = rollouts.prompt_index  # [N] group id = the prompt it answers
                 advantages = group_advantages(scored.rewards, group, a.advantage_scale, a.advantage_eps)
                 batch = build_train_batch(prompts, rollouts, advantages, cfg, p.tokenizer.pad_token_id)
-                if a.num_iterations == 1 and _logprobs_match_policy(p.engine, sampling):
+                if scored.lag > 0:
+                    batch.behaviour_logprobs = rollouts.sampling_logprobs  # importance correction
+                elif remote is None and a.num_iterations == 1 and _logprobs_match_policy(p.engine, sampling):
                     batch.old_logprobs = rollouts.sampling_logprobs  # π_old as sampled: nothing to recompute
                 if p.ref_model is not None:
                     with timer("reference"):
                         batch.ref_logprobs = learner.reference_logprobs(batch)
                 with timer("update"):
                     stats = learner.train_step(batch)
+                with timer("weight_sync"):
+                    if remote is not None:
+                        remote.after_update(step)
+                    elif rt.sharded:
+                        p.engine.load_weights(rt.full_named_parameters(learner.policy))
                 self.nonfinite_total += stats.skipped
                 step_seconds = time.perf_counter() - step_start
                 metrics = {
@@ -135,7 +174,9 @@ class GRPOTrainer:
                     "lr": learner.scheduler.get_last_lr()[0], "epoch": stream.epoch,
                     "tokens_per_s": rollouts.completion_mask.sum().item() / step_seconds,
                     "time/step": step_seconds, **timer.as_metrics(),
+                    **(remote.metrics() if remote is not None else {}),
                 }
+                metrics = rt.reduce_metrics(metrics)
                 summary.update(metrics)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3g}")
@@ -149,14 +190,20 @@ class GRPOTrainer:
                 if t.eval_steps and step % t.eval_steps == 0 and step != total_steps:
                     summary.update(self._log_eval(logger, step, "during"))
                 if t.save_steps and step % t.save_steps == 0 and step != total_steps:
-                    self._save_checkpoint(step, learner, stream)
+                    self._save_checkpoint(step, learner, remote.data if remote is not None else stream)
                 if 0 < t.stop_after_nonfinite_steps <= learner.nonfinite_in_a_row:
                     break
+        except Exception as e:
+            self._explain_failure(step, e)
+            raise
         finally:
             bar.close()
             self._restore_signal_handlers(previous_handlers)
+            if remote is not None:
+                remote.close()
+        data = remote.data if remote is not None else stream  # the data position of the last batch used
         if step < total_steps:  # stopped early: a signal, or non-finite steps
-            where = self._save_checkpoint(step, learner, stream)
+            where = self._save_checkpoint(step, learner, data)
             logger.close()
             how = (f"Resume with the same command plus --resume latest (e.g. grpo train --resume latest "
                    f"--output-dir {p.run_dir}).")
@@ -168,8 +215,9 @@ class GRPOTrainer:
             log.warning("Stopped at step %d of %d (signal %d); checkpoint %s. %s", step, total_steps,
                         self.stop_signal, where, how)
             return summary
-        self._save_checkpoint(step, learner, stream)
-        save_model_dir(p.run_dir / "final_model", p.policy, p.tokenizer, cfg.to_yaml(), None)
+        self._save_checkpoint(step, learner, data)
+        save_policy_dir(rt, p.run_dir / "final_model", p.policy, p.tokenizer, cfg.to_yaml(), None,
+                        merge_lora=cfg.lora.save_merged)
         if t.eval_after:
             summary.update(self._log_eval(logger, step, "after"))
         logger.close()
@@ -180,6 +228,8 @@ class GRPOTrainer:
 
     # -- side rooms: eval, checkpoints, resume, signals ------------------------------------------
     def _log_eval(self, logger: MetricsLogger, step: int, when: str) -> dict[str, float]:
+        if not self.rt.is_main:
+            return {}
         start = time.perf_counter()
         result = self.evaluate()
         if result is None:
@@ -197,7 +247,7 @@ class GRPOTrainer:
         """best_model/: the policy at the best value so far of train.metric_for_best_model."""
         t, p = self.cfg.train, self.parts
         name = t.metric_for_best_model
-        if not name or name not in metrics:
+        if not name or name not in metrics or self.rt.sharded:  # FSDP2: no rank holds whole weights here
             return
         value, best = metrics[name], getattr(self, "best_metric", None)
         if best is not None and (value <= best if t.greater_is_better else value >= best):
@@ -217,14 +267,19 @@ class GRPOTrainer:
                         self.parts.run_dir)
 
     # -- rollout and rewards, with DAPO dynamic sampling -------------------------------------------
-    def _rollout_round(self, stream: PromptStream, sampling: SamplingParams, timer: StageTimer) -> ScoredRollouts:
+    def _rollout_round(self, stream: PromptStream, sampling: SamplingParams, timer: StageTimer,
+                       remote=None) -> ScoredRollouts:
         p, cfg = self.parts, self.cfg
         g, a = cfg.generation, cfg.algorithm
         with timer("rollout"):
-            indices, rows = stream.next_rows(cfg.train.prompts_per_step)
-            prompts = make_prompt_batch(indices, rows, p.formatter)
-            rollouts = p.engine.generate(prompts.prompt_token_ids, g.num_generations, sampling,
-                                         chunk_prompts=_chunk(g.batch_size, g.num_generations))
+            if remote is None:
+                indices, rows = self.rt.shard(*stream.next_rows(cfg.train.prompts_per_step))  # whole groups
+                prompts = make_prompt_batch(indices, rows, p.formatter)
+                rollouts = p.engine.generate(prompts.prompt_token_ids, g.num_generations, sampling,
+                                             chunk_prompts=_chunk(g.batch_size, g.num_generations))
+                lag = 0
+            else:  # Ray rollout actors; lag: learner steps between the sampling weights and now
+                prompts, rollouts, lag = remote.next_batch()
             texts = p.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
         with timer("reward"):
             group = rollouts.prompt_index  # [N]
@@ -234,16 +289,16 @@ class GRPOTrainer:
                                        texts, columns, timeout=a.reward_timeout, on_error=a.reward_on_error)
             shaping = overlong_penalty(rollouts.lengths, cfg.effective_max_new_tokens, a.overlong_buffer,
                                        a.overlong_penalty)  # [N]
-        return ScoredRollouts(prompts, rollouts, texts, scores, scores.total + shaping)
+        return ScoredRollouts(prompts, rollouts, texts, scores, scores.total + shaping, lag=lag)
 
-    def _collect(self, stream: PromptStream, sampling: SamplingParams,
-                 timer: StageTimer) -> tuple[ScoredRollouts, dict[str, float]]:
+    def _collect(self, stream: PromptStream, sampling: SamplingParams, timer: StageTimer,
+                 remote=None) -> tuple[ScoredRollouts, dict[str, float]]:
         """One round, or (dynamic sampling) rounds until P prompts with reward spread are in hand."""
         a, want = self.cfg.algorithm, self.cfg.train.prompts_per_step
         kept, drawn, informative, rounds, last = [], 0, 0, 0, None
         while rounds < (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 1):
             rounds += 1
-            last = self._rollout_round(stream, sampling, timer)
+            last = self._rollout_round(stream, sampling, timer, remote)
             spread = informative_prompts(last.rewards, last.rollouts.prompt_index, last.num_prompts)  # [P]
             drawn, informative = drawn + last.num_prompts, informative + int(spread.sum())
             if not a.dynamic_sampling:
@@ -262,12 +317,22 @@ class GRPOTrainer:
 
     def _save_checkpoint(self, step: int, learner: Learner, stream: PromptStream) -> Path:
         p = self.parts
-        state = {"step": step, "learner": learner.state_dict(), "rng": rng_state(),
+        rngs = self.rt.gather_objects(rng_state())  # each rank's sampling noise, for an exact resume
+        state = {"step": step, "learner": learner.state_dict(), "rng": rngs[0] if len(rngs) == 1 else rngs,
                  "data": stream.state_dict(), "nonfinite_in_a_row": learner.nonfinite_in_a_row,
                  "nonfinite_total": self.nonfinite_total}
-        path = save_model_dir(p.run_dir / f"checkpoint-{step}", p.policy, p.tokenizer, self.cfg.to_yaml(), state)
-        prune_checkpoints(p.run_dir, self.cfg.train.save_total_limit, protect=(path, p.resume_from))
+        path = save_policy_dir(self.rt, p.run_dir / f"checkpoint-{step}", p.policy, p.tokenizer,
+                               self.cfg.to_yaml(), state)
+        if self.rt.is_main:
+            prune_checkpoints(p.run_dir, self.cfg.train.save_total_limit, protect=(path, p.resume_from))
         return path
+
+    def _explain_failure(self, step: int, error: Exception) -> None:
+        found = list_checkpoints(self.parts.run_dir)
+        where = (f"the latest checkpoint is {found[-1][1]}; resume with: grpo train --resume latest "
+                 f"--output-dir {self.parts.run_dir} (same settings)") if found else "no checkpoint was saved yet"
+        log.error("Training stopped at step %d (rank %d): %s: %s. Nothing after the last checkpoint is kept; "
+                  "%s.", step, self.rt.rank, type(error).__name__, error, where)
 
     def _resume(self, learner: Learner, stream: PromptStream) -> int:
         path = self.parts.resume_from  # verified, settings compared: preflight.plan_resume
@@ -275,22 +340,16 @@ class GRPOTrainer:
             if self.cfg.train.resume:
                 log.info("No checkpoint in %s yet; starting from step 0.", self.parts.run_dir)
             seed_everything(self.cfg.train.seed)
+            self.rt.seed(self.cfg.train.seed)  # several processes: different sampling noise per rank
             return 0
-        from safetensors.torch import load_file
-
-        weights = load_file(str(path / "model.safetensors"))
-        missing, unexpected = self.parts.policy.load_state_dict(weights, strict=False)
-        if unexpected or [k for k in missing if "lm_head" not in k]:  # lm_head may be tied to embeddings
-            raise RuntimeError(f"Checkpoint {path} does not match the model: missing {missing[:5]}, "
-                               f"unexpected {unexpected[:5]}.")
-        if hasattr(self.parts.policy, "tie_weights"):
-            self.parts.policy.tie_weights()
         state = load_training_state(path)
+        load_policy_weights(self.rt, path, self.parts.policy, state)
         learner.load_state_dict(state["learner"])
         learner.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         self.nonfinite_total = state["nonfinite_total"]
         stream.load_state_dict(state["data"], strict=not self.cfg.train.allow_config_change)
-        set_rng_state(state["rng"])
+        rngs = state["rng"]
+        set_rng_state(rngs[self.rt.rank] if isinstance(rngs, list) else rngs)
         log.info("Resumed from %s (step %d).", path, state["step"])
         return state["step"]
 

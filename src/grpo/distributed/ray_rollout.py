@@ -1,0 +1,271 @@
+"""Rollout on Ray actors, apart from the learner (`rollout.mode=sync|async`).
+
+    learner ──(name, tensor) pairs via the object store, every weight_sync_steps──▶ RolloutWorker × R
+    learner ◀──────────── Rollouts + the policy version that sampled them ───────── RolloutWorker × R
+
+Each step's prompts are split over the R replicas (data-parallel sampling, MaxText's inference
+replicas). `sync` asks for a step's rollouts only after the newest weights went out, so it is
+on-policy and gives the single-process loop's numbers. `async` keeps the next batches sampling while
+the learner trains, as far ahead as `max_staleness` allows: a batch sampled with weights v and used at
+learner version v' has staleness v' − v; one above `max_staleness` is dropped and counted, and the
+learner corrects the rest with the behaviour log-probs the actor returned (learner.py, `tis`).
+
+Faults: every Ray call waits at most `timeout_s`; an actor that dies is replaced (up to
+`max_actor_restarts` times), given the current weights, and its share of the batch is sampled again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import torch
+
+from grpo.batch import PromptBatch, Rollouts, SamplingParams
+from grpo.config import GRPOConfig
+from grpo.data import PromptStream, make_prompt_batch
+from grpo.distributed.runtime import Runtime
+from grpo.lora import ADAPTER_MARK, is_lora
+
+log = logging.getLogger("grpo")
+ACTOR_PREFIX = "grpo-rollout-"
+
+
+class RolloutWorker:
+    """A Ray actor: its own copy of the policy (weights arrive by `load_weights`) and a rollout engine."""
+
+    def __init__(self, model_config, dtype: torch.dtype, lora: dict | None, tokenizer, engine: str, seed: int,
+                 num_threads: int, use_gpu: bool):
+        from transformers import AutoModelForCausalLM
+
+        from grpo.config import LoraSettings
+        from grpo.lora import apply_lora
+        from grpo.rollout import build_engine
+
+        torch.set_num_threads(num_threads)
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+        if lora is not None:
+            model = apply_lora(model, LoraSettings(**lora))
+        model.to("cuda" if use_gpu else "cpu").eval()
+        self.engine = build_engine(engine, model, tokenizer)
+        torch.manual_seed(seed)  # after the random init: sampling noise starts where a colocated run's does
+        self.version = -1  # no weights yet
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> int:
+        self.engine.load_weights(named_tensors)
+        self.version = version
+        return version
+
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 chunk_prompts: int | None) -> tuple[Rollouts, int]:
+        return self.engine.generate(prompt_token_ids, n, sampling, chunk_prompts=chunk_prompts), self.version
+
+
+@dataclass
+class _Request:
+    prompts: PromptBatch
+    parts: list  # one ObjectRef per replica that got prompts
+    splits: list[slice]  # which prompts each part answers
+    data_state: dict  # the prompt stream's position once this request's prompts were drawn
+
+
+class _ConsumedStream:
+    """What a checkpoint records as the data position: after the last batch the learner *used*, not
+    after the batches still sampling ahead of it."""
+
+    def __init__(self, stream: PromptStream):
+        self.stream, self.state = stream, stream.state_dict()
+
+    @property
+    def epoch(self) -> int:
+        return self.state["epoch"]
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+
+class RayRollout:
+    def __init__(self, cfg: GRPOConfig, parts, stream: PromptStream, sampling: SamplingParams, rt: Runtime,
+                 learner, version: int = 0, chunk_prompts: int | None = None):
+        import ray
+
+        d = cfg.distributed
+        self.cfg, self.parts, self.stream, self.sampling, self.rt = cfg, parts, stream, sampling, rt
+        self.learner, self.version = learner, version  # version = optimizer steps the learner has taken
+        self.chunk_prompts, self.timeout = chunk_prompts, d.timeout_s
+        self.data = _ConsumedStream(stream)
+        self.ahead = 0 if d.rollout_mode == "sync" else max(1, d.max_staleness - d.weight_sync_steps + 1)
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            # Ray starts workers at niceness 15; rollout is the run's main work, not background work.
+            os.environ.setdefault("RAY_worker_niceness", "0")
+            ray.init(address=d.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+        from grpo.distributed.roles import plan_roles
+
+        plan = plan_roles(cfg, torch.cuda.device_count(), rt.world_size, rt.local_rank)
+        replicas = max(1, plan.rollout_replicas // rt.world_size)  # each learner rank drives its own actors
+        self.gpus = plan.rollout_gpus_per_replica
+        # On one machine the plan names each replica's GPU; pin it (Ray would pick any free GPU, the
+        # learner's included, as it does not know torchrun's processes use them).
+        self.pinned = plan.rollout_devices[rt.rank * replicas:(rt.rank + 1) * replicas] \
+            if plan.rollout_devices and d.ray_address is None else []
+        policy = parts.policy
+        base = policy.get_base_model() if is_lora(policy) else policy
+        self.lora = asdict(cfg.lora) if is_lora(policy) else None
+        self.spawn_args = (base.config, next(policy.parameters()).dtype, self.lora, parts.tokenizer,
+                           cfg.generation.engine, cfg.train.seed + rt.rank, cfg.train.num_threads or 1, self.gpus > 0)
+        self.spawned = 0
+        self.actors = [self._spawn(i) for i in range(replicas)]
+        self.pending: deque[_Request] = deque()
+        self.restarts = self.dropped = self.staleness_max = self.last_lag = 0
+        self.behaviour, self.wait_s = version, 0.0
+        self._push(full=True)
+        log.info("Rollout: %d Ray actor(s) (%s), mode %s, weights every %d step(s), max staleness %d.",
+                 replicas, f"{self.gpus} GPU each" if self.gpus else "CPU", d.rollout_mode, d.weight_sync_steps,
+                 d.max_staleness)
+
+    # -- actors and weights ----------------------------------------------------------------------
+    def _spawn(self, i: int):
+        import ray
+
+        # Named, so `ray list actors` (and a test) can find them: grpo-rollout-<pid>-r<rank>-<n>.
+        self.spawned += 1
+        name = f"{ACTOR_PREFIX}{os.getpid()}-r{self.rt.rank}-{self.spawned}"
+        options = {"name": name, "num_cpus": 1, "num_gpus": self.gpus, "max_restarts": 0}
+        if self.pinned:
+            devices = ",".join(map(str, self.pinned[i % len(self.pinned)]))
+            options.update(num_gpus=0, runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": devices}})
+        return ray.remote(RolloutWorker).options(**options).remote(*self.spawn_args)
+
+    def _weights(self, full: bool) -> list[tuple[str, torch.Tensor]]:
+        only = None if full or self.lora is None else ADAPTER_MARK  # LoRA: adapters only after the first push
+        return [(n, t.cpu()) for n, t in self.rt.full_named_parameters(self.learner.policy, only=only)]
+
+    def _push(self, full: bool, actors: list[int] | None = None) -> None:
+        import ray
+
+        weights = ray.put(self._weights(full))
+        for i in range(len(self.actors)) if actors is None else actors:
+            try:
+                self._get(self.actors[i].load_weights.remote(weights, self.version), "load_weights")
+            except ray.exceptions.RayActorError as e:
+                self._replace(i, e)
+
+    def after_update(self, step: int) -> None:
+        self.version += 1
+        if self.version % self.cfg.distributed.weight_sync_steps == 0:
+            self._push(full=False)
+
+    # -- batches -----------------------------------------------------------------------------------
+    def _submit(self) -> None:
+        t = self.cfg.train
+        indices, rows = self.rt.shard(*self.stream.next_rows(t.prompts_per_step))
+        prompts = make_prompt_batch(indices, rows, self.parts.formatter)
+        k = len(self.actors)
+        size = -(-len(prompts) // k)
+        splits = [slice(i, min(i + size, len(prompts))) for i in range(0, len(prompts), size)]
+        parts = [self._generate(i, prompts.prompt_token_ids[s]) for i, s in enumerate(splits)]
+        self.pending.append(_Request(prompts, parts, splits, self.stream.state_dict()))
+
+    def next_batch(self) -> tuple[PromptBatch, Rollouts, int]:
+        """The next usable batch and its staleness (learner steps since the weights that sampled it)."""
+        while True:
+            if not self.pending:
+                self._submit()
+            request = self.pending.popleft()
+            while len(self.pending) < self.ahead:  # keep sampling while the learner trains on this batch
+                self._submit()
+            rollouts, behaviour = self._collect(request)
+            lag = self.version - behaviour
+            self.data.state = request.data_state
+            if lag <= self.cfg.distributed.max_staleness:
+                self.staleness_max = max(self.staleness_max, lag)
+                self.last_lag, self.behaviour = lag, behaviour
+                return request.prompts, rollouts, lag
+            self.dropped += len(request.prompts)
+            log.warning("Dropped %d prompts sampled with weights %d steps old (max_staleness %d).",
+                        len(request.prompts), lag, self.cfg.distributed.max_staleness)
+
+    def _collect(self, request: _Request) -> tuple[Rollouts, int]:
+        import ray
+
+        results = []
+        for i, split in enumerate(request.splits):
+            start = time.perf_counter()
+            try:
+                results.append(self._get(request.parts[i], "generate"))
+            except ray.exceptions.RayActorError as e:
+                self._replace(i, e)
+                results.append(self._get(self._generate(i, request.prompts.prompt_token_ids[split]), "generate"))
+            self.wait_s += time.perf_counter() - start
+        versions = [v for _, v in results]
+        return _concat([r for r, _ in results], [s.stop - s.start for s in request.splits],
+                       self.parts.tokenizer.pad_token_id), min(versions)
+
+    def _generate(self, i: int, prompt_ids: list[list[int]]):
+        return self.actors[i].generate.remote(prompt_ids, self.cfg.generation.num_generations, self.sampling,
+                                              self.chunk_prompts)
+
+    def _replace(self, i: int, error: Exception) -> None:
+        """Actor i died: start another with the current weights and resend what was queued on it."""
+        import ray
+
+        d = self.cfg.distributed
+        self.restarts += 1
+        if self.restarts > d.max_actor_restarts:
+            raise RuntimeError(f"Rollout actors died {self.restarts} times (max_actor_restarts="
+                               f"{d.max_actor_restarts}); last error: {error}") from error
+        log.warning("Rollout actor %d died (%s); starting a new one (restart %d of at most %d).", i,
+                    type(error).__name__, self.restarts, d.max_actor_restarts)
+        ray.kill(self.actors[i], no_restart=True)
+        self.actors[i] = self._spawn(i)
+        self._push(full=True, actors=[i])
+        for request in self.pending:  # requests queued on the dead actor died with it
+            if i < len(request.splits):
+                request.parts[i] = self._generate(i, request.prompts.prompt_token_ids[request.splits[i]])
+
+    def _get(self, refs, what: str):
+        import ray
+
+        try:
+            return ray.get(refs, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError as e:
+            raise RuntimeError(f"Ray rollout call '{what}' gave no answer within distributed.timeout_s="
+                               f"{self.timeout:.0f}s; the actor is hung or starved of resources.") from e
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/policy_version": float(self.version), "rollout/behaviour_version": float(self.behaviour),
+                "rollout/staleness": float(self.last_lag), "rollout/staleness_max": float(self.staleness_max),
+                "rollout/dropped_stale": float(self.dropped), "rollout/actor_restarts": float(self.restarts),
+                "time/rollout_wait": self.wait_s}
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self.started_ray:
+            ray.shutdown()
+
+
+def _concat(parts: list[Rollouts], sizes: list[int], pad_id: int) -> Rollouts:
+    """Rollouts of consecutive prompt ranges → one record; prompt indices offset to the whole batch."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.completion_ids.shape[1] for p in parts)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    return Rollouts(
+        prompt_index=torch.cat([p.prompt_index + o for p, o in zip(parts, offsets, strict=True)]),
+        completion_ids=torch.cat([pad(p.completion_ids, pad_id) for p in parts]),
+        completion_mask=torch.cat([pad(p.completion_mask, 0.0) for p in parts]),
+        sampling_logprobs=torch.cat([pad(p.sampling_logprobs, 0.0) for p in parts]),
+        truncated=torch.cat([p.truncated for p in parts]),
+    )
