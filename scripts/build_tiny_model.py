@@ -218,8 +218,8 @@ def generate(model, tokenizer, questions: list[str], num_samples: int, max_new_t
     for i in range(0, len(questions), batch_size):
         prompts = [chat_prompt(tokenizer, q) for q in questions[i : i + batch_size]]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if num_samples > 1 else dict(
-            do_sample=False)
+        sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if num_samples > 1 else {
+            "do_sample": False}
         out = model.generate(**enc, max_new_tokens=max_new_tokens, num_return_sequences=num_samples,
                              **sampling)
         for row in out[:, enc.input_ids.shape[1]:].tolist():
