@@ -9,12 +9,11 @@ previous step's log-softmax and gathers the chosen token's log-prob when the nex
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from grpo.batch import Rollouts, SamplingParams
+from grpo.rollout.common import ChunkedEngine
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -59,7 +58,7 @@ class _RecordingSampler(LogitsProcessor):
         return scores
 
 
-class TransformersEngine:
+class TransformersEngine(ChunkedEngine):
     """RolloutEngine on `model.generate`; shares the learner's parameters (no weight sync)."""
 
     def __init__(self, model, tokenizer):
@@ -71,22 +70,6 @@ class TransformersEngine:
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                params[name].copy_(tensor)
-
-    @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-                 chunk_prompts: int | None = None) -> Rollouts:
-        chunk = chunk_prompts or len(prompt_token_ids)
-        parts = [self._generate(prompt_token_ids[i:i + chunk], n, sampling)
-                 for i in range(0, len(prompt_token_ids), chunk)]
-        if len(parts) == 1:
-            return parts[0]
-        return _concat(parts, chunk, self.pad_id)
 
     def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
         device = next(self.model.parameters()).device
@@ -142,18 +125,3 @@ class TransformersEngine:
             stopped = torch.tensor([any(s in txt for s in sampling.stop_strings) for txt in texts])
         truncated = ~has_eos & ~stopped & (lengths >= sampling.max_new_tokens)
         return mask, truncated
-
-
-def _concat(parts: list[Rollouts], chunk: int, pad_id: int) -> Rollouts:
-    width = max(p.completion_ids.shape[1] for p in parts)
-
-    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
-
-    return Rollouts(
-        prompt_index=torch.cat([p.prompt_index + i * chunk for i, p in enumerate(parts)]),
-        completion_ids=torch.cat([pad(p.completion_ids, pad_id) for p in parts]),
-        completion_mask=torch.cat([pad(p.completion_mask, 0.0) for p in parts]),
-        sampling_logprobs=torch.cat([pad(p.sampling_logprobs, 0.0) for p in parts]),
-        truncated=torch.cat([p.truncated for p in parts]),
-    )

@@ -13,13 +13,12 @@ probability p_i up to float32 rounding of the cumulative sum. The recorded log-p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
 from grpo.batch import Rollouts, SamplingParams
 from grpo.native.decoder import GroupLayout, NativeDecoder, unsupported_reason
-from grpo.rollout.hf_generate import _concat, filter_logits
+from grpo.rollout.common import ChunkedEngine
+from grpo.rollout.hf_generate import filter_logits
 
 _COMPACT_FRACTION = 8  # drop finished rows once ≥ 1/8 of the active batch has finished
 
@@ -41,7 +40,7 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-class NativeEngine:
+class NativeEngine(ChunkedEngine):
     """RolloutEngine on `NativeDecoder`; colocated, it reads the learner's parameters directly."""
 
     def __init__(self, model, tokenizer, compile_decode: bool = False):
@@ -66,20 +65,6 @@ class NativeEngine:
     def exact_logprobs(self) -> bool:
         """Sampling log-probs equal the learner's (to float32 rounding): π_old needs no forward pass."""
         return self.decoder.dtype == torch.float32
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                params[name].copy_(tensor)
-
-    @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-                 chunk_prompts: int | None = None) -> Rollouts:
-        chunk = chunk_prompts or len(prompt_token_ids)
-        parts = [self._generate(prompt_token_ids[i:i + chunk], n, sampling)
-                 for i in range(0, len(prompt_token_ids), chunk)]
-        return parts[0] if len(parts) == 1 else _concat(parts, chunk, self.pad_id)
 
     def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
         dec, device = self.decoder, self.decoder.device
