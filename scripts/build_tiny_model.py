@@ -1,20 +1,25 @@
 """Build the bundled `tiny-math-lm`: a BPE tokenizer and a few-million-parameter Llama, trained from scratch
-on the `tiny_math` train split just long enough to be *partially* competent, so GRPO has room to improve it.
+on the `tiny_math` train split so that it is *partially* competent in a way GRPO can fix.
 
     .venv/bin/python scripts/make_tiny_math.py     # first, if the task data is missing
-    .venv/bin/python scripts/build_tiny_model.py   # ~10 min on 2 CPU cores; writes src/grpo/assets/tiny-math-lm/
-    .venv/bin/python scripts/build_tiny_model.py --seed 0 --steps 1200 --out /tmp/tiny-math-lm
+    .venv/bin/python scripts/build_tiny_model.py   # ~15 min on 2 quiet CPU cores; writes src/grpo/assets/tiny-math-lm/
+    .venv/bin/python scripts/build_tiny_model.py --steps 0 --init-from DIR --out /tmp/m   # phase 2 only
 
 Stages: (1) train a byte-level BPE tokenizer whose digits are always single tokens (so arithmetic is
 learnable digit by digit) and give it a chat template; (2) build a randomly initialised
-LlamaForCausalLM from `--seed`; (3) supervised fine-tuning on chat-templated prompt + answer + `<|end|>`,
-loss on the completion only; (4) held-out evaluation: greedy accuracy, format rate and pass@8 with
-temperature-1 sampling (what GRPO samples with); (5) save in Hugging Face format.
+LlamaForCausalLM from `--seed`; (3a) supervised fine-tuning on worked solutions
+(`6*9=54\n54-34=20\n#### 20` + `<|end|>`, loss on the completion only) for `--steps`;
+(3b) `--terse-steps` more on a mix in which `--terse-fraction` of the targets are the bare answer
+(`#### 20`); (4) held-out evaluation: greedy accuracy, format rate, how often greedy decoding shows its
+working and how accurate each style is, pass@8 with temperature-1 sampling (what GRPO samples with);
+(5) save in Hugging Face format.
 
-`--steps` sets how competent the result is. The default stops early on purpose: the greedy policy is
-right on roughly a third of held-out problems while sampled completions are right far more often
-(pass@8 >> greedy), which is exactly the gap GRPO closes. `--snapshots 400,800` also saves and evaluates
-intermediate checkpoints (with the learning-rate schedule of the full run) to compare starting points.
+Why two phases: after (3a) the model solves most problems *when it writes out the steps*; (3b) teaches
+it to often skip them, as models tuned on answer-only data do, and answering in one go is mostly wrong.
+Greedy decoding then picks the bare answer on most problems, while sampled completions still show
+their working often enough (and are right when they do) for GRPO's group-relative reward to select
+that behaviour: the demo's gain is GRPO learning to show its work, the same behaviour RL is known for
+on large models. `--snapshots` / `--terse-snapshots` save and evaluate intermediate checkpoints.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import re
 import time
 from pathlib import Path
@@ -127,11 +133,12 @@ def build_model(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) ->
 
 # --- (3) supervised fine-tuning ---------------------------------------------------------------------
 
-def encode_examples(tokenizer: PreTrainedTokenizerFast, rows: list[dict]) -> list[tuple[list[int], int]]:
-    """(token ids of prompt + answer + eos, prompt length). Prompt and completion are tokenized separately,
-    exactly as at generation time, so the model learns the token boundaries it will see in rollouts."""
+def encode_examples(tokenizer: PreTrainedTokenizerFast, rows: list[dict],
+                    completions: list[str]) -> list[tuple[list[int], int]]:
+    """(token ids of prompt + completion + eos, prompt length). Prompt and completion are tokenized
+    separately, exactly as at generation time, so the model learns the token boundaries it sees in rollouts."""
     prompts = tokenizer([chat_prompt(tokenizer, r["question"]) for r in rows], add_special_tokens=False)
-    answers = tokenizer([r["answer"] + EOS for r in rows], add_special_tokens=False)
+    answers = tokenizer([c + EOS for c in completions], add_special_tokens=False)
     return [(p + a, len(p)) for p, a in zip(prompts.input_ids, answers.input_ids)]
 
 
@@ -148,39 +155,46 @@ def collate(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.T
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warm-up, then cosine decay to 10% over the whole run."""
+    """Linear warm-up, then cosine decay to 10% at `--schedule-steps`. The schedule does not depend on
+    `--steps`, so stopping early gives exactly the same model as a snapshot of a longer run."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    progress = min(1.0, (step - args.warmup) / max(1, args.schedule_steps - args.warmup))
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def sft(model, tokenizer, train_rows, eval_rows, args) -> None:
-    examples = encode_examples(tokenizer, train_rows)
+def terse_completions(rows: list[dict], terse_fraction: float, seed: int) -> list[str]:
+    """Phase-2 SFT targets: the bare final line (`#### 20`) with probability `terse_fraction`, else the
+    worked solution. Fixed per row (seeded), so the build is reproducible."""
+    rng = random.Random(seed)
+    return [r["answer"].rsplit("\n", 1)[-1] if rng.random() < terse_fraction else r["answer"] for r in rows]
+
+
+def sft(model, tokenizer, examples, eval_rows, args, steps: int, lr_fn, phase: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98))
     generator = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(examples), generator=generator).tolist()
     position, start = 0, time.time()
-    snapshots = set(args.snapshots)
+    snapshots = set(args.snapshots if phase == "worked" else args.terse_snapshots)
     model.train()
-    for step in range(args.steps):
+    for step in range(steps):
         if position + args.batch_size > len(order):  # next epoch: reshuffle
             order, position = torch.randperm(len(examples), generator=generator).tolist(), 0
         batch = [examples[i] for i in order[position : position + args.batch_size]]
         position += args.batch_size
         input_ids, attention_mask, labels = collate(batch, tokenizer.pad_token_id)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
+            group["lr"] = lr_fn(step)
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if (step + 1) % 50 == 0 or step == 0:
-            print(f"step {step + 1:5d}/{args.steps}  loss {loss.item():.4f}  lr {lr_at(step, args):.2e}  "
+            print(f"{phase} step {step + 1:5d}/{steps}  loss {loss.item():.4f}  lr {lr_fn(step):.2e}  "
                   f"{time.time() - start:6.0f}s", flush=True)
         if step + 1 in snapshots:
-            out = args.snapshot_dir / f"step{step + 1}"
+            out = args.snapshot_dir / f"{phase}{step + 1}"
             metrics = evaluate(model, tokenizer, eval_rows, args)
             save(model, tokenizer, out, metrics, args)
             model.train()
@@ -204,8 +218,8 @@ def generate(model, tokenizer, questions: list[str], num_samples: int, max_new_t
     for i in range(0, len(questions), batch_size):
         prompts = [chat_prompt(tokenizer, q) for q in questions[i : i + batch_size]]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if num_samples > 1 else dict(
-            do_sample=False)
+        sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if num_samples > 1 else {
+            "do_sample": False}
         out = model.generate(**enc, max_new_tokens=max_new_tokens, num_return_sequences=num_samples,
                              **sampling)
         for row in out[:, enc.input_ids.shape[1]:].tolist():
@@ -229,11 +243,17 @@ def evaluate(model, tokenizer, rows: list[dict], args: argparse.Namespace) -> di
     sample_correct = [extract_answer(text) == targets[j // k] for j, (_, text) in enumerate(sampled)]
     pass_k = [any(sample_correct[j * k : (j + 1) * k]) for j in range(n_pass)]
 
+    # "Shows work": writes at least one equation line before the final answer.
+    worked = [text.count("\n") > 0 for _, text in greedy]
+    n_worked = sum(worked)
     prompt_lens = [len(tokenizer(chat_prompt(tokenizer, q), add_special_tokens=False).input_ids)
                    for q in questions]
     return {
         "greedy_accuracy": sum(correct) / len(rows),
         "format_rate": sum(formatted) / len(rows),
+        "shows_work_rate": n_worked / len(rows),
+        "accuracy_when_showing_work": sum(c for c, w in zip(correct, worked) if w) / max(1, n_worked),
+        "accuracy_when_terse": sum(c for c, w in zip(correct, worked) if not w) / max(1, len(rows) - n_worked),
         f"pass@{k}": sum(pass_k) / n_pass,
         "sample_accuracy": sum(sample_correct) / len(sampled),
         "mean_completion_tokens": sum(len(ids) for ids, _ in greedy) / len(greedy),
@@ -259,7 +279,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--steps", type=int, default=800, help="SFT optimizer steps (sets competence)")
+    parser.add_argument("--steps", type=int, default=1500, help="phase-1 SFT steps on worked solutions")
+    parser.add_argument("--schedule-steps", type=int, default=1500,
+                        help="length of the phase-1 learning-rate schedule (cosine to 10%% of --lr)")
+    parser.add_argument("--terse-steps", type=int, default=100,
+                        help="phase-2 SFT steps on a mix of worked and bare-answer targets")
+    parser.add_argument("--terse-fraction", type=float, default=0.45,
+                        help="share of phase-2 targets that give the bare answer without working")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="start from this saved model + tokenizer instead of building new ones")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=50)
@@ -272,6 +300,8 @@ def main() -> None:
     parser.add_argument("--pass-k-problems", type=int, default=200)
     parser.add_argument("--snapshots", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                         help="comma-separated SFT steps at which to also save + evaluate a checkpoint")
+    parser.add_argument("--terse-snapshots", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                        help="the same for the phase-2 (terse-mix) steps")
     parser.add_argument("--snapshot-dir", type=Path, default=ROOT / "work_tmp/candidates")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -280,14 +310,23 @@ def main() -> None:
     start = time.time()
     train_rows, test_rows = load_jsonl(DATA_DIR / "train.jsonl"), load_jsonl(DATA_DIR / "test.jsonl")
 
-    tokenizer = build_tokenizer(train_rows, args.vocab_size)
+    if args.init_from:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init_from)
+        model = LlamaForCausalLM.from_pretrained(args.init_from)
+    else:
+        tokenizer = build_tokenizer(train_rows, args.vocab_size)
+        model = build_model(tokenizer, args)
     check_round_trip(tokenizer, train_rows[:2000] + test_rows)
     print(f"tokenizer: {len(tokenizer)} tokens; prompt example {chat_prompt(tokenizer, 'Q?')!r}")
-
-    model = build_model(tokenizer, args)
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
 
-    sft(model, tokenizer, train_rows, test_rows, args)
+    worked = encode_examples(tokenizer, train_rows, [r["answer"] for r in train_rows])
+    sft(model, tokenizer, worked, test_rows, args, args.steps, lambda step: lr_at(step, args), "worked")
+    if args.terse_steps:
+        mixed = encode_examples(tokenizer, train_rows,
+                                terse_completions(train_rows, args.terse_fraction, args.seed + 1))
+        floor = args.lr * 0.1
+        sft(model, tokenizer, mixed, test_rows, args, args.terse_steps, lambda step: floor, "terse-mix")
     metrics = evaluate(model, tokenizer, test_rows, args)
     metrics["build_seconds"] = time.time() - start
     save(model, tokenizer, args.out, metrics, args)

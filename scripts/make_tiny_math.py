@@ -1,7 +1,7 @@
 """Generate the bundled `tiny_math` task: short arithmetic word problems in the GSM8K schema.
 
     .venv/bin/python scripts/make_tiny_math.py            # writes src/grpo/assets/tiny_math/{train,test}.jsonl
-    .venv/bin/python scripts/make_tiny_math.py --seed 0 --train-size 12000 --out-dir src/grpo/assets/tiny_math
+    .venv/bin/python scripts/make_tiny_math.py --seed 1234 --train-size 12000 --out-dir src/grpo/assets/tiny_math
 
 Each row is `{"question": str, "answer": str}`; the answer is one terse equation per step and ends in
 `#### <number>`, exactly like GSM8K, so the same reward functions serve both datasets:
@@ -10,9 +10,11 @@ Each row is `{"question": str, "answer": str}`; the answer is one terse equation
     answer:   "5+3=8\\n8*2=16\\n#### 16"
 
 A problem is a running quantity that starts with one setup sentence and goes through 0-2 more operations
-(1-3 equations in all). Numbers stay small (operands below 100, results below 1000, every intermediate a
-non-negative integer, divisions exact) so that a few-million-parameter model can learn the arithmetic:
-the task is meant to be hard for the bundled model at the start of RL, not impossible.
+(1-3 equations in all). Numbers stay small (every operand and result below 100, every intermediate a
+non-negative integer, divisions exact) so that a few-million-parameter model can learn the arithmetic.
+40% of problems carry one distractor sentence with a number the solution must ignore (as in GSM-IC).
+Train and test are drawn from the same distribution, which is large enough (and the train split
+de-duplicated against the test split) that a model cannot pass the test by memorising the train split.
 The output is a pure function of `--seed`: one `random.Random(seed)` drives everything.
 """
 
@@ -39,7 +41,8 @@ ITEMS = [("apples", "baskets"), ("marbles", "jars"), ("stickers", "sheets"), ("p
 FOODS = [("cookies", "jars"), ("eggs", "cartons"), ("muffins", "trays"), ("candies", "bags"),
          ("oranges", "crates"), ("grapes", "bowls"), ("cupcakes", "boxes"), ("plums", "baskets")]
 
-MAX_VALUE = 999  # cap on every intermediate result: keeps numbers at <= 3 digits
+DISTRACTOR_RATE = 0.4
+MAX_VALUE = 99  # cap on every intermediate result: two-digit arithmetic only
 
 
 class Story:
@@ -80,42 +83,53 @@ class Story:
 # --- setup sentences: each introduces the starting quantity with exactly one equation -----------------
 
 def setup_containers(s: Story) -> None:
-    n, per = s.rng.randint(2, 9), s.rng.randint(2, 12)
+    n, per = s.rng.randint(2, 9), s.rng.randint(2, 9)
     s.record(f"{s.name} has {n} {s.container} with {per} {s.item} in each.", n, "*", per, n * per)
 
 
 def setup_two_piles(s: Story) -> None:
-    a, b = s.rng.randint(2, 60), s.rng.randint(2, 40)
+    a, b = s.rng.randint(2, 40), s.rng.randint(2, 20)
     where = s.rng.choice(["on Monday", "in the morning", "at the market", "at school"])
     later = s.rng.choice(["on Tuesday", "in the afternoon", "at the park", "after lunch"])
     s.record(f"{s.name} gets {a} {s.item} {where} and {b} more {later}.", a, "+", b, a + b)
 
 
 def setup_gift(s: Story) -> None:
-    a, b = s.rng.randint(2, 60), s.rng.randint(2, 40)
+    a, b = s.rng.randint(2, 40), s.rng.randint(2, 20)
     s.record(f"{s.name} has {a} {s.item}. {s.friend} gives {s.name} {b} more.", a, "+", b, a + b)
 
 
 def setup_spent(s: Story) -> None:
-    a = s.rng.randint(10, 90)
-    b = s.rng.randint(1, a - 1)
+    a = s.rng.randint(10, 50)
+    b = s.rng.randint(1, min(a - 1, 20))
     verb = "eats" if s.is_food else s.rng.choice(["loses", "sells", "gives away"])
     s.record(f"{s.name} has {a} {s.item}. {s.subj} {verb} {b} of them.", a, "-", b, a - b)
 
 
 def setup_times_friend(s: Story) -> None:
-    a, k = s.rng.randint(2, 25), s.rng.randint(2, 5)
+    a, k = s.rng.randint(2, 12), s.rng.randint(2, 4)
     s.record(f"{s.friend} has {a} {s.item}. {s.name} has {k} times as many {s.item} as {s.friend}.",
              a, "*", k, a * k)
 
 
-SETUPS = [setup_containers, setup_two_piles, setup_gift, setup_spent, setup_times_friend]
+def setup_compare(s: Story) -> None:
+    a, b = s.rng.randint(5, 40), s.rng.randint(1, 20)
+    if s.rng.random() < 0.5:
+        s.record(f"{s.friend} has {a} {s.item}. {s.name} has {b} more {s.item} than {s.friend}.",
+                 a, "+", b, a + b)
+    else:
+        b = min(b, a - 1)
+        s.record(f"{s.friend} has {a} {s.item}. {s.name} has {b} fewer {s.item} than {s.friend}.",
+                 a, "-", b, a - b)
+
+
+SETUPS = [setup_containers, setup_two_piles, setup_gift, setup_spent, setup_times_friend, setup_compare]
 
 
 # --- follow-up operations on the running quantity; each returns False when it does not fit ------------
 
 def op_add(s: Story) -> bool:
-    b = s.rng.randint(1, 40)
+    b = s.rng.randint(1, 20)
     if s.value + b > MAX_VALUE:
         return False
     sentence = s.rng.choice([f"Then {s.pronoun} buys {b} more.", f"{s.subj} finds {b} more {s.item}.",
@@ -127,7 +141,7 @@ def op_add(s: Story) -> bool:
 def op_sub(s: Story) -> bool:
     if s.value < 2:
         return False
-    b = s.rng.randint(1, min(s.value - 1, 60))
+    b = s.rng.randint(1, min(s.value - 1, 20))
     verbs = ["eats", "gives away", "drops"] if s.is_food else ["gives away", "loses", "sells"]
     sentence = s.rng.choice([f"Then {s.pronoun} {s.rng.choice(verbs)} {b}.",
                              f"{s.subj} gives {b} to {s.friend}.", f"After that {s.pronoun} uses {b} of them."])
@@ -136,8 +150,8 @@ def op_sub(s: Story) -> bool:
 
 
 def op_mul(s: Story) -> bool:
-    k = s.rng.choice([2, 2, 3, 3, 4, 5])
-    if s.value * k > MAX_VALUE or s.value > 99:
+    k = s.rng.choice([2, 2, 3, 3, 4])
+    if s.value * k > MAX_VALUE:
         return False
     word = {2: "doubles", 3: "triples"}.get(k)
     sentence = (f"Then {s.pronoun} {word} {s.pos} pile." if word and s.rng.random() < 0.6
@@ -177,13 +191,24 @@ def ask_share(s: Story) -> bool:
 
 
 def ask_with_friend(s: Story) -> bool:
-    b = s.rng.randint(1, 50)
+    b = s.rng.randint(1, 20)
     if s.value + b > MAX_VALUE:
         return False
     s.sentences.append(f"{s.other} has {b} {s.item}. How many {s.item} do they have together?")
     s.steps.append(f"{s.value}+{b}={s.value + b}")
     s.value += b
     return True
+
+
+# --- distractors: a sentence with a number that the solution must ignore (as in GSM-IC) ---------------
+
+def add_distractor(s: Story) -> None:
+    n = s.rng.randint(2, 20)
+    other_item = s.rng.choice([item for item, _ in ITEMS + FOODS if item != s.item])
+    sentence = s.rng.choice([f"{s.name} is {n} years old.", f"{s.friend} is {n} years old.",
+                             f"{s.name} also has {n} {other_item}.", f"{s.friend} has {n} {other_item}.",
+                             f"The shop is {n} minutes away."])
+    s.sentences.insert(s.rng.randint(0, len(s.sentences) - 1), sentence)  # anywhere before the question
 
 
 def make_problem(rng: random.Random) -> dict[str, str]:
@@ -198,6 +223,8 @@ def make_problem(rng: random.Random) -> dict[str, str]:
             not final_is_step and ask_total(s)
         ):
             break
+    if rng.random() < DISTRACTOR_RATE:
+        add_distractor(s)
     steps = "\n".join(s.steps)
     return {"question": " ".join(s.sentences), "answer": f"{steps}\n#### {s.value}"}
 

@@ -5,6 +5,7 @@
     grpo train optimizer.lr=2e-5 train.steps=50   # Hydra-style overrides (TorchRL names work)
     grpo train --multirun optimizer.lr=1e-4,1e-5  # one run per value, in a sweep directory
     grpo eval --json                              # bundled model on the bundled held-out split
+    grpo report runs/2025-01-01_12-00-00          # HTML page + PNG plots of a run
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import re
 import sys
 import traceback
 import typing
@@ -117,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Hub token for gated models (default: $HF_TOKEN).")
     ev.add_argument("--dump", default=None, help="Write every completion and its score to this JSONL file.")
     ev.add_argument("--json", action="store_true", help="Print one JSON object (accuracy, n, ...) only.")
+
+    rep = sub.add_parser("report", help="Write RUN_DIR/report/index.html and PNG plots from a run's logs.")
+    rep.add_argument("run_dir", help="A run directory (with metrics.jsonl).")
+    rep.add_argument("--output", default=None, help="Report directory (default: RUN_DIR/report).")
     return parser
 
 
@@ -198,6 +204,34 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from grpo.report import write_report
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ConfigError(f"{run_dir} has no metrics.jsonl: pass the directory of a `grpo train` run.")
+    print(write_report(run_dir, Path(args.output) if args.output else None))
+    return 0
+
+
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\-]*=")
+
+
+def _assignments_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """Move `key=value` words of `grpo train` behind the flags. argparse takes a run of positionals only
+    once, so `--steps 1 lr=1e-3 --seed 1 beta=0` would otherwise fail with "unrecognized arguments"."""
+    if not argv or argv[0] != "train":
+        return argv
+    train = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("train"))
+    takes_value = {opt for action in train._actions if action.nargs not in (0, "?")
+                   for opt in action.option_strings}
+    flags, assignments = [argv[0]], []
+    for i, word in enumerate(argv[1:], start=1):
+        is_value = argv[i - 1] in takes_value  # e.g. `--dataset a=b.jsonl`: the flag's own value
+        (assignments if _ASSIGNMENT.match(word) and not is_value else flags).append(word)
+    return flags + assignments
+
+
 def main(argv: list[str] | None = None) -> int:
     from grpo.checkpoint import CheckpointError
     from grpo.setup import setup_logging
@@ -205,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     remember_from_argv(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(_assignments_last(parser, sys.argv[1:] if argv is None else list(argv)))
     try:
-        return {"train": cmd_train, "eval": cmd_eval}[args.command](args)
+        return {"train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.command](args)
     except ConfigError as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 2

@@ -99,7 +99,12 @@ class GenerationConfig:
     top_k: int = _f(50, "Keep only the k most likely tokens when sampling; 0 switches the filter off.")
     top_p: float = _f(0.9, "Nucleus sampling mass; 1.0 switches the filter off.")
     stop_strings: list[str] = _f([], "Extra strings that end a completion (the eos token always does).")
-    engine: str = _f("transformers", "Rollout engine.", choices=("transformers",))
+    engine: str = _f("native", "native: our Llama-family decoder for rollout (shared prompt prefill, KV cache "
+                     "allocated once) and training (shared-prompt, packed forward); other architectures fall "
+                     "back to transformers on their own. transformers: generate() and the model's forward.",
+                     choices=("native", "transformers"))
+    compile_decode: bool = _f(False, "torch.compile the native engine's decode step (pays off on a GPU, where "
+                              "a step is many small kernel launches; the first generate() compiles).")
     batch_size: int | None = _f(None, "Completions generated per generate() call; default: all at once.")
 
 
@@ -111,7 +116,22 @@ class AlgorithmConfig:
     epsilon_low: float = _f(0.2, "Lower clip range ε_low: the ratio is clipped at 1 − ε_low.")
     epsilon_high: float = _f(0.2, "Upper clip range ε_high: the ratio is clipped at 1 + ε_high "
                              "(DAPO's clip-higher uses 0.28).")
-    loss_variant: str = _f("grpo", "Policy loss: grpo (token-level ratio).", choices=("grpo",))
+    loss_variant: str = _f("grpo", "Policy loss: grpo (token-level ratio) or gspo (sequence-level ratio, "
+                           "GSPO; use clip ranges near 3e-4/4e-4).", choices=("grpo", "gspo"))
+    entropy_coef: float = _f(0.0, "Entropy bonus: subtract this × the mean token entropy from the loss "
+                             "(0 = off).")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and "
+                                "draw more prompts until the batch has prompts_per_step informative groups.")
+    dynamic_sampling_max_rounds: int = _f(4, "Most rollout rounds per step with dynamic sampling; after them "
+                                          "the step trains on the informative groups it has.")
+    overlong_buffer: int = _f(0, "DAPO overlong shaping: completions longer than max_new_tokens − this many "
+                              "tokens lose reward linearly, down to −overlong_penalty at the limit (0 = off).")
+    overlong_penalty: float = _f(1.0, "Largest overlong shaping penalty (at max_new_tokens).")
+    reward_timeout: float | None = _f(300.0, "Seconds one reward function may take on one batch; none = "
+                                      "no limit.")
+    reward_on_error: str = _f("stop", "When a reward function raises, times out or returns NaN/inf: stop "
+                              "(the run ends, naming the function, sample and input) or skip (score those "
+                              "samples as missing, count them in reward/skipped).", choices=("stop", "skip"))
     loss_aggregation: str = _f("sequence_mean", "sequence_mean (GRPO paper), token_mean (DAPO/BNPO) or "
                                "constant (Dr. GRPO).", choices=("sequence_mean", "token_mean", "constant"))
     advantage_scale: str = _f("group", "Divide group-centred rewards by the group std (group), the batch "
@@ -126,6 +146,8 @@ class AlgorithmConfig:
     reward_weights: list[float] | None = _f(None, "One weight per reward function (default 1.0 each).")
     reward_model: str | None = _f(None, "A sequence-classification model (hub id or path) scored as one "
                                   "more reward; a causal LM scores mean completion log-likelihood.")
+    reward_model_device: str | None = _f(None, "Device of the reward model (cpu, cuda, cuda:N); default: the "
+                                         "policy's device.")
 
 
 @dataclass
@@ -171,6 +193,12 @@ class TrainConfig:
     eval_steps: int = _f(0, "Also evaluate every N steps (0: never during training).")
     eval_batch_size: int = _f(256, "Prompts per generate() call during evaluation.")
     eval_max_new_tokens: int | None = _f(None, "Completion cap during evaluation; default: max_new_tokens.")
+    metric_for_best_model: str | None = _f(None, "Keep best_model/ (a copy of the policy) at the best value of "
+                                           "this evaluation metric, e.g. eval/accuracy; none = off.")
+    greater_is_better: bool = _f(True, "Whether a larger metric_for_best_model is better.")
+    log_samples: int = _f(4, "Sample completions (with rewards and advantages) written to samples.jsonl "
+                          "at every logging step.")
+    report: bool = _f(True, "Write report/index.html and PNG plots into the run directory at the end.")
     use_wandb: bool = _f(False, "Log to Weights & Biases (`pip install grpo[wandb]`; WANDB_MODE=offline "
                          "works without network).")
     wandb_project: str = _f("grpo", "W&B project.")
@@ -552,6 +580,7 @@ def validate(cfg: GRPOConfig) -> None:
         "train.gradient_accumulation_steps": t.gradient_accumulation_steps,
         "data.max_prompt_length": cfg.data.max_prompt_length, "train.logging_steps": t.logging_steps,
         "train.eval_batch_size": t.eval_batch_size,
+        "algorithm.dynamic_sampling_max_rounds": a.dynamic_sampling_max_rounds,
     }
     for path, value in positive.items():
         if value < 1:
@@ -580,14 +609,23 @@ def validate(cfg: GRPOConfig) -> None:
                           f"{a.epsilon_low} and {a.epsilon_high}.")
     if not 0 < a.gamma <= 1:
         raise ConfigError(f"algorithm.gamma must be in (0, 1], got {a.gamma}.")
+    if a.loss_variant == "gspo" and a.gamma != 1:
+        raise ConfigError("algorithm.loss_variant=gspo has one advantage per sequence; it needs gamma = 1.")
     if not a.reward_funcs and not a.reward_model:
         raise ConfigError("No reward: set algorithm.reward_funcs and/or algorithm.reward_model.")
     if a.reward_weights is not None:
-        n_funcs = len(a.reward_funcs) + (1 if a.reward_model else 0)
+        from grpo.rewards.schemes import REWARD_SCHEMES
+
+        n_funcs = sum(len(REWARD_SCHEMES.get(f, [f])) for f in a.reward_funcs) + (1 if a.reward_model else 0)
         if len(a.reward_weights) != n_funcs:
             raise ConfigError(f"algorithm.reward_weights has {len(a.reward_weights)} entries but there are "
                               f"{n_funcs} rewards ({', '.join(a.reward_funcs)}"
                               f"{', reward_model' if a.reward_model else ''}).")
+    if a.overlong_buffer < 0 or a.overlong_buffer >= cfg.effective_max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer must be in [0, max_new_tokens = "
+                          f"{cfg.effective_max_new_tokens}), got {a.overlong_buffer}.")
+    if a.reward_timeout is not None and a.reward_timeout <= 0:
+        raise ConfigError(f"algorithm.reward_timeout must be > 0 seconds (or none), got {a.reward_timeout}.")
     if o.learning_rate <= 0:
         raise ConfigError(f"optim.learning_rate must be > 0, got {o.learning_rate}.")
     if o.warmup_steps < 0 or o.max_grad_norm < 0 or o.weight_decay < 0:

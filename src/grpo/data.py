@@ -1,7 +1,7 @@
 """Prompt sources → rows → PromptBatch.
 
 A row is a dict with a `prompt` string plus the dataset's other columns (e.g. `answer`), which reach
-reward functions as keyword arguments. Sources: the bundled `tiny_math` task, GSM8K from the hub,
+reward functions as keyword arguments. Sources: the bundled `tiny_math` task, GSM8K and IFEval from the hub,
 local JSONL/JSON/Parquet/CSV files, any hub dataset (through `datasets`), or a Python list
 (`SimplePromptDataset`).
 """
@@ -65,6 +65,8 @@ def load_rows(spec: str | None, cfg: DataConfig, split: str | None = None,
         records = _read_local(bundled_task_file(name, split))
     elif name == "gsm8k":
         records = _read_hub("openai/gsm8k", "main", split, None, token)
+    elif name == "ifeval":  # google/IFEval: key, prompt, instruction_id_list, kwargs; one split, "train"
+        records = _read_hub("google/IFEval", None, "train", None, token)
     elif Path(name).suffix in LOCAL_FORMATS or Path(name).exists():
         path = Path(name)
         if not path.is_file():

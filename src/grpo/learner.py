@@ -16,10 +16,14 @@ from grpo.batch import TrainBatch
 from grpo.config import GRPOConfig
 from grpo.distributed.runtime import Runtime
 from grpo.loss import LossNorm, grpo_loss
+from grpo.native.decoder import NativeDecoder, unsupported_reason
+from grpo.native.logprobs import shared_prompt_logprobs
 
 
-def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False):
-    """log π(completion token | prefix) for every completion position: [N, T] (and entropy [N, T])."""
+def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False,
+                   entropy_grad: bool = False):
+    """log π(completion token | prefix) for every completion position: [N, T] (and entropy [N, T],
+    differentiable when `entropy_grad`, for the entropy bonus)."""
     width = batch.prompt_width
     t = batch.input_ids.shape[1] - width
     device = next(model.parameters()).device
@@ -32,11 +36,22 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
     logp_all = torch.log_softmax(logits, dim=-1)  # [N, T, V]
     targets = batch.input_ids[:, width:].to(device)  # [N, T]
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # [N, T]
-    if not with_entropy:
+    if not (with_entropy or entropy_grad):
         return logp, None
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, T]
     return logp, entropy
+
+
+def logprob_function(model, native: bool, gradient_checkpointing: bool = False):
+    """`fn(batch, temperature, with_entropy)` for this model: the native shared-prompt forward when asked
+    for and the architecture is supported, else the transformers forward."""
+    if native and unsupported_reason(model) is None:
+        decoder = NativeDecoder(model)
+        decoder.gradient_checkpointing = gradient_checkpointing
+        return lambda batch, temperature, with_entropy=False: shared_prompt_logprobs(
+            decoder, batch, temperature, with_entropy)
+    return lambda batch, temperature, with_entropy=False: token_logprobs(model, batch, temperature, with_entropy)
 
 
 def trim(batch: TrainBatch) -> TrainBatch:
@@ -107,6 +122,11 @@ class Learner:
             self.optimizer, lr_lambda(o.warmup_steps, total_optimizer_steps, o.lr_scheduler))
         self.micro_batch_size = cfg.resolved_micro_batch_size
         self.nonfinite_in_a_row = 0
+        # The native forward reads parameters directly, skipping module hooks: DDP and FSDP2 rely on their
+        # wrapper's forward, so several processes train through the transformers forward.
+        native = cfg.generation.engine == "native" and not self.rt.active
+        self._policy_logprob_fn = logprob_function(self.model, native, cfg.model.gradient_checkpointing)
+        self._ref_logprob_fn = None if ref_model is None else logprob_function(ref_model, native)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -114,7 +134,7 @@ class Learner:
         out = torch.zeros(len(batch), t)
         for rows in micro_batches(len(batch), self.micro_batch_size):
             mb = trim(batch.rows(rows))
-            logp, _ = token_logprobs(self.ref_model, mb, self.cfg.generation.temperature)
+            logp, _ = self._ref_logprob_fn(mb, self.cfg.generation.temperature)
             out[rows, :logp.shape[1]] = logp.float().cpu()
         return out  # [N, T]
 
@@ -124,7 +144,9 @@ class Learner:
         norm = LossNorm(num_sequences=int(rt.sum(len(batch))),
                         num_tokens=int(rt.sum(batch.completion_mask.sum().item())),
                         max_completion_length=self.cfg.effective_max_new_tokens)
-        if batch.old_logprobs is None:
+        # π_old may arrive as the engine's sampling log-probs (exact engine); else the first pass records it.
+        old_given = batch.old_logprobs is not None
+        if not old_given:
             batch.old_logprobs = torch.zeros_like(batch.completion_mask)
         totals: dict[str, float] = {}
         grad_norm, skipped = 0.0, False
@@ -134,10 +156,14 @@ class Learner:
             for k, rows in enumerate(slices):
                 mb = trim(batch.rows(rows))
                 rt.set_grad_sync(self.model, k == len(slices) - 1)  # all-reduce once, after the last
-                logp, entropy = token_logprobs(self.model, mb, self.cfg.generation.temperature,
-                                               with_entropy=first_pass)
+                if a.entropy_coef != 0:  # the bonus needs entropy with a gradient: the transformers forward
+                    logp, entropy = token_logprobs(self.model, mb, self.cfg.generation.temperature,
+                                                   with_entropy=first_pass, entropy_grad=True)
+                else:
+                    logp, entropy = self._policy_logprob_fn(mb, self.cfg.generation.temperature,
+                                                         with_entropy=first_pass)
                 device = logp.device
-                if first_pass:
+                if first_pass and not old_given:
                     # No update has happened yet in this step: the current policy *is* π_old.
                     old = logp.detach()
                     batch.old_logprobs[rows, :old.shape[1]] = old.float().cpu()
@@ -150,13 +176,14 @@ class Learner:
                     logp, old, None if mb.ref_logprobs is None else mb.ref_logprobs.to(device),
                     mb.advantages.to(device), mask, variant=a.loss_variant, clip_low=a.epsilon_low,
                     clip_high=a.epsilon_high, beta=a.beta, kl_estimator=a.kl_estimator,
-                    aggregation=a.loss_aggregation, norm=norm)
+                    aggregation=a.loss_aggregation, norm=norm, entropy=entropy,
+                    entropy_coef=a.entropy_coef)
                 (out.loss * rt.loss_scale).backward()
                 loss_finite = loss_finite and math.isfinite(out.loss.item())
                 if first_pass:
                     _add(totals, loss=out.loss.item(), kl=out.kl_sum.item(), ratio=out.ratio_sum.item(),
                          clip_low=out.clipped_low_sum.item(), clip_high=out.clipped_high_sum.item(),
-                         entropy=(entropy * mask).sum().item(), tokens=out.num_tokens.item())
+                         entropy=(entropy.detach() * mask).sum().item(), tokens=out.num_tokens.item())
             grad_norm, step_skipped = self._optimizer_step(loss_finite)
             skipped = skipped or step_skipped
         if rt.active:

@@ -33,6 +33,7 @@ __all__ = [
     "grpo_loss",
     "kl_penalty",
     "per_token_policy_loss",
+    "sequence_policy_loss",
 ]
 
 _T = TypeVar("_T")
@@ -129,8 +130,37 @@ def per_token_policy_loss(
     return loss, RatioStats(ratio, clipped_low, clipped_high)
 
 
+def sequence_policy_loss(
+    *,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[Tensor, RatioStats]:
+    """GSPO (arXiv 2507.18071, eq. 5-7): PPO's clip on one length-normalised ratio per completion,
+
+        s_i = exp( (1/|o_i|) Σ_t (log π_θ − log π_old) ),
+
+    written on every token of the row, so aggregating with "sequence_mean" gives the paper's
+    (1/G) Σ_i min(s_i Â_i, clip(s_i) Â_i). The advantage is the row's (first token's) value: GSPO has
+    one advantage per sequence. Returns the per-token loss [B, T] and RatioStats with s_i broadcast.
+    """
+    length = mask.sum(-1).clamp(min=1)  # [B]
+    log_ratio = ((logp - old_logp) * mask).sum(-1) / length  # [B] mean token log-ratio
+    ratio = torch.exp(log_ratio)[:, None].expand_as(logp)  # [B, T] s_i on every token
+    advantage = advantages[:, :1].expand_as(logp)  # [B, T]
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
+    loss = -torch.minimum(ratio * advantage, clipped_ratio * advantage)  # [B, T]
+    clipped_low = (ratio < 1.0 - clip_low) & (advantage < 0)  # [B, T]
+    clipped_high = (ratio > 1.0 + clip_high) & (advantage > 0)  # [B, T]
+    return loss, RatioStats(ratio, clipped_low, clipped_high)
+
+
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     "grpo": per_token_policy_loss,
+    "gspo": sequence_policy_loss,
 }
 
 
@@ -216,8 +246,10 @@ def grpo_loss(
     kl_estimator: str = "k3",
     aggregation: str = "sequence_mean",
     norm: LossNorm,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> LossOutput:
-    """Clipped surrogate + β·KL for one micro-batch; see the module docstring.
+    """Clipped surrogate + β·KL − c·entropy for one micro-batch; see the module docstring.
 
     logp:       [B, T] log π_θ of the completion tokens (the only input gradients flow into).
     old_logp:   [B, T] log-probs of the policy that generated the rollout (π_old).
@@ -225,7 +257,11 @@ def grpo_loss(
     advantages: [B, T] per-token advantages (a group advantage broadcast, or discounted).
     mask:       [B, T] 1 on completion tokens that count.
     norm:       normalisers of the whole optimisation batch (LossNorm.from_mask on the full mask).
+    entropy:    [B, T] per-token entropy of π_θ (with gradient) when entropy_coef != 0: the bonus
+                −c·H_t is added to every token's loss and aggregated like the rest.
     """
+    if entropy_coef != 0 and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs the per-token entropy")
     policy_loss = _lookup(POLICY_LOSSES, variant, "policy loss variant")
     estimate_kl = _lookup(KL_ESTIMATORS, kl_estimator, "KL estimator")
     aggregate = _lookup(LOSS_AGGREGATIONS, aggregation, "loss aggregation")
@@ -255,6 +291,8 @@ def grpo_loss(
     kl = estimate_kl(ref_logp.detach() - logp) if ref_logp is not None else torch.zeros_like(logp)  # [B, T]
     if beta != 0:
         per_token = per_token + beta * kl  # [B, T]
+    if entropy_coef != 0:
+        per_token = per_token - entropy_coef * entropy  # [B, T] higher entropy lowers the loss
     loss = aggregate(per_token, mask_f, norm)  # []
 
     with torch.no_grad():

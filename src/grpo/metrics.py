@@ -72,6 +72,13 @@ class MetricsLogger:
         if console:
             log.info("step %d | %s", step, format_metrics(clean))
 
+    def log_samples(self, step: int, records: list[dict[str, Any]]) -> None:
+        """Append sample completions (with rewards and advantages) to samples.jsonl, for the report."""
+        if not records:
+            return
+        with open(self.run_dir / "samples.jsonl", "a", encoding="utf-8") as fh:
+            fh.writelines(json.dumps({"step": step, **r}, ensure_ascii=False) + "\n" for r in records)
+
     def close(self) -> None:
         self.jsonl.close()
         if self.tb is not None:
@@ -115,3 +122,22 @@ def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None  # JSON has no NaN; a null keeps the line parseable
     return v
+
+
+def sample_records(scored, advantages, limit: int) -> list[dict[str, Any]]:
+    """Up to `limit` completions of one step, one per group first (so several prompts show), with the
+    total reward, each function's reward and the advantage. `scored` is a dapo.ScoredRollouts."""
+    if limit <= 0:
+        return []
+    group = scored.rollouts.prompt_index.tolist()
+    firsts = [i for i, g in enumerate(group) if g not in group[:i]]
+    order = firsts + [i for i in range(len(group)) if i not in firsts]
+    records = []
+    for i in order[:limit]:
+        records.append({
+            "prompt": scored.prompts.prompts[group[i]], "completion": scored.texts[i],
+            "reward": _clean(scored.rewards[i]), "advantage": _clean(advantages[i]),
+            "rewards": {n: _clean(scored.scores.per_function[i, j]) for j, n in enumerate(scored.scores.names)},
+            "length": int(scored.rollouts.lengths[i]), "truncated": bool(scored.rollouts.truncated[i]),
+        })
+    return records

@@ -30,7 +30,7 @@ from grpo.models import (
 )
 from grpo.preflight import check_model_paths, plan_resume
 from grpo.redact import RedactingFilter
-from grpo.rewards import resolve_reward
+from grpo.rewards import resolve_rewards
 from grpo.rollout import RolloutEngine, build_engine
 
 log = logging.getLogger("grpo")
@@ -121,8 +121,8 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
     train_rows = (rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows) if train_dataset is not None
                   else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
     eval_rows = _eval_rows(cfg, eval_dataset, token)
-    funcs = [resolve_reward(f) for f in (reward_funcs if reward_funcs is not None else
-                                         ([] if reward_model is not None else cfg.algorithm.reward_funcs))]
+    funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
+                            ([] if reward_model is not None else cfg.algorithm.reward_funcs))
 
     device = resolve_device(cfg.model.device)
     if tokenizer is None or isinstance(tokenizer, str):
@@ -156,7 +156,8 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
 
     reward_spec = reward_model if reward_model is not None else cfg.algorithm.reward_model
     if reward_spec is not None:
-        funcs.append(_model_reward(reward_spec, policy, tokenizer, cfg, device))
+        funcs.append(_model_reward(reward_spec, policy, tokenizer, cfg,
+                                   resolve_device(cfg.algorithm.reward_model_device or cfg.model.device)))
     if not funcs:
         raise ConfigError("No reward: pass reward_funcs=[...] or reward_model=..., or set algorithm.reward_funcs.")
     weights = cfg.algorithm.reward_weights
@@ -165,7 +166,7 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
 
     formatter = PromptFormatter(tokenizer, cfg.data)
     formatter.check_lengths(train_rows)
-    engine = build_engine(cfg.generation.engine, policy, tokenizer)
+    engine = build_engine(cfg.generation.engine, policy, tokenizer, cfg.generation.compile_decode)
     n_params = sum(p.numel() for p in policy.parameters())
     log.info("Run directory: %s", run_dir)
     log.info("Policy: %s (%.2fM parameters, %s, %s); reference: %s; rewards: %s",
@@ -184,8 +185,9 @@ def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
         rows = load_rows(cfg.data.eval_dataset, cfg.data, split="test", token=token)
     else:
         return []
-    if rows and "answer" not in rows[0]:
-        raise ConfigError("The evaluation dataset has no answer column; evaluation needs reference answers.")
+    if rows and "answer" not in rows[0] and "instruction_id_list" not in rows[0]:
+        raise ConfigError("The evaluation dataset has no answer column; evaluation needs reference answers "
+                          "(or IFEval rows with instruction_id_list).")
     return rows[:cfg.data.eval_max_samples] if cfg.data.eval_max_samples else rows
 
 

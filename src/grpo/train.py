@@ -22,6 +22,7 @@ save and stop (docs/reliability.md).
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import signal
 import time
@@ -37,10 +38,19 @@ from grpo.checkpoint import (
     load_training_state,
     prune_checkpoints,
     rng_state,
+    save_model_dir,
     seed_everything,
     set_rng_state,
 )
 from grpo.config import GRPOConfig
+from grpo.dapo import (
+    ScoredRollouts,
+    concat_rounds,
+    informative_prompts,
+    overlong_penalty,
+    select_groups,
+    truncate_prompts,
+)
 from grpo.data import PromptStream, make_prompt_batch
 from grpo.distributed import init_runtime
 from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
@@ -49,7 +59,7 @@ from grpo.distributed.runtime import SilentLogger
 from grpo.evaluation import EvalResult, evaluate
 from grpo.learner import Learner
 from grpo.loss import apply_truncation_mask
-from grpo.metrics import MetricsLogger, StageTimer
+from grpo.metrics import MetricsLogger, StageTimer, sample_records
 from grpo.rewards import score_completions
 from grpo.rollout import build_engine
 from grpo.setup import RunParts, build_run
@@ -131,25 +141,15 @@ class GRPOTrainer:
                 step += 1
                 timer = StageTimer()
                 step_start = time.perf_counter()
-                with timer("rollout"):
-                    if remote is None:
-                        indices, rows = rt.shard(*stream.next_rows(t.prompts_per_step))  # whole groups per rank
-                        prompts = make_prompt_batch(indices, rows, p.formatter)
-                        rollouts = p.engine.generate(prompts.prompt_token_ids, g.num_generations, sampling,
-                                                     chunk_prompts=_chunk(g.batch_size, g.num_generations))
-                        lag = 0
-                    else:  # lag: learner steps between the sampling weights and now
-                        prompts, rollouts, lag = remote.next_batch()
-                    texts = p.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
-                with timer("reward"):
-                    group = rollouts.prompt_index  # [N] group id = the prompt it answers
-                    scores = score_completions(
-                        p.reward_funcs, p.reward_weights, [prompts.prompts[i] for i in group],
-                        texts, {k: [v[i] for i in group] for k, v in prompts.columns.items()})
-                    advantages = group_advantages(scores.total, group, a.advantage_scale, a.advantage_eps)
+                scored, sampling_stats = self._collect(stream, sampling, timer, remote)
+                prompts, rollouts, scores = scored.prompts, scored.rollouts, scored.scores
+                group = rollouts.prompt_index  # [N] group id = the prompt it answers
+                advantages = group_advantages(scored.rewards, group, a.advantage_scale, a.advantage_eps)
                 batch = build_train_batch(prompts, rollouts, advantages, cfg, p.tokenizer.pad_token_id)
-                if lag > 0:
+                if scored.lag > 0:
                     batch.behaviour_logprobs = rollouts.sampling_logprobs  # importance correction
+                elif remote is None and a.num_iterations == 1 and _logprobs_match_policy(p.engine, sampling):
+                    batch.old_logprobs = rollouts.sampling_logprobs  # π_old as sampled: nothing to recompute
                 if p.ref_model is not None:
                     with timer("reference"):
                         batch.ref_logprobs = learner.reference_logprobs(batch)
@@ -163,9 +163,10 @@ class GRPOTrainer:
                 self.nonfinite_total += stats.skipped
                 step_seconds = time.perf_counter() - step_start
                 metrics = {
-                    "reward": scores.total.mean().item(), "reward_std": scores.total.std().item(),
+                    "reward": scored.rewards.mean().item(), "reward_std": scored.rewards.std().item(),
                     **{f"reward/{n}": _nanmean(scores.per_function[:, j]) for j, n in enumerate(scores.names)},
-                    **group_reward_stats(scores.total, group),
+                    "reward/skipped": float(scores.skipped), **sampling_stats,
+                    **group_reward_stats(scored.rewards, group),
                     "advantage/mean": advantages.mean().item(), "advantage/std": advantages.std().item(),
                     "advantage/abs_max": advantages.abs().max().item(),
                     **stats.as_dict(), **rollout_metrics(rollouts),
@@ -181,6 +182,7 @@ class GRPOTrainer:
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3g}")
                 if step % t.logging_steps == 0 or step == total_steps:
                     logger.log(step, metrics, console=not t.progress_bar or step == total_steps)
+                    logger.log_samples(step, sample_records(scored, advantages, t.log_samples))
                     if t.progress_bar:
                         bar.write(f"step {step}: reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f} "
                                   f"| kl {metrics['kl']:.4f} | len {metrics['completion_len/mean']:.1f} "
@@ -220,6 +222,8 @@ class GRPOTrainer:
             summary.update(self._log_eval(logger, step, "after"))
         logger.close()
         log.info("Done: %d steps; final model in %s", step, p.run_dir / "final_model")
+        if t.report:
+            self._write_report()
         return summary
 
     # -- side rooms: eval, checkpoints, resume, signals ------------------------------------------
@@ -231,11 +235,85 @@ class GRPOTrainer:
         if result is None:
             return {}
         metrics = {f"eval/accuracy_{when}": result.accuracy, "eval/accuracy": result.accuracy,
-                   "eval/n": float(result.n), "time/eval": time.perf_counter() - start}
+                   "eval/n": float(result.n), "time/eval": time.perf_counter() - start,
+                   **{f"eval/{k}": v for k, v in result.extra.items()}}
         logger.log(step, metrics, console=False)
         log.info("Held-out accuracy %s training: %.1f%% (%d problems, greedy)", when, 100 * result.accuracy,
                  result.n)
+        self._keep_best(step, metrics)
         return metrics
+
+    def _keep_best(self, step: int, metrics: dict[str, float]) -> None:
+        """best_model/: the policy at the best value so far of train.metric_for_best_model."""
+        t, p = self.cfg.train, self.parts
+        name = t.metric_for_best_model
+        if not name or name not in metrics or self.rt.sharded:  # FSDP2: no rank holds whole weights here
+            return
+        value, best = metrics[name], getattr(self, "best_metric", None)
+        if best is not None and (value <= best if t.greater_is_better else value >= best):
+            return
+        self.best_metric = value
+        path = save_model_dir(p.run_dir / "best_model", p.policy, p.tokenizer, self.cfg.to_yaml(), None)
+        (path / "best.json").write_text(json.dumps({"step": step, "metric": name, "value": value}) + "\n")
+        log.info("New best %s = %.4g at step %d; saved %s", name, value, step, path)
+
+    def _write_report(self) -> None:
+        from grpo.report import write_report
+
+        try:
+            log.info("Report: %s", write_report(self.parts.run_dir))
+        except Exception as error:  # noqa: BLE001 (a report must never cost a finished run)
+            log.warning("Could not write the run report: %r (retry with `grpo report %s`)", error,
+                        self.parts.run_dir)
+
+    # -- rollout and rewards, with DAPO dynamic sampling -------------------------------------------
+    def _rollout_round(self, stream: PromptStream, sampling: SamplingParams, timer: StageTimer,
+                       remote=None) -> ScoredRollouts:
+        p, cfg = self.parts, self.cfg
+        g, a = cfg.generation, cfg.algorithm
+        with timer("rollout"):
+            if remote is None:
+                indices, rows = self.rt.shard(*stream.next_rows(cfg.train.prompts_per_step))  # whole groups
+                prompts = make_prompt_batch(indices, rows, p.formatter)
+                rollouts = p.engine.generate(prompts.prompt_token_ids, g.num_generations, sampling,
+                                             chunk_prompts=_chunk(g.batch_size, g.num_generations))
+                lag = 0
+            else:  # Ray rollout actors; lag: learner steps between the sampling weights and now
+                prompts, rollouts, lag = remote.next_batch()
+            texts = p.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+        with timer("reward"):
+            group = rollouts.prompt_index  # [N]
+            columns = {k: [v[i] for i in group] for k, v in prompts.columns.items()}
+            columns.setdefault("completion_truncated", rollouts.truncated.tolist())
+            scores = score_completions(p.reward_funcs, p.reward_weights, [prompts.prompts[i] for i in group],
+                                       texts, columns, timeout=a.reward_timeout, on_error=a.reward_on_error)
+            shaping = overlong_penalty(rollouts.lengths, cfg.effective_max_new_tokens, a.overlong_buffer,
+                                       a.overlong_penalty)  # [N]
+        return ScoredRollouts(prompts, rollouts, texts, scores, scores.total + shaping, lag=lag)
+
+    def _collect(self, stream: PromptStream, sampling: SamplingParams, timer: StageTimer,
+                 remote=None) -> tuple[ScoredRollouts, dict[str, float]]:
+        """One round, or (dynamic sampling) rounds until P prompts with reward spread are in hand."""
+        a, want = self.cfg.algorithm, self.cfg.train.prompts_per_step
+        kept, drawn, informative, rounds, last = [], 0, 0, 0, None
+        while rounds < (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 1):
+            rounds += 1
+            last = self._rollout_round(stream, sampling, timer, remote)
+            spread = informative_prompts(last.rewards, last.rollouts.prompt_index, last.num_prompts)  # [P]
+            drawn, informative = drawn + last.num_prompts, informative + int(spread.sum())
+            if not a.dynamic_sampling:
+                break
+            if spread.any():
+                kept.append(select_groups(last, spread))
+            if sum(k.num_prompts for k in kept) >= want:
+                break
+        stats = {"groups/generated": float(drawn), "groups/informative_frac": informative / max(drawn, 1)}
+        if not a.dynamic_sampling:
+            return last, stats
+        stats["dynamic_sampling/rounds"] = float(rounds)
+        if not kept:  # nothing informative after every round: train on the last one (advantages all 0)
+            return last, stats
+        return truncate_prompts(concat_rounds(kept, self.parts.tokenizer.pad_token_id), want), stats
 
     def _save_checkpoint(self, step: int, learner: Learner, stream: PromptStream) -> Path:
         p = self.parts
@@ -327,6 +405,12 @@ def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
 
 def _nanmean(x: torch.Tensor) -> float:
     return x.nanmean().item() if not torch.isnan(x).all() else float("nan")
+
+
+def _logprobs_match_policy(engine, sampling: SamplingParams) -> bool:
+    """The engine's sampling log-probs are the learner's π_θ (same weights and precision, no filters)."""
+    return (getattr(engine, "exact_logprobs", False) and not sampling.greedy and sampling.top_k == 0
+            and sampling.top_p >= 1.0)
 
 
 def _chunk(batch_size: int | None, n: int) -> int | None:

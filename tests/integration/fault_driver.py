@@ -27,7 +27,7 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.checkpoint import list_checkpoints
 from tests import tiny_run
 
-STEPS = 16
+STEPS = 24
 ROWS = 7  # 4 steps per epoch, the last one short: resumes land mid-epoch and on boundaries
 SAVE_POINTS = ("model", "config", "state", "manifest", "renamed")
 CHILD_TIMEOUT_S = 120
@@ -65,13 +65,13 @@ def kill_at_random(pid: int, run: Path, rng: random.Random) -> None:
     """SIGKILL at a random moment: during start-up or the first step, or a random time into a step 1-2
     steps further on (wherever that lands: generating, updating, saving), so the run still advances."""
     newest = max((s for s, _ in list_checkpoints(run)), default=0)
-    ahead = rng.randint(0, 2)
+    ahead = min(rng.randint(0, 2), STEPS - 1 - newest)  # never wait for a step past the end of the run
     deadline = time.monotonic() + CHILD_TIMEOUT_S
     while ahead and max((s for s, _ in list_checkpoints(run)), default=0) < newest + ahead:
         if time.monotonic() > deadline or os.waitpid(pid, os.WNOHANG)[0]:
             raise RuntimeError("the training process ended before it could be killed")
         time.sleep(0.005)
-    time.sleep(rng.uniform(0.0, 0.08) if ahead else rng.uniform(0.05, 0.6))
+    time.sleep(rng.uniform(0.0, 0.08) if ahead else rng.uniform(0.02, 0.3))
     os.kill(pid, signal.SIGKILL)
 
 

@@ -2,6 +2,8 @@
 and non-finite steps: skipped, counted, then a stop with a checkpoint."""
 
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -33,7 +35,10 @@ class SignalAt:
         self.calls += 1
         if self.calls == self.step:
             for sig in self.signals:
-                signal.raise_signal(sig)
+                # Rewards run on a worker thread (algorithm.reward_timeout) and Python runs handlers on the
+                # main thread: signal that thread, as a terminal's Ctrl-C would, one signal at a time.
+                signal.pthread_kill(threading.main_thread().ident, sig)
+                time.sleep(0.3)
         return letter_score(prompts, completions, **columns)
 
 

@@ -30,7 +30,7 @@ def test_no_token_reaches_the_run_directory_or_the_output(tmp_path, monkeypatch,
                 "--dataset", str(tmp_path / f"{TOKENS['flag']}.jsonl")]) == 2
     assert cli(["train", *common, "--multirun", "--hf_access_token", TOKENS["sweep"], "lr=1e-3,2e-3"]) == 0
     with pytest.raises(SystemExit):  # a usage error echoes the arguments argparse could not place
-        cli(["train", "--steps", "1", "lr=1e-3", "--seed", "1", f"hf_token={TOKENS['key']}"])
+        cli(["train", f"--no-such-flag={TOKENS['key']}", "--seed", "1", f"hf_token={TOKENS['key']}"])
     printed = capfd.readouterr()
     assert "<redacted>" in printed.err
     files = [p for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".safetensors"]

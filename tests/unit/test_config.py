@@ -83,3 +83,14 @@ def test_secrets_are_redacted_from_dumps():
     cfg = GRPOConfig(hf_access_token="hf_SECRET123")
     assert cfg.hf_token() == "hf_SECRET123"
     assert "hf_SECRET123" not in cfg.to_yaml() and "<redacted>" in cfg.to_yaml()
+
+
+def test_cli_accepts_key_value_overrides_between_flags():
+    from grpo.cli import _assignments_last, build_parser
+
+    parser = build_parser()
+    argv = ["train", "--steps", "1", "optimizer.lr=1e-3", "--dataset", "a=b.jsonl", "--seed", "3", "beta=0.1"]
+    assert _assignments_last(parser, argv) == ["train", "--steps", "1", "--dataset", "a=b.jsonl", "--seed", "3",
+                                               "optimizer.lr=1e-3", "beta=0.1"]
+    args = parser.parse_args(_assignments_last(parser, argv))
+    assert args.assignments == ["optimizer.lr=1e-3", "beta=0.1"]

@@ -46,12 +46,12 @@ class RolloutWorker:
         from grpo.rollout import build_engine
 
         torch.set_num_threads(num_threads)
-        torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
         if lora is not None:
             model = apply_lora(model, LoraSettings(**lora))
         model.to("cuda" if use_gpu else "cpu").eval()
         self.engine = build_engine(engine, model, tokenizer)
+        torch.manual_seed(seed)  # after the random init: sampling noise starts where a colocated run's does
         self.version = -1  # no weights yet
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> int:

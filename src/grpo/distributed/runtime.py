@@ -247,6 +247,9 @@ class SilentLogger:
     def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
         pass
 
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

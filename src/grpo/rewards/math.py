@@ -1,9 +1,13 @@
-"""GSM8K-style math rewards: pull the final number out of a completion and compare it exactly.
+"""GSM8K-style math rewards: pull the final answer out of a completion and compare it to the reference.
 
 Numbers are compared as canonical decimal strings (see `normalize_number`), so `1,234`, `$1234.00` and
 `１２３４` all match a reference of `1234`, and 30-digit answers compare exactly (no float rounding).
+A final answer that is not a plain number (`#### 7/2`, `\\boxed{\\frac{7}{2}}`) is compared by
+`math-verify` (symbolic equivalence through SymPy), so `7/2` matches a reference of `3.5`.
 """
 
+import functools
+import logging
 import re
 import unicodedata
 from decimal import Decimal, InvalidOperation
@@ -81,6 +85,16 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
+def final_answer_span(text: str) -> str | None:
+    """The text inside the final-answer marker that `extract_answer` reads first, or None without one."""
+    text = _canonical_text(text)
+    for find_span in (_after_last_hashes, _last_answer_tag, _last_boxed):
+        span = find_span(text)
+        if span is not None and span.strip():
+            return span.strip()
+    return None
+
+
 def extract_answer(text: str) -> str | None:
     """The final answer of a completion as a canonical number string, or None.
 
@@ -121,7 +135,70 @@ def gsm8k_correctness(
     rewards: list[float | None] = []
     for completion, reference in zip(completions, answer, strict=True):
         expected = reference_answer(reference)
-        rewards.append(None if expected is None else float(extract_answer(completion) == expected))
+        rewards.append(None if expected is None else float(is_correct(completion, expected)))
+    return rewards
+
+
+def is_correct(completion: str, expected: str) -> bool:
+    """Does the completion's final answer equal `expected` (a canonical number from `reference_answer`)?
+
+    Exact canonical-number match first; when the final-answer marker holds something other than a plain
+    number (a fraction, LaTeX), math-verify decides. A plain but different number is simply wrong.
+    """
+    if extract_answer(completion) == expected:
+        return True
+    span = final_answer_span(completion)
+    return span is not None and normalize_number(span) is None and math_equivalent(span, expected)
+
+
+@functools.cache
+def _math_verify():
+    # Imported on first use: math-verify pulls in SymPy and an ANTLR LaTeX parser (~0.6 s).
+    import math_verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns once that we time out ourselves
+    config = (math_verify.LatexExtractionConfig(), math_verify.ExprExtractionConfig())
+    return math_verify, config
+
+
+def math_equivalent(prediction: str, reference: str) -> bool:
+    """Whether two answers are mathematically equal according to math-verify (`1/2` == `0.5` ==
+    `\\frac{1}{2}`). Either side may be plain text, an expression or LaTeX (with or without `$` or
+    `\\boxed{}`). math-verify's own signal-based time limit only works on the main thread, so it is
+    switched off here: reward calls are time-limited by the trainer (algorithm.reward_timeout).
+    """
+    if not prediction.strip() or not reference.strip():
+        return False
+    mv, config = _math_verify()
+
+    def parsed(text: str):
+        found = mv.parse(text, extraction_config=config, parsing_timeout=None)
+        if not found and "\\" in text and "$" not in text:
+            found = mv.parse(f"${text}$", extraction_config=config, parsing_timeout=None)
+        return found
+
+    gold, guess = parsed(reference), parsed(prediction)
+    return bool(gold and guess and mv.verify(gold, guess, timeout_seconds=None))
+
+
+def math_correctness(
+    prompts: list[str], completions: list[str], answer: list[str], **_: list
+) -> list[float | None]:
+    """1.0 when math-verify finds the completion's final answer equal to the reference, else 0.0.
+
+    For math beyond GSM8K's integers (MATH-style LaTeX answers). The reference is the text after the
+    last `####` when there is one, else the whole `answer` value; the prediction is the final-answer
+    marker's content (`####`, `<answer>`, `\\boxed{}`) or, without one, the whole completion.
+    None where the reference is empty.
+    """
+    rewards: list[float | None] = []
+    for completion, reference in zip(completions, answer, strict=True):
+        gold = str(reference).rpartition("####")[2].strip() if reference is not None else ""
+        if not gold:
+            rewards.append(None)
+            continue
+        prediction = final_answer_span(completion) or completion
+        rewards.append(float(math_equivalent(prediction, gold)))
     return rewards
 
 

@@ -5,12 +5,15 @@ The seam is the `RolloutEngine` protocol; the learner never needs to know which 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Protocol
 
 import torch
 
 from grpo.batch import Rollouts, SamplingParams
+
+log = logging.getLogger("grpo")
 
 
 class RolloutEngine(Protocol):
@@ -21,10 +24,18 @@ class RolloutEngine(Protocol):
         """Receive new policy weights; a colocated engine shares the learner's parameters and skips this."""
 
 
-def build_engine(name: str, model, tokenizer) -> RolloutEngine:
+def build_engine(name: str, model, tokenizer, compile_decode: bool = False) -> RolloutEngine:
+    """`native` on a supported Llama-family model, else (or when asked) transformers `generate`."""
+    from grpo.native.decoder import unsupported_reason
     from grpo.rollout.hf_generate import TransformersEngine
+    from grpo.rollout.native import NativeEngine
 
-    engines = {"transformers": TransformersEngine}
+    engines = {"native": NativeEngine, "transformers": TransformersEngine}
     if name not in engines:
         raise ValueError(f"Unknown rollout engine '{name}'; available: {', '.join(engines)}.")
-    return engines[name](model, tokenizer)
+    if name == "native" and (reason := unsupported_reason(model)) is not None:
+        log.info("Native engine: unsupported model (%s); using transformers generate.", reason)
+        name = "transformers"
+    if name == "native":
+        return NativeEngine(model, tokenizer, compile_decode=compile_decode)
+    return TransformersEngine(model, tokenizer)

@@ -1,0 +1,396 @@
+"""A compact Llama-family decoder that runs on a `transformers` model's own parameters.
+
+Llama 2/3.x (incl. 3.1 rope scaling), Mistral (no active sliding window), Qwen2/2.5 (qkv bias) and
+Qwen3 (q/k RMSNorm) share one block: RMSNorm → GQA attention with RoPE → RMSNorm → SwiGLU MLP.
+`NativeDecoder(hf_model)` reads the weights from the Hugging Face module tree at every call, so the
+learner's optimizer updates are visible at once: no copy, no sync step. It adds the two attention
+layouts GRPO wants and `transformers` does not have:
+
+- `prefill` + `decode_step`: each group's prompt is prefilled once; its G completions decode against
+  that one prompt KV (grouped attention), each with its own completion KV.
+- `shared_prompt_hidden` (training): the prompt of a group runs once, its completions attend to it,
+  and only real tokens go through the linear layers (pad tokens cost nothing there).
+
+Anything else (another architecture, dynamic RoPE, an active sliding window) is reported by
+`unsupported_reason` and the callers fall back to the transformers model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
+STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq depends on the config only
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the native decoder cannot run this model exactly, or None when it can."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in ARCHITECTURES:
+        return f"architecture {kind!r} (native: {', '.join(sorted(ARCHITECTURES))})"
+    if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+        return "no model.layers module tree"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act}"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"rope_type {rope!r}"
+    layer_types = getattr(cfg, "layer_types", None) or []
+    window = getattr(cfg, "sliding_window", None)
+    if any(t != "full_attention" for t in layer_types) or (kind == "mistral" and window is not None):
+        return "sliding-window attention"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP bias"
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers: normalise in float32, cast back, then scale (bit-compatible in bf16 too).
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half convention; x [..., S, D], cos/sin broadcastable to it."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class PromptCache:
+    """Per-layer KV of P prefilled prompts (right-padded) and the bias masking their padding."""
+
+    keys: list[torch.Tensor]  # L × [P, Hkv, Lp, D]
+    values: list[torch.Tensor]  # L × [P, Hkv, Lp, D]
+    bias: torch.Tensor  # [P, 1, 1, Lp] 0 on real prompt tokens, −inf on padding
+    lengths: torch.Tensor  # [P] long
+
+
+class NativeDecoder:
+    """Forward passes of a Llama-family `transformers` causal LM, on its live parameters."""
+
+    def __init__(self, hf_model):
+        reason = unsupported_reason(hf_model)
+        if reason is not None:
+            raise ValueError(f"The native decoder does not support this model: {reason}.")
+        cfg = hf_model.config
+        self.hf = hf_model
+        self.base = hf_model.model
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.qk_norm = cfg.model_type == "qwen3"
+        self.scale = self.head_dim ** -0.5
+        self.gradient_checkpointing = False
+        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- weights, read live -----------------------------------------------------------------------
+    @property
+    def layers(self):
+        return self.base.layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.embed_tokens.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.base.embed_tokens.weight)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.base.norm.weight, self.eps)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.hf.get_output_embeddings().weight  # [V, d] (the embedding itself when tied)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.final_norm(h), self.lm_head_weight)
+
+    def rope(self, positions: torch.Tensor, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [*positions.shape, D] from a table built by the model's own rotary module. With
+        `limit` (> every position) the lookup does not read positions back to the host."""
+        need = limit if limit is not None else (int(positions.max().item()) + 1 if positions.numel() else 1)
+        key = (positions.device, self.dtype)
+        table = self._rope.get(key)
+        if table is None or table[0].shape[0] < need:
+            size = max(need, 2 * (table[0].shape[0] if table else 0), 512)
+            dummy = torch.zeros(1, device=positions.device, dtype=self.dtype)
+            cos, sin = self.base.rotary_emb(dummy, torch.arange(size, device=positions.device)[None])
+            table = self._rope[key] = (cos[0], sin[0])  # [size, D]
+        return table[0][positions], table[1][positions]
+
+    # -- pieces of a block ------------------------------------------------------------------------
+    def qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [S, d] (packed tokens) → q [S, H, D], k, v [S, Hkv, D]; RoPE applied (cos/sin [S, D])."""
+        a = layer.self_attn
+        s = x.shape[0]
+        q = F.linear(x, a.q_proj.weight, a.q_proj.bias).view(s, self.num_heads, self.head_dim)
+        k = F.linear(x, a.k_proj.weight, a.k_proj.bias).view(s, self.num_kv_heads, self.head_dim)
+        v = F.linear(x, a.v_proj.weight, a.v_proj.bias).view(s, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = rms_norm(q, a.q_norm.weight, self.eps)
+            k = rms_norm(k, a.k_norm.weight, self.eps)
+        return rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None]), v
+
+    def mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
+        m = layer.mlp
+        return F.linear(F.silu(F.linear(x, m.gate_proj.weight)) * F.linear(x, m.up_proj.weight), m.down_proj.weight)
+
+    def block_tail(self, layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection + residual + MLP; h, attn [S, d]."""
+        o = layer.self_attn.o_proj
+        h = h + F.linear(attn, o.weight, o.bias)
+        return h + self.mlp(layer, rms_norm(h, layer.post_attention_layernorm.weight, self.eps))
+
+    # -- rollout ------------------------------------------------------------------------------------
+    def prefill(self, prompts: list[list[int]], pad_id: int) -> tuple[PromptCache, torch.Tensor]:
+        """Run each prompt once (right-padded, causal). Returns its KV and last-token logits [P, V]."""
+        p, width = len(prompts), max(len(x) for x in prompts)
+        lengths = torch.tensor([len(x) for x in prompts], device=self.device)
+        ids = torch.full((p, width), pad_id, dtype=torch.long)
+        for i, x in enumerate(prompts):
+            ids[i, :len(x)] = torch.tensor(x)
+        ids = ids.to(self.device)
+        cos, sin = self.rope(torch.arange(width, device=self.device))  # [Lp, D]
+        h = self.embed(ids).view(p * width, -1)  # [P·Lp, d]
+        cos, sin = cos.repeat(p, 1), sin.repeat(p, 1)
+        keys, values = [], []
+        for layer in self.layers:
+            q, k, v = self.qkv(layer, rms_norm(h, layer.input_layernorm.weight, self.eps), cos, sin)
+            q, k, v = (t.view(p, width, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [P, H, Lp, D]
+            # Right padding: a real query never sees a pad key under the causal mask.
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
+            h = self.block_tail(layer, h, attn.transpose(1, 2).reshape(p * width, -1))
+            keys.append(k.contiguous())
+            values.append(v.contiguous())
+        last = h.view(p, width, -1)[torch.arange(p, device=self.device), lengths - 1]  # [P, d]
+        bias = torch.zeros(p, 1, 1, width, device=self.device, dtype=self.dtype)
+        bias.masked_fill_(torch.arange(width, device=self.device)[None, None, None] >= lengths[:, None, None, None],
+                          float("-inf"))
+        return PromptCache(keys, values, bias, lengths), self.logits(last)
+
+    def decode_weights(self, fuse: bool) -> list[LayerWeights]:
+        """Per-layer weights for decoding. fuse=True concatenates q|k|v and gate|up (one matmul each):
+        a per-call copy worth making on a CPU, where small matmuls are bound by per-call overhead."""
+        out = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv = [(a.q_proj.weight, a.q_proj.bias), (a.k_proj.weight, a.k_proj.bias), (a.v_proj.weight, a.v_proj.bias)]
+            gate_up = [(m.gate_proj.weight, None), (m.up_proj.weight, None)]
+            if fuse:
+                qkv = [(torch.cat([w for w, _ in qkv]),
+                        None if a.q_proj.bias is None else torch.cat([b for _, b in qkv]))]
+                gate_up = [(torch.cat([w for w, _ in gate_up]), None)]
+            out.append(LayerWeights(
+                layer.input_layernorm.weight, qkv, a.q_norm.weight if self.qk_norm else None,
+                a.k_norm.weight if self.qk_norm else None, a.o_proj.weight, a.o_proj.bias,
+                layer.post_attention_layernorm.weight, gate_up, m.down_proj.weight))
+        return out
+
+    def decode_step(self, tokens: torch.Tensor, prompts: PromptCache, layout: GroupLayout,
+                    caches: list[tuple[torch.Tensor, torch.Tensor]], weights: list[LayerWeights],
+                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One token for each of n active rows; returns logits [n, V].
+
+        caches: per layer (K, V) views [n, Hkv, t+1, D] of the completion cache up to this step; this
+        step's K/V are written into their last column. Prompt attention is grouped: a group's queries
+        meet its prompt KV in one matmul. cos, sin: [n, D] RoPE at each row's position.
+        No Python number depends on the step, so a compiled step serves every step.
+        """
+        n, h_q, h_kv, d = tokens.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = cos[:, None], sin[:, None]
+        h = self.embed(tokens)  # [n, d_model]
+        for i, w in enumerate(weights):
+            qkv = _project(rms_norm(h, w.input_norm, self.eps), w.qkv)  # [n, (H + 2·Hkv)·D]
+            q, k, v = qkv.view(n, h_q + 2 * h_kv, d).split([h_q, h_kv, h_kv], dim=1)
+            if w.q_norm is not None:
+                q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
+            cache_k, cache_v = caches[i]
+            cache_k[:, :, -1] = rotate(k, cos, sin)
+            cache_v[:, :, -1] = v
+            attn = self._decode_attention(rotate(q, cos, sin), cache_k, cache_v, prompts.keys[i],
+                                          prompts.values[i], prompts.bias, layout)
+            h = h + F.linear(attn, w.o_proj, w.o_bias)
+            gate, up = _project(rms_norm(h, w.post_norm, self.eps), w.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w.down_proj)
+        return self.logits(h)
+
+    def _decode_attention(self, q, kc, vc, kp, vp, bias, layout: GroupLayout) -> torch.Tensor:
+        # q [n, H, D]; kc, vc [n, Hkv, t, D]; kp, vp [P, Hkv, Lp, D] (prompt KV, shared by a group).
+        n, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
+        rep, lp = self.num_heads // hkv, kp.shape[2]
+        qr = q.view(n, hkv, rep, d)
+        scores_c = qr @ kc.transpose(-1, -2)  # [n, Hkv, rep, t]
+        qg = layout.to_groups(qr)  # [P, Hkv, Gm·rep, D]
+        scores_p = (qg @ kp.transpose(-1, -2)) + bias  # [P, Hkv, Gm·rep, Lp]
+        scores = torch.cat([layout.to_rows(scores_p, rep), scores_c], dim=-1) * self.scale  # [n, Hkv, rep, Lp+t]
+        probs = scores.float().softmax(-1).to(q.dtype)  # float32 softmax also under bf16, as SDPA does
+        out = probs[..., lp:] @ vc  # [n, Hkv, rep, D]
+        out_p = layout.to_groups(probs[..., :lp]) @ vp  # [P, Hkv, Gm·rep, D]
+        return (out + layout.to_rows(out_p, rep)).reshape(n, -1)  # [n, H·D]
+
+    # -- training -----------------------------------------------------------------------------------
+    def shared_prompt_hidden(self, packed: SharedPromptPack) -> torch.Tensor:
+        """Final-normed hidden states that predict each real completion token: [M, d], in `target_slot` order."""
+        h = self.embed(packed.token_ids)  # [S, d] S = real prompt tokens + real completion inputs
+        cos, sin = self.rope(packed.positions)  # [S, D]
+        for layer in self.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(self._shared_block, layer, h, cos, sin, packed,
+                                                      use_reentrant=False)
+            else:
+                h = self._shared_block(layer, h, cos, sin, packed)
+        return self.final_norm(h.index_select(0, packed.predictor_index))  # [M, d]
+
+    def _shared_block(self, layer, h, cos, sin, packed: SharedPromptPack) -> torch.Tensor:
+        q, k, v = self.qkv(layer, rms_norm(h, layer.input_layernorm.weight, self.eps), cos, sin)  # [S, H|Hkv, D]
+        p, lp, n, tc = packed.num_groups, packed.prompt_width, packed.num_rows, packed.input_width
+        pad_p = lambda x: _scatter_rows(x, packed.prompt_slot, p * lp).view(p, lp, -1, self.head_dim).transpose(1, 2)
+        pad_c = lambda x: _scatter_rows(x, packed.completion_slot, n * tc).view(n, tc, -1, self.head_dim).transpose(1, 2)
+        qp, kp, vp = pad_p(q[:packed.num_prompt_tokens]), pad_p(k[:packed.num_prompt_tokens]), pad_p(v[:packed.num_prompt_tokens])
+        attn_p = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True, scale=self.scale)
+        qc, kc, vc = (pad_c(x[packed.num_prompt_tokens:]) for x in (q, k, v))  # [N, H|Hkv, Tc, D]
+        # A completion's keys: its group's prompt (shared; gradients sum back through the index) then itself.
+        keys = torch.cat([kp.index_select(0, packed.row_group), kc], dim=2)  # [N, Hkv, Lp+Tc, D]
+        vals = torch.cat([vp.index_select(0, packed.row_group), vc], dim=2)
+        attn_c = F.scaled_dot_product_attention(qc, keys, vals, attn_mask=packed.completion_mask,
+                                                enable_gqa=True, scale=self.scale)  # [N, H, Tc, D]
+        attn = torch.cat([attn_p.transpose(1, 2).reshape(p * lp, -1).index_select(0, packed.prompt_slot),
+                          attn_c.transpose(1, 2).reshape(n * tc, -1).index_select(0, packed.completion_slot)])
+        return self.block_tail(layer, h, attn)
+
+
+@dataclass
+class LayerWeights:
+    """One block's weights as decoding uses them (projections possibly fused)."""
+
+    input_norm: torch.Tensor
+    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]  # one fused (weight, bias) or three
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: list[tuple[torch.Tensor, None]]  # one fused or two
+    down_proj: torch.Tensor
+
+
+def _project(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    outs = [F.linear(x, w, b) for w, b in parts]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _scatter_rows(x: torch.Tensor, slots: torch.Tensor, size: int) -> torch.Tensor:
+    """Packed [S, ...] → padded [size, ...] with x[i] at row slots[i], zeros elsewhere (differentiable)."""
+    return x.new_zeros(size, *x.shape[1:]).index_copy(0, slots, x)
+
+
+class GroupLayout:
+    """Which prompt each active decode row belongs to, and the padded [P, Gm] slot of each row.
+
+    Rows are kept sorted by group; when rows finish and are dropped the layout is rebuilt, so the
+    grouped prompt attention only ever touches live rows (plus padding up to the fullest group).
+    """
+
+    def __init__(self, row_group: torch.Tensor, prompt_lengths: torch.Tensor, num_groups: int):
+        self.row_group = row_group  # [n] long, sorted
+        counts = torch.bincount(row_group, minlength=num_groups)  # [P]
+        self.num_groups, self.width = num_groups, max(int(counts.max().item()), 1)
+        start = torch.cumsum(counts, 0) - counts  # [P]
+        rank = torch.arange(row_group.numel(), device=row_group.device) - start[row_group]
+        self.slot = row_group * self.width + rank  # [n]
+        self.dense = bool((counts == self.width).all())  # every group full: slots are 0..n-1
+        self.prompt_len_per_row = prompt_lengths[row_group]  # [n]
+
+    def to_groups(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, Hkv, rep, X] per row → [P, Hkv, Gm·rep, X] per group."""
+        _, hkv, rep, d = x.shape
+        if not self.dense:
+            x = x.new_zeros(self.num_groups * self.width, hkv, rep, d).index_copy(0, self.slot, x)
+        return x.view(self.num_groups, self.width, hkv, rep, d).transpose(1, 2).reshape(
+            self.num_groups, hkv, self.width * rep, d)
+
+    def to_rows(self, x: torch.Tensor, rep: int) -> torch.Tensor:
+        """[P, Hkv, Gm·rep, X] per group → [n, Hkv, rep, X] per row."""
+        p, hkv, _, d = x.shape
+        x = x.view(p, hkv, self.width, rep, d).transpose(1, 2).reshape(p * self.width, hkv, rep, d)
+        return x if self.dense else x.index_select(0, self.slot)
+
+
+@dataclass
+class SharedPromptPack:
+    """A micro-batch laid out for shared-prompt training: every real token once, no padding.
+
+    Token order: the P distinct prompts' tokens, then each completion's input tokens (all but its last).
+    Slot tensors place packed tokens into the padded [P, Lp] / [N, Tc] grids attention runs on.
+    """
+
+    token_ids: torch.Tensor  # [S] long
+    positions: torch.Tensor  # [S] long: position within prompt + completion
+    num_prompt_tokens: int
+    num_groups: int  # P
+    prompt_width: int  # Lp
+    num_rows: int  # N
+    input_width: int  # Tc = T − 1 (≥ 1)
+    completion_width: int  # T
+    prompt_slot: torch.Tensor  # [Sp] row in the [P·Lp] grid
+    completion_slot: torch.Tensor  # [Sc] row in the [N·Tc] grid
+    row_group: torch.Tensor  # [N] which prompt each completion answers
+    completion_mask: torch.Tensor  # [N, 1, Tc, Lp+Tc] bool: keys each completion query may see
+    predictor_index: torch.Tensor  # [M] packed token whose output predicts each real completion token
+    target_slot: torch.Tensor  # [M] where that prediction goes in the [N·T] grid
+    targets: torch.Tensor  # [M] the completion token predicted there
+
+
+def pack_shared_prompts(prompt_ids: list[list[int]], row_group: list[int], completions: list[list[int]],
+                        completion_width: int, device: torch.device) -> SharedPromptPack:
+    """Build a SharedPromptPack; completions[i] answers prompt_ids[row_group[i]] (all non-empty)."""
+    p, n = len(prompt_ids), len(completions)
+    lp = max(len(x) for x in prompt_ids)
+    tc = max(max((len(c) - 1 for c in completions), default=1), 1)
+    ids, pos, pslot, cslot = [], [], [], []
+    for g, x in enumerate(prompt_ids):
+        ids += x
+        pos += range(len(x))
+        pslot += range(g * lp, g * lp + len(x))
+    prompt_tokens = len(ids)
+    # The token predicting completion j of row i: the prompt's last token (j = 0), else completion input j-1.
+    predictor, target, target_ids = [], [], []
+    plen = [len(x) for x in prompt_ids]
+    pstart = [sum(plen[:g]) for g in range(p)]
+    for i, c in enumerate(completions):
+        g = row_group[i]
+        if not c:
+            continue
+        inputs = c[:-1]
+        first = len(ids)
+        ids += inputs
+        pos += range(plen[g], plen[g] + len(inputs))
+        cslot += range(i * tc, i * tc + len(inputs))
+        predictor += [pstart[g] + plen[g] - 1] + list(range(first, first + len(inputs)))
+        target += range(i * completion_width, i * completion_width + len(c))
+        target_ids += c
+    groups = torch.tensor(row_group, dtype=torch.long)
+    plens = torch.tensor(plen)[groups]  # [N]
+    clens = torch.tensor([max(len(c) - 1, 0) for c in completions])  # [N]
+    prompt_ok = torch.arange(lp)[None, :] < plens[:, None]  # [N, Lp]
+    own = torch.arange(tc)  # [Tc]
+    causal = (own[None, :] <= own[:, None])[None] & (own[None, None, :] < clens[:, None, None])  # [N, Tc, Tc]
+    mask = torch.cat([prompt_ok[:, None, :].expand(n, tc, lp), causal], dim=-1)  # [N, Tc, Lp+Tc]
+    t = lambda v: torch.tensor(v, dtype=torch.long, device=device)
+    return SharedPromptPack(
+        token_ids=t(ids), positions=t(pos), num_prompt_tokens=prompt_tokens, num_groups=p, prompt_width=lp,
+        num_rows=n, input_width=tc, completion_width=completion_width, prompt_slot=t(pslot),
+        completion_slot=t(cslot), row_group=groups.to(device), completion_mask=mask[:, None].to(device),
+        predictor_index=t(predictor), target_slot=t(target), targets=t(target_ids))

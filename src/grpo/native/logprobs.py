@@ -1,0 +1,89 @@
+"""Per-token log-probs for training on the native decoder: shared prompts, packed tokens, chunked head.
+
+`shared_prompt_logprobs(decoder, batch, temperature)` is a drop-in for `learner.token_logprobs`:
+same TrainBatch in, same [N, T] log-probs out, but
+
+- each distinct prompt of the micro-batch runs once and its completions attend to it,
+- only real tokens pass through the linear layers (no pad work),
+- the LM head and log-softmax run in row chunks inside one autograd function that recomputes each
+  chunk's logits in backward, so a [tokens, vocab] logits tensor never exists whole, forward or back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.batch import TrainBatch
+from grpo.native.decoder import NativeDecoder, SharedPromptPack, pack_shared_prompts
+
+CHUNK_ELEMENTS = 1 << 22  # logits elements per chunk (16 MB in float32)
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """log softmax(h Wᵀ / τ)[target] per row, chunked; optional entropy (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool):
+        # hidden [M, d], weight [V, d], targets [M] → logp [M], entropy [M] (empty unless asked)
+        m, v = hidden.shape[0], weight.shape[0]
+        chunk = max(1, CHUNK_ELEMENTS // v)
+        logp = hidden.new_empty(m, dtype=torch.float32)
+        lse = hidden.new_empty(m, dtype=torch.float32)
+        entropy = hidden.new_empty(m if with_entropy else 0, dtype=torch.float32)
+        for s in range(0, m, chunk):
+            e = min(s + chunk, m)
+            logits = (hidden[s:e] @ weight.T).float() / temperature  # [c, V]
+            lse[s:e] = torch.logsumexp(logits, -1)
+            logp[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
+            if with_entropy:
+                probs = (logits - lse[s:e, None]).exp()
+                entropy[s:e] = lse[s:e] - (probs * logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, hidden.shape[0])
+            logits = (hidden[s:e] @ weight.T).float() / ctx.temperature  # [c, V] recomputed
+            # d logp / d logits = onehot(target) − softmax, times the upstream gradient, over τ.
+            g = (logits - lse[s:e, None]).exp_().mul_(-grad_logp[s:e, None])  # [c, V]
+            g.scatter_add_(-1, targets[s:e, None], grad_logp[s:e, None].float())
+            g = g.div_(ctx.temperature).to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[s:e] = g @ weight
+            if grad_w is not None:
+                grad_w.add_(g.T @ hidden[s:e])
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def pack_batch(batch: TrainBatch, device: torch.device) -> SharedPromptPack:
+    """TrainBatch rows → SharedPromptPack; rows with identical prompts share one prompt pass."""
+    width = batch.prompt_width
+    prompt_rows, completions, row_group = {}, [], []
+    keep = batch.attention_mask.bool()
+    for ids, real in zip(batch.input_ids.tolist(), keep.tolist()):
+        prompt = tuple(t for t, r in zip(ids[:width], real[:width]) if r)
+        row_group.append(prompt_rows.setdefault(prompt, len(prompt_rows)))
+        completions.append([t for t, r in zip(ids[width:], real[width:]) if r])
+    return pack_shared_prompts([list(p) for p in prompt_rows], row_group, completions,
+                               batch.input_ids.shape[1] - width, device)
+
+
+def shared_prompt_logprobs(decoder: NativeDecoder, batch: TrainBatch, temperature: float,
+                           with_entropy: bool = False):
+    """log π(completion token | prefix) [N, T] (and entropy [N, T]); zeros on padding."""
+    packed = pack_batch(batch, decoder.device)
+    hidden = decoder.shared_prompt_hidden(packed)  # [M, d]
+    logp, entropy = ChunkedTokenLogprobs.apply(hidden, decoder.lm_head_weight, packed.targets, temperature,
+                                               with_entropy)  # [M], [M]
+    shape = (packed.num_rows, packed.completion_width)
+    grid = logp.new_zeros(shape[0] * shape[1]).index_copy(0, packed.target_slot, logp).view(shape)  # [N, T]
+    if not with_entropy:
+        return grid, None
+    return grid, entropy.new_zeros(shape[0] * shape[1]).index_copy(0, packed.target_slot, entropy).view(shape)

@@ -1,0 +1,294 @@
+"""Calling reward functions safely and combining what they return.
+
+A long run must not hang on, or be killed by, one bad reward call. Each function is called once on
+the whole batch with a time limit (`timeout`, seconds; a call still running after it is abandoned on a
+daemon thread). When a call raises, times out or returns NaN/inf, `on_error` decides:
+
+- "stop": raise a RewardError naming the function, the sample (found by re-scoring the samples one at a
+  time) and its input (prompt, completion and columns, shortened);
+- "skip": score the offending samples as missing (None), count them in `RewardScores.skipped`, go on.
+
+`async def` reward functions run concurrently with each other on one event loop. Contract violations
+that no sample explains (a wrong number of rewards, a string reward) always stop the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import numbers
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from math import isfinite, nan
+
+import torch
+
+log = logging.getLogger("grpo")
+
+RewardFunction = Callable[..., list[float | None]]
+ON_ERROR = ("stop", "skip")
+_CHARS_IN_ERRORS = 200
+_SKIP_HINT = "Set algorithm.reward_on_error=skip to score such samples as missing and go on."
+
+
+class RewardError(RuntimeError):
+    """A reward function failed; the message names it, the sample and the input."""
+
+
+class RewardTimeoutError(RewardError, TimeoutError):
+    """A reward call ran past its time limit."""
+
+
+class NonFiniteRewardError(RewardError, ValueError):
+    """A reward function returned NaN or ±inf."""
+
+
+@dataclass
+class RewardScores:
+    """Rewards of one batch of N completions under F functions."""
+
+    per_function: torch.Tensor  # [N, F] float32, NaN where a function returned None (or was skipped)
+    names: list[str]  # [F] metric names, in the order of the columns of per_function
+    total: torch.Tensor  # [N] Σ_f w_f·r_f over the functions that apply; 0.0 where none applies
+    none_applicable: int  # samples on which every function returned None
+    skipped: int = 0  # (function, sample) scores dropped under on_error="skip"
+
+
+class _Failure:
+    """What a guarded call produced instead of rewards."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def reward_name(fn: RewardFunction) -> str:
+    import functools
+
+    if isinstance(fn, functools.partial):
+        return reward_name(fn.func)
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def is_async(fn: RewardFunction) -> bool:
+    target = fn.func if hasattr(fn, "func") else fn
+    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
+
+
+def score_completions(
+    funcs: list[RewardFunction],
+    weights: list[float] | None,
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list],
+    *,
+    timeout: float | None = None,
+    on_error: str = "stop",
+) -> RewardScores:
+    """Calls each function on the whole batch (guarded as the module docstring says) and sums with weights.
+
+    A None reward is skipped in the sum rather than counted as 0 (TRL's nansum), so a function that
+    applies only to some samples does not drag the others down.
+    """
+    if not funcs:
+        raise ValueError("score_completions needs at least one reward function")
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    weights = [1.0] * len(funcs) if weights is None else list(weights)
+    if len(weights) != len(funcs):
+        raise ValueError(f"got {len(weights)} reward weights for {len(funcs)} reward functions")
+    _check_batch(prompts, completions, columns)
+    names = [reward_name(fn) for fn in funcs]
+    batch = {"prompts": prompts, "completions": completions, **columns}
+    raw = _call_all(funcs, batch, timeout)  # list per function: rewards or _Failure
+    rows, skipped = [], 0
+    for fn, name, result in zip(funcs, names, raw, strict=True):
+        checked, dropped = _checked(fn, name, result, batch, timeout, on_error)
+        rows.append(checked)
+        skipped += dropped
+    per_function = torch.tensor(rows, dtype=torch.float32).T  # [N, F]
+    weighted = per_function * torch.tensor(weights, dtype=torch.float32)  # [N, F]
+    return RewardScores(
+        per_function=per_function,
+        names=names,
+        total=torch.nansum(weighted, dim=1),  # [N]
+        none_applicable=int(per_function.isnan().all(dim=1).sum()),
+        skipped=skipped,
+    )
+
+
+def _check_batch(prompts: list[str], completions: list[str], columns: dict[str, list]) -> None:
+    if len(completions) != len(prompts):
+        raise ValueError(f"got {len(completions)} completions for {len(prompts)} prompts")
+    for column, values in columns.items():
+        if column in ("prompts", "completions"):
+            raise ValueError(
+                f"dataset column {column!r} clashes with the reward function argument of that name"
+            )
+        if len(values) != len(prompts):
+            raise ValueError(f"column {column!r} has {len(values)} values for {len(prompts)} samples")
+
+
+# -- calling -------------------------------------------------------------------------------------
+def _call_all(funcs: list[RewardFunction], batch: dict[str, list], timeout: float | None) -> list:
+    results: list = [None] * len(funcs)
+    async_indices = [i for i, fn in enumerate(funcs) if is_async(fn)]
+    if async_indices:
+        gathered = _run_async([funcs[i] for i in async_indices], [batch] * len(async_indices), timeout)
+        for i, result in zip(async_indices, gathered, strict=True):
+            results[i] = result
+    for i, fn in enumerate(funcs):
+        if i not in async_indices:
+            results[i] = _call_sync(fn, batch, timeout)
+    return results
+
+
+def _call_sync(fn: RewardFunction, batch: dict[str, list], timeout: float | None):
+    if timeout is None:
+        try:
+            return fn(**batch)
+        except Exception as error:  # noqa: BLE001 (any failure of user code is reported by _checked)
+            return _Failure(error)
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(**batch)
+        except BaseException as error:  # noqa: BLE001 (a reward's SystemExit must not end the trainer either)
+            box["error"] = error
+
+    # A daemon thread: a call that never returns is abandoned and cannot keep the process alive at exit.
+    worker = threading.Thread(target=target, name=f"reward-{reward_name(fn)}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        return _Failure(TimeoutError(f"no result after {timeout:g} s"))
+    return _Failure(box["error"]) if "error" in box else box["value"]
+
+
+def _run_async(funcs: list[RewardFunction], batches: list[dict[str, list]], timeout: float | None) -> list:
+    async def guarded(fn, batch):
+        try:
+            return await asyncio.wait_for(fn(**batch), timeout)
+        except TimeoutError:
+            return _Failure(TimeoutError(f"no result after {timeout:g} s"))
+        except Exception as error:  # noqa: BLE001 (reported by _checked)
+            return _Failure(error)
+
+    async def everything():
+        return await asyncio.gather(*(guarded(fn, b) for fn, b in zip(funcs, batches, strict=True)))
+
+    # Its own thread and loop, so a caller that already runs an event loop (a notebook) is no obstacle.
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.update(value=asyncio.run(everything())), daemon=True)
+    worker.start()
+    worker.join(None if timeout is None else timeout + 5.0)
+    if "value" not in box:
+        return [_Failure(TimeoutError(f"the event loop did not finish after {timeout} s"))] * len(funcs)
+    return box["value"]
+
+
+def _call_one(fn: RewardFunction, batch: dict[str, list], index: int, timeout: float | None):
+    single = {k: v[index:index + 1] for k, v in batch.items()}
+    if is_async(fn):
+        return _run_async([fn], [single], timeout)[0]
+    return _call_sync(fn, single, timeout)
+
+
+# -- checking --------------------------------------------------------------------------------------
+def _checked(fn, name: str, result, batch: dict[str, list], timeout: float | None,
+             on_error: str) -> tuple[list[float], int]:
+    n = len(batch["prompts"])
+    if isinstance(result, _Failure):
+        timed_out = isinstance(result.error, TimeoutError)
+        if on_error == "skip" and timed_out:
+            # Re-scoring one by one could cost N more time limits; the whole batch goes missing instead.
+            log.warning("Reward %r timed out after %s s on a batch of %d; scored as missing.", name, timeout, n)
+            return [nan] * n, n
+        return _per_sample(fn, name, batch, timeout, on_error, result.error)
+    _check_shape(name, result, n)
+    values = [_number(reward, name, i) for i, reward in enumerate(result)]
+    bad = [i for i, reward in enumerate(result) if _non_finite(reward)]
+    if not bad:
+        return values, 0
+    if on_error == "stop":
+        i = bad[0]
+        raise NonFiniteRewardError(f"reward function {name!r} returned {result[i]} for sample {i} (return None "
+                                   f"for 'not applicable'); {_describe(batch, i)}. {_SKIP_HINT}")
+    for i in bad:
+        values[i] = nan
+    log.warning("Reward %r returned NaN/inf for %d sample(s); scored as missing.", name, len(bad))
+    return values, len(bad)
+
+
+def _non_finite(reward) -> bool:
+    return reward is not None and not isfinite(reward)
+
+
+def _per_sample(fn, name: str, batch: dict[str, list], timeout, on_error: str,
+                batch_error: BaseException) -> tuple[list[float], int]:
+    """Re-score one sample at a time to name the culprit (stop) or keep the others' rewards (skip)."""
+    n = len(batch["prompts"])
+    values, dropped = [], 0
+    for i in range(n):
+        result = _call_one(fn, batch, i, timeout)
+        failed = isinstance(result, _Failure)
+        if not failed:
+            _check_shape(name, result, 1)
+            value = _number(result[0], name, i)
+            failed = _non_finite(result[0])
+            error: BaseException = ValueError(f"returned {result[0]}")
+        else:
+            error = result.error
+        if failed and on_error == "stop":
+            raise _error_for(name, error, batch, i) from error
+        values.append(nan if failed else value)
+        dropped += failed
+    if dropped == 0 and on_error == "stop":
+        raise _error_for(name, batch_error, batch, None) from batch_error
+    if dropped == 0:  # every sample scores alone: only the batch call fails; keep the per-sample scores
+        log.warning("Reward %r failed on the batch (%s) but not per sample; used per-sample scores.", name,
+                    _short(repr(batch_error)))
+    else:
+        log.warning("Reward %r failed on %d of %d sample(s) (%s); scored as missing.", name, dropped, n,
+                    _short(repr(batch_error)))
+    return values, dropped
+
+
+def _error_for(name: str, error: BaseException, batch: dict[str, list], index: int | None) -> RewardError:
+    what = (f"timed out ({error})" if isinstance(error, TimeoutError)
+            else f"raised {type(error).__name__}: {error}")
+    where = (f"on sample {index} of {len(batch['prompts'])}; {_describe(batch, index)}" if index is not None
+             else f"on the batch of {len(batch['prompts'])} samples (each sample alone scores fine)")
+    cls = RewardTimeoutError if isinstance(error, TimeoutError) else RewardError
+    return cls(f"reward function {name!r} {what} {where}. {_SKIP_HINT}")
+
+
+def _describe(batch: dict[str, list], i: int) -> str:
+    columns = {k: v[i] for k, v in batch.items() if k not in ("prompts", "completions")}
+    text = f"prompt: {_short(batch['prompts'][i])!r}; completion: {_short(batch['completions'][i])!r}"
+    return text + (f"; columns: {_short(repr(columns))}" if columns else "")
+
+
+def _short(text) -> str:
+    text = str(text)
+    return text if len(text) <= _CHARS_IN_ERRORS else text[:_CHARS_IN_ERRORS] + "…"
+
+
+def _check_shape(name: str, rewards, n: int) -> None:
+    if not isinstance(rewards, list | tuple):
+        raise TypeError(f"reward function {name!r} returned a {type(rewards).__name__}; expected a list")
+    if len(rewards) != n:
+        raise ValueError(f"reward function {name!r} returned {len(rewards)} rewards, expected {n}")
+
+
+def _number(reward: object, name: str, index: int) -> float:
+    if reward is None:
+        return nan
+    if not isinstance(reward, numbers.Real):
+        raise TypeError(
+            f"reward function {name!r} returned {reward!r} ({type(reward).__name__}) for sample {index}; "
+            "expected a float, int, bool or None"
+        )
+    return float(reward)

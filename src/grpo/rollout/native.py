@@ -1,0 +1,153 @@
+"""Rollout on the native decoder: shared prompt prefill, one KV cache, finished rows dropped.
+
+Per `generate` call: each distinct prompt is prefilled once; its G completions start from the same
+last-token distribution and decode against that one prompt KV (grouped attention). The completion
+KV cache is allocated once ([N, Hkv, T, D] per layer). Rows that finish (eos or a stop string) are
+dropped from the batch once enough of them have finished (`_COMPACT_FRACTION`), which bounds both the
+wasted decode work and the cost of compacting the cache.
+
+Sampling is exact: temperature, top-k, top-p applied in float32 by `filter_logits` (the same function
+the transformers engine uses), then inverse-CDF sampling (one uniform per row), which picks i with
+probability p_i up to float32 rounding of the cumulative sum. The recorded log-prob is that distribution's log-prob of the chosen token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from grpo.batch import Rollouts, SamplingParams
+from grpo.native.decoder import GroupLayout, NativeDecoder, unsupported_reason
+from grpo.rollout.hf_generate import _concat, filter_logits
+
+_COMPACT_FRACTION = 8  # drop finished rows once ≥ 1/8 of the active batch has finished
+
+
+def sample_tokens(logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits [n, V] and its log-prob under the sampling distribution: ([n], [n])."""
+    logits = logits.float()
+    if sampling.greedy:
+        tokens = logits.argmax(-1)  # [n]
+        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    logp = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).log_softmax(-1)  # [n, V]
+    # Inverse CDF: token i owns [cdf_{i-1}, cdf_i); a filtered token's interval is empty and never drawn.
+    cdf = logp.exp().cumsum(-1)  # [n, V]
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]  # [n, 1]
+    tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # [n]
+    # u can round up to the total (p ≈ 1e-7): fall back to the last token with mass.
+    last = logp.shape[-1] - 1 - logp.isfinite().flip(-1).int().argmax(-1)  # [n]
+    tokens = torch.where(tokens > last, last, tokens)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class NativeEngine:
+    """RolloutEngine on `NativeDecoder`; colocated, it reads the learner's parameters directly."""
+
+    def __init__(self, model, tokenizer, compile_decode: bool = False):
+        self.model = model
+        self.decoder = NativeDecoder(model)
+        # torch.compile fuses the step's many small kernels (a GPU's launch overhead). The cache length
+        # is a dynamic shape; rows are not dropped when compiled (the group layout stays fixed), so one
+        # graph serves every step of every generation of the same batch shape.
+        self.compiled = compile_decode
+        self.decode_step = (torch.compile(self.decoder.decode_step, dynamic=True) if compile_decode
+                            else self.decoder.decode_step)
+        self.tokenizer = tokenizer
+        if tokenizer.pad_token_id is None:
+            raise ValueError("The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token).")
+        self.pad_id = tokenizer.pad_token_id
+        eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        self.eos_ids = torch.tensor(sorted(set(eos)) or [-1], dtype=torch.long)  # -1: no eos, run to the limit
+
+    @property
+    def exact_logprobs(self) -> bool:
+        """Sampling log-probs equal the learner's (to float32 rounding): π_old needs no forward pass."""
+        return self.decoder.dtype == torch.float32
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 chunk_prompts: int | None = None) -> Rollouts:
+        chunk = chunk_prompts or len(prompt_token_ids)
+        parts = [self._generate(prompt_token_ids[i:i + chunk], n, sampling)
+                 for i in range(0, len(prompt_token_ids), chunk)]
+        return parts[0] if len(parts) == 1 else _concat(parts, chunk, self.pad_id)
+
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
+        dec, device = self.decoder, self.decoder.device
+        p, t_max = len(prompts), sampling.max_new_tokens
+        rows = p * n
+        prompt_cache, first_logits = dec.prefill(prompts, self.pad_id)  # first_logits [P, V]
+        weights = dec.decode_weights(fuse=device.type == "cpu")
+        shape = (rows, dec.num_kv_heads, t_max, dec.head_dim)
+        cache_k = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
+        cache_v = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
+        ids = torch.full((rows, t_max), self.pad_id, dtype=torch.long)  # [N, T] on the CPU
+        logprobs = torch.zeros(rows, t_max)
+        lengths = torch.full((rows,), t_max, dtype=torch.long)
+        ended = torch.zeros(rows, dtype=torch.bool)  # stopped by eos or a stop string (not truncated)
+        eos_ids = self.eos_ids.to(device)
+        stops = _StopStrings(self.tokenizer, sampling.stop_strings)
+
+        active = torch.arange(rows)  # original row of each cache row
+        alive = torch.ones(rows, dtype=torch.bool)  # per cache row: still generating
+        layout = GroupLayout(torch.arange(rows, device=device) // n, prompt_cache.lengths, p)
+        rope_limit = max(len(x) for x in prompts) + t_max
+        logits = first_logits.repeat_interleave(n, dim=0)  # [N, V]: a group's first token shares one prefill
+        for step in range(t_max):
+            tokens, lp = sample_tokens(logits, sampling)  # [n_active]
+            live = active[alive]
+            ids[live, step] = tokens[alive].cpu()
+            logprobs[live, step] = lp[alive].float().cpu()
+            done = torch.isin(tokens, eos_ids).cpu() & alive
+            if stops.active:
+                hit = stops.hits(ids, live, step)  # [n_alive]
+                done[alive.nonzero().squeeze(-1)[hit]] = True
+            lengths[active[done]] = step + 1
+            ended[active[done]] = True
+            alive &= ~done
+            if step == t_max - 1 or not alive.any():
+                break
+            finished = int((~alive).sum())
+            if not self.compiled and finished * _COMPACT_FRACTION >= alive.numel():
+                keep = alive.nonzero().squeeze(-1)
+                for cache in (*cache_k, *cache_v):
+                    cache[:keep.numel(), :, :step] = cache[keep.to(device), :, :step]
+                active, alive, tokens = active[keep], alive[keep], tokens[keep.to(device)]
+                layout = GroupLayout(active.to(device) // n, prompt_cache.lengths, p)
+            cos, sin = dec.rope(layout.prompt_len_per_row + step, limit=rope_limit)  # [n, D]
+            n_rows = tokens.shape[0]
+            caches = [(k[:n_rows, :, :step + 1], v[:n_rows, :, :step + 1]) for k, v in zip(cache_k, cache_v)]
+            logits = self.decode_step(tokens, prompt_cache, layout, caches, weights, cos, sin)
+
+        mask = (torch.arange(t_max)[None, :] < lengths[:, None]).float()  # [N, T]
+        return Rollouts(prompt_index=torch.arange(p).repeat_interleave(n),
+                        completion_ids=ids.masked_fill(mask == 0, self.pad_id), completion_mask=mask,
+                        sampling_logprobs=logprobs * mask, truncated=~ended)
+
+
+class _StopStrings:
+    """Detects a stop string completed by the newest token, decoding only a short tail of each row."""
+
+    def __init__(self, tokenizer, stop_strings: list[str]):
+        self.tokenizer, self.strings = tokenizer, list(stop_strings or [])
+        self.active = bool(self.strings)
+        # A token decodes to ≥ 1 character, so this many tokens always cover a fresh stop string.
+        self.window = max((len(s) for s in self.strings), default=0) + 2
+
+    def hits(self, ids: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
+        tails = ids[rows, max(0, step + 1 - self.window):step + 1]
+        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
+        return torch.tensor([any(s in text for s in self.strings) for text in texts], dtype=torch.bool)
+
+
+def native_engine_or_none(model, tokenizer) -> NativeEngine | None:
+    return None if unsupported_reason(model) is not None else NativeEngine(model, tokenizer)

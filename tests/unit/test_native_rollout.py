@@ -1,0 +1,124 @@
+"""The native engine samples exactly the stated distribution, reports it, and stops where it should."""
+
+import pytest
+import torch
+
+from grpo.batch import SamplingParams
+from grpo.rollout import build_engine
+from grpo.rollout.hf_generate import TransformersEngine, filter_logits
+from grpo.rollout.native import NativeEngine, sample_tokens
+
+
+def _distribution(model, ids, temperature, top_k, top_p):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    return filter_logits(logits[None], temperature, top_k, top_p).softmax(-1)[0]  # [V]
+
+
+def _chi2_ok(tokens: torch.Tensor, expected: torch.Tensor) -> None:
+    n = tokens.numel()
+    counts = torch.bincount(tokens, minlength=expected.numel()).float()
+    assert counts[expected == 0].sum() == 0, "sampled a token the filters remove"
+    e = expected * n
+    keep = e >= 5
+    chi2 = ((counts[keep] - e[keep]) ** 2 / e[keep]).sum().item()
+    assert chi2 < 3 * keep.sum().item(), chi2  # df < #kept bins: 3x is far in the tail
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 6, 1.0), (1.2, 0, 0.7)])
+def test_native_engine_samples_the_stated_distribution(tiny_model, id_tokenizer, temperature, top_k, top_p):
+    engine = NativeEngine(tiny_model, id_tokenizer)
+    prompt = [2, 7, 11, 5]
+    params = SamplingParams(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p)
+    torch.manual_seed(1)
+    out = engine.generate([prompt], 6000, params)
+    first = out.completion_ids[:, 0]
+    expected = _distribution(tiny_model, prompt, temperature, top_k, top_p)
+    _chi2_ok(first, expected)  # the shared prefill
+    assert torch.allclose(out.sampling_logprobs[:, 0], expected.log()[first], atol=1e-5)
+    # The decode step: second tokens after the most common first token (not eos, so it continued).
+    common = int(torch.bincount(first[first != 1]).argmax())
+    rows = first == common
+    second_expected = _distribution(tiny_model, prompt + [common], temperature, top_k, top_p)
+    _chi2_ok(out.completion_ids[rows, 1], second_expected)
+    assert torch.allclose(out.sampling_logprobs[rows, 1], second_expected.log()[out.completion_ids[rows, 1]],
+                          atol=1e-5)
+
+
+def test_sampler_never_picks_a_removed_token():
+    torch.manual_seed(0)
+    logits = torch.randn(4000, 30)
+    tokens, logp = sample_tokens(logits, SamplingParams(max_new_tokens=1, top_k=3))
+    allowed = logits.topk(3, dim=-1).indices
+    assert (allowed == tokens[:, None]).any(-1).all()
+    assert (logp <= 0).all()
+
+
+def test_eos_truncation_logprobs_and_dropped_rows(tiny_model, id_tokenizer):
+    # Eleven eos ids end a quarter of the rows each step, so finished rows get dropped many times.
+    tiny_model.generation_config.eos_token_id = list(range(1, 12))
+    engine = NativeEngine(tiny_model, id_tokenizer)
+    torch.manual_seed(3)
+    prompts = [[2, 9, 4], [2, 3], [2, 5, 6, 7, 8, 9]]
+    out = engine.generate(prompts, 6, SamplingParams(max_new_tokens=10, temperature=1.0))
+    assert out.prompt_index.tolist() == [0] * 6 + [1] * 6 + [2] * 6
+    lengths = out.completion_mask.sum(-1).long()
+    assert 1 < len(set(lengths.tolist())), "expected rows to finish at different steps"
+    for row in range(18):
+        ids, length = out.completion_ids[row], int(lengths[row])
+        ends = int(ids[length - 1]) in range(1, 12)
+        assert out.truncated[row].item() == (not ends)
+        assert ((ids[:length - 1] < 1) | (ids[:length - 1] >= 12)).all(), "generated past an eos"
+        assert (ids[length:] == 0).all() and (out.sampling_logprobs[row, length:] == 0).all()
+        prompt = prompts[out.prompt_index[row]]
+        full = torch.tensor(prompt + ids[:length].tolist())
+        with torch.no_grad():
+            logp = tiny_model(full[None]).logits[0].log_softmax(-1)
+        expected = logp[len(prompt) - 1:-1].gather(-1, full[len(prompt):, None]).squeeze(-1)
+        assert torch.allclose(out.sampling_logprobs[row, :length], expected, atol=1e-5)
+
+
+class _CharTokenizer:
+    """Token i decodes to chr(ord('a') + i % 26): enough to place stop strings."""
+
+    pad_token_id, eos_token_id = 0, 1
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["".join(chr(97 + int(i) % 26) for i in row if not (skip_special_tokens and int(i) in (0, 1)))
+                for row in ids]
+
+
+def test_stop_strings_end_a_completion(tiny_model):
+    tok = _CharTokenizer()
+    engine = NativeEngine(tiny_model, tok)
+    torch.manual_seed(0)
+    stops = ["c", "e"]  # common single letters: most rows stop early
+    out = engine.generate([[2, 9, 4]], 40, SamplingParams(max_new_tokens=12, stop_strings=stops))
+    lengths = out.completion_mask.sum(-1).long()
+    texts = tok.batch_decode(out.completion_ids)
+    for row, text in enumerate(texts):
+        length = int(lengths[row])
+        hit = [i for i, ch in enumerate(text) if ch in "ce"]
+        ended_by_eos = int(out.completion_ids[row, length - 1]) == 1
+        if hit and not ended_by_eos:
+            assert hit[0] == len(text) - 1, "a stop string must be the last thing generated"
+            assert not out.truncated[row]
+    assert (lengths < 12).sum() > 20
+
+
+def test_greedy_matches_transformers_generate(tiny_model, id_tokenizer):
+    prompts = [[2, 9, 4], [2, 3], [2, 5, 6, 7]]
+    params = SamplingParams(max_new_tokens=8, greedy=True)
+    ours = NativeEngine(tiny_model, id_tokenizer).generate(prompts, 1, params)
+    ref = TransformersEngine(tiny_model, id_tokenizer).generate(prompts, 1, params)
+    width = ref.completion_ids.shape[1]
+    assert torch.equal(ours.completion_ids[:, :width], ref.completion_ids)
+    assert torch.equal(ours.completion_mask[:, :width], ref.completion_mask)
+    assert torch.equal(ours.truncated, ref.truncated)
+
+
+def test_engine_choice_and_fallback(tiny_model, id_tokenizer):
+    assert isinstance(build_engine("native", tiny_model, id_tokenizer), NativeEngine)
+    assert isinstance(build_engine("transformers", tiny_model, id_tokenizer), TransformersEngine)
+    tiny_model.config.model_type = "not-a-llama"
+    assert isinstance(build_engine("native", tiny_model, id_tokenizer), TransformersEngine)
