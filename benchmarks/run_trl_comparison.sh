@@ -7,8 +7,7 @@ PYTHON=${PYTHON:-python}
 if [ ! -x .venv-trl/bin/python ]; then
   "$PYTHON" -m venv .venv-trl
   # torch first and pinned, so pip never resolves another torch for TRL.
-  .venv-trl/bin/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
-    || .venv-trl/bin/pip install -q torch==2.13.0
+  .venv-trl/bin/pip install -q torch==2.13.0
   .venv-trl/bin/pip install -q trl==1.16.0 transformers==5.23.0 datasets
 fi
 exec "$PYTHON" run_trl_comparison.py "$@"

@@ -73,3 +73,24 @@ def test_async_mode_bounds_staleness_and_survives_a_killed_actor(tmp_path):
     stale = [x for x in lines if x["rollout/staleness"] > 0]
     assert stale and all(0 < x["is/ess"] <= 1 for x in stale)  # importance-corrected
     assert (tmp_path / "async" / "final_model" / "model.safetensors").is_file()
+
+
+def test_batches_older_than_max_staleness_are_dropped_and_counted(tmp_path, monkeypatch):
+    # Validated configs never sample further ahead than max_staleness allows, so the safety net that
+    # drops over-stale batches is reached by letting the rollout run three batches ahead (as a slow
+    # weight push or a replaced actor could) while max_staleness stays 1.
+    from grpo.distributed import ray_rollout
+
+    original = ray_rollout.RayRollout.__init__
+
+    def run_far_ahead(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.ahead = 3
+
+    monkeypatch.setattr(ray_rollout.RayRollout, "__init__", run_far_ahead)
+    lines = train(tmp_path / "ahead", steps=4, **{"rollout.mode": "async", "max_staleness": 1})
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert all(x["rollout/staleness"] <= 1 for x in lines)  # nothing older was trained on
+    dropped = [x["rollout/dropped_stale"] for x in lines]
+    assert dropped == sorted(dropped) and dropped[-1] > 0  # counted, in prompts
+    assert dropped[-1] % SMALL["batch_size"] == 0
