@@ -181,21 +181,26 @@ class NativeDecoder:
         return PromptCache(keys, values, bias, lengths), self.logits(last)
 
     def decode_weights(self, fuse: bool) -> list[LayerWeights]:
-        """Per-layer weights for decoding. fuse=True concatenates q|k|v and gate|up (one matmul each):
+        """Per-layer weights for decoding. fuse=True concatenates q|k|v and gate|up (one matmul each) and
+        folds the attention scale into the q rows (RoPE is linear, so scaling before it is the same):
         a per-call copy worth making on a CPU, where small matmuls are bound by per-call overhead."""
         out = []
+        fold = fuse and not self.qk_norm  # q/k RMSNorm would undo a scale folded into q
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             qkv = [(a.q_proj.weight, a.q_proj.bias), (a.k_proj.weight, a.k_proj.bias), (a.v_proj.weight, a.v_proj.bias)]
             gate_up = [(m.gate_proj.weight, None), (m.up_proj.weight, None)]
             if fuse:
-                qkv = [(torch.cat([w for w, _ in qkv]),
-                        None if a.q_proj.bias is None else torch.cat([b for _, b in qkv]))]
+                q_w, q_b = qkv[0]
+                if fold:
+                    q_w, q_b = q_w * self.scale, None if q_b is None else q_b * self.scale
+                qkv = [(torch.cat([q_w] + [w for w, _ in qkv[1:]]),
+                        None if q_b is None else torch.cat([q_b] + [b for _, b in qkv[1:]]))]
                 gate_up = [(torch.cat([w for w, _ in gate_up]), None)]
             out.append(LayerWeights(
                 layer.input_layernorm.weight, qkv, a.q_norm.weight if self.qk_norm else None,
                 a.k_norm.weight if self.qk_norm else None, a.o_proj.weight, a.o_proj.bias,
-                layer.post_attention_layernorm.weight, gate_up, m.down_proj.weight))
+                layer.post_attention_layernorm.weight, gate_up, m.down_proj.weight, q_scaled=fold))
         return out
 
     def decode_step(self, tokens: torch.Tensor, prompts: PromptCache, layout: GroupLayout,
@@ -212,21 +217,24 @@ class NativeDecoder:
         cos, sin = cos[:, None], sin[:, None]
         h = self.embed(tokens)  # [n, d_model]
         for i, w in enumerate(weights):
-            qkv = _project(rms_norm(h, w.input_norm, self.eps), w.qkv)  # [n, (H + 2·Hkv)·D]
-            q, k, v = qkv.view(n, h_q + 2 * h_kv, d).split([h_q, h_kv, h_kv], dim=1)
+            qkv = _project(rms_norm(h, w.input_norm, self.eps), w.qkv).view(n, h_q + 2 * h_kv, d)  # [n, H+2Hkv, D]
             if w.q_norm is not None:
-                q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
+                q, k, v = qkv.split([h_q, h_kv, h_kv], dim=1)
+                qk = torch.cat([rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)], dim=1)
+            else:
+                qk, v = qkv[:, :h_q + h_kv], qkv[:, h_q + h_kv:]
+            q, k = rotate(qk, cos, sin).split([h_q, h_kv], dim=1)  # one RoPE for q and k together
             cache_k, cache_v = caches[i]
-            cache_k[:, :, -1] = rotate(k, cos, sin)
+            cache_k[:, :, -1] = k
             cache_v[:, :, -1] = v
-            attn = self._decode_attention(rotate(q, cos, sin), cache_k, cache_v, prompts.keys[i],
-                                          prompts.values[i], prompts.bias, layout)
+            attn = self._decode_attention(q, cache_k, cache_v, prompts.keys[i], prompts.values[i],
+                                          prompts.bias, layout, scaled=w.q_scaled)
             h = h + F.linear(attn, w.o_proj, w.o_bias)
             gate, up = _project(rms_norm(h, w.post_norm, self.eps), w.gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, w.down_proj)
         return self.logits(h)
 
-    def _decode_attention(self, q, kc, vc, kp, vp, bias, layout: GroupLayout) -> torch.Tensor:
+    def _decode_attention(self, q, kc, vc, kp, vp, bias, layout: GroupLayout, scaled: bool) -> torch.Tensor:
         # q [n, H, D]; kc, vc [n, Hkv, t, D]; kp, vp [P, Hkv, Lp, D] (prompt KV, shared by a group).
         n, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         rep, lp = self.num_heads // hkv, kp.shape[2]
@@ -234,7 +242,9 @@ class NativeDecoder:
         scores_c = qr @ kc.transpose(-1, -2)  # [n, Hkv, rep, t]
         qg = layout.to_groups(qr)  # [P, Hkv, Gm·rep, D]
         scores_p = (qg @ kp.transpose(-1, -2)) + bias  # [P, Hkv, Gm·rep, Lp]
-        scores = torch.cat([layout.to_rows(scores_p, rep), scores_c], dim=-1) * self.scale  # [n, Hkv, rep, Lp+t]
+        scores = torch.cat([layout.to_rows(scores_p, rep), scores_c], dim=-1)  # [n, Hkv, rep, Lp+t]
+        if not scaled:  # else q arrived scaled (folded into its weights)
+            scores = scores * self.scale
         probs = scores.float().softmax(-1).to(q.dtype)  # float32 softmax also under bf16, as SDPA does
         out = probs[..., lp:] @ vc  # [n, Hkv, rep, D]
         out_p = layout.to_groups(probs[..., :lp]) @ vp  # [P, Hkv, Gm·rep, D]
@@ -284,6 +294,7 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: list[tuple[torch.Tensor, None]]  # one fused or two
     down_proj: torch.Tensor
+    q_scaled: bool = False  # the attention scale is folded into the q projection
 
 
 def _project(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
