@@ -2,8 +2,10 @@
 # TRL vs grpo on this machine; one command, prints a markdown table. Extra arguments go to the Python
 # script (e.g. --workloads b --repeats 5 --threads 2). Needs a grpo venv (PYTHON, default python).
 set -euo pipefail
-cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python}
+# A relative PYTHON (e.g. .venv/bin/python) is relative to the caller's directory, not benchmarks/.
+case "$PYTHON" in */*) PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")" ;; esac
+cd "$(dirname "$0")"
 if [ ! -x .venv-trl/bin/python ]; then
   "$PYTHON" -m venv .venv-trl
   # torch first and pinned, so pip never resolves another torch for TRL.

@@ -29,6 +29,7 @@ from grpo.config import GRPOConfig
 from grpo.data import PromptStream, make_prompt_batch
 from grpo.distributed.runtime import Runtime
 from grpo.lora import ADAPTER_MARK, is_lora
+from grpo.rollout.common import concat_rollouts
 
 log = logging.getLogger("grpo")
 ACTOR_PREFIX = "grpo-rollout-"
@@ -202,7 +203,7 @@ class RayRollout:
                 results.append(self._get(self._generate(i, request.prompts.prompt_token_ids[split]), "generate"))
             self.wait_s += time.perf_counter() - start
         versions = [v for _, v in results]
-        return _concat([r for r, _ in results], [s.stop - s.start for s in request.splits],
+        return concat_rollouts([r for r, _ in results], [s.stop - s.start for s in request.splits],
                        self.parts.tokenizer.pad_token_id), min(versions)
 
     def _generate(self, i: int, prompt_ids: list[list[int]]):
@@ -250,22 +251,3 @@ class RayRollout:
         self.actors = []
         if self.started_ray:
             ray.shutdown()
-
-
-def _concat(parts: list[Rollouts], sizes: list[int], pad_id: int) -> Rollouts:
-    """Rollouts of consecutive prompt ranges → one record; prompt indices offset to the whole batch."""
-    if len(parts) == 1:
-        return parts[0]
-    width = max(p.completion_ids.shape[1] for p in parts)
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-
-    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
-
-    return Rollouts(
-        prompt_index=torch.cat([p.prompt_index + o for p, o in zip(parts, offsets, strict=True)]),
-        completion_ids=torch.cat([pad(p.completion_ids, pad_id) for p in parts]),
-        completion_mask=torch.cat([pad(p.completion_mask, 0.0) for p in parts]),
-        sampling_logprobs=torch.cat([pad(p.sampling_logprobs, 0.0) for p in parts]),
-        truncated=torch.cat([p.truncated for p in parts]),
-    )

@@ -27,21 +27,26 @@ class ChunkedEngine:
         chunk = chunk_prompts or len(prompt_token_ids)
         parts = [self._generate(prompt_token_ids[i:i + chunk], n, sampling)
                  for i in range(0, len(prompt_token_ids), chunk)]
-        return parts[0] if len(parts) == 1 else concat_rollouts(parts, chunk, self.pad_id)
+        sizes = [len(prompt_token_ids[i:i + chunk]) for i in range(0, len(prompt_token_ids), chunk)]
+        return concat_rollouts(parts, sizes, self.pad_id)
 
     def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
         raise NotImplementedError
 
 
-def concat_rollouts(parts: list[Rollouts], chunk: int, pad_id: int) -> Rollouts:
-    """Chunks of `chunk` prompts each → one Rollouts; completions right-padded to the longest."""
+def concat_rollouts(parts: list[Rollouts], sizes: list[int], pad_id: int) -> Rollouts:
+    """Rollouts of consecutive prompt ranges (sizes[i] prompts in part i) → one record; prompt indices
+    offset to the whole batch, completions right-padded to the longest."""
+    if len(parts) == 1:
+        return parts[0]
     width = max(p.completion_ids.shape[1] for p in parts)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
 
     def pad(t: torch.Tensor, value: float) -> torch.Tensor:
         return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
 
     return Rollouts(
-        prompt_index=torch.cat([p.prompt_index + i * chunk for i, p in enumerate(parts)]),
+        prompt_index=torch.cat([p.prompt_index + o for p, o in zip(parts, offsets, strict=True)]),
         completion_ids=torch.cat([pad(p.completion_ids, pad_id) for p in parts]),
         completion_mask=torch.cat([pad(p.completion_mask, 0.0) for p in parts]),
         sampling_logprobs=torch.cat([pad(p.sampling_logprobs, 0.0) for p in parts]),
