@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpo.native.linear import DecodeLinear, linear
+
 ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq depends on the config only
 
@@ -115,7 +117,7 @@ class NativeDecoder:
         return self.hf.get_output_embeddings().weight  # [V, d] (the embedding itself when tied)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.final_norm(h), self.lm_head_weight)
+        return linear(self.final_norm(h), self.lm_head_weight)
 
     def rope(self, positions: torch.Tensor, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [*positions.shape, D] from a table built by the model's own rotary module. With
@@ -135,9 +137,9 @@ class NativeDecoder:
         """x [S, d] (packed tokens) → q [S, H, D], k, v [S, Hkv, D]; RoPE applied (cos/sin [S, D])."""
         a = layer.self_attn
         s = x.shape[0]
-        q = F.linear(x, a.q_proj.weight, a.q_proj.bias).view(s, self.num_heads, self.head_dim)
-        k = F.linear(x, a.k_proj.weight, a.k_proj.bias).view(s, self.num_kv_heads, self.head_dim)
-        v = F.linear(x, a.v_proj.weight, a.v_proj.bias).view(s, self.num_kv_heads, self.head_dim)
+        q = linear(x, a.q_proj.weight, a.q_proj.bias).view(s, self.num_heads, self.head_dim)
+        k = linear(x, a.k_proj.weight, a.k_proj.bias).view(s, self.num_kv_heads, self.head_dim)
+        v = linear(x, a.v_proj.weight, a.v_proj.bias).view(s, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = rms_norm(q, a.q_norm.weight, self.eps)
             k = rms_norm(k, a.k_norm.weight, self.eps)
@@ -145,12 +147,12 @@ class NativeDecoder:
 
     def mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
         m = layer.mlp
-        return F.linear(F.silu(F.linear(x, m.gate_proj.weight)) * F.linear(x, m.up_proj.weight), m.down_proj.weight)
+        return linear(F.silu(linear(x, m.gate_proj.weight)) * linear(x, m.up_proj.weight), m.down_proj.weight)
 
     def block_tail(self, layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection + residual + MLP; h, attn [S, d]."""
         o = layer.self_attn.o_proj
-        h = h + F.linear(attn, o.weight, o.bias)
+        h = h + linear(attn, o.weight, o.bias)
         return h + self.mlp(layer, rms_norm(h, layer.post_attention_layernorm.weight, self.eps))
 
     # -- rollout ------------------------------------------------------------------------------------
@@ -180,31 +182,34 @@ class NativeDecoder:
                           float("-inf"))
         return PromptCache(keys, values, bias, lengths), self.logits(last)
 
-    def decode_weights(self, fuse: bool) -> list[LayerWeights]:
-        """Per-layer weights for decoding. fuse=True concatenates q|k|v and gate|up (one matmul each) and
-        folds the attention scale into the q rows (RoPE is linear, so scaling before it is the same):
-        a per-call copy worth making on a CPU, where small matmuls are bound by per-call overhead."""
-        out = []
+    def decode_weights(self, fuse: bool) -> DecodeWeights:
+        """Weights for decoding, prepared once per generate call. fuse=True (the CPU path) concatenates
+        q|k|v into one matmul, folds the attention scale into the q rows (RoPE is linear, so scaling
+        before it is the same) and puts every projection on oneDNN with its following elementwise op
+        fused (see native/linear.py): on a CPU a decode step is bound by per-call overhead and small-GEMM
+        efficiency, not arithmetic."""
+        layers = []
         fold = fuse and not self.qk_norm  # q/k RMSNorm would undo a scale folded into q
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             qkv = [(a.q_proj.weight, a.q_proj.bias), (a.k_proj.weight, a.k_proj.bias), (a.v_proj.weight, a.v_proj.bias)]
-            gate_up = [(m.gate_proj.weight, None), (m.up_proj.weight, None)]
             if fuse:
                 q_w, q_b = qkv[0]
                 if fold:
                     q_w, q_b = q_w * self.scale, None if q_b is None else q_b * self.scale
                 qkv = [(torch.cat([q_w] + [w for w, _ in qkv[1:]]),
                         None if q_b is None else torch.cat([q_b] + [b for _, b in qkv[1:]]))]
-                gate_up = [(torch.cat([w for w, _ in gate_up]), None)]
-            out.append(LayerWeights(
-                layer.input_layernorm.weight, qkv, a.q_norm.weight if self.qk_norm else None,
-                a.k_norm.weight if self.qk_norm else None, a.o_proj.weight, a.o_proj.bias,
-                layer.post_attention_layernorm.weight, gate_up, m.down_proj.weight, q_scaled=fold))
-        return out
+            layers.append(LayerWeights(
+                input_norm=layer.input_layernorm.weight, qkv=[DecodeLinear(w, b, fuse) for w, b in qkv],
+                q_norm=a.q_norm.weight if self.qk_norm else None, k_norm=a.k_norm.weight if self.qk_norm else None,
+                o_proj=DecodeLinear(a.o_proj.weight, a.o_proj.bias, fuse),
+                post_norm=layer.post_attention_layernorm.weight, gate=DecodeLinear(m.gate_proj.weight, None, fuse),
+                up=DecodeLinear(m.up_proj.weight, None, fuse), down=DecodeLinear(m.down_proj.weight, None, fuse),
+                q_scaled=fold))
+        return DecodeWeights(layers, self.base.norm.weight, DecodeLinear(self.lm_head_weight, None, fuse))
 
     def decode_step(self, tokens: torch.Tensor, prompts: PromptCache, layout: GroupLayout,
-                    caches: list[tuple[torch.Tensor, torch.Tensor]], weights: list[LayerWeights],
+                    caches: list[tuple[torch.Tensor, torch.Tensor]], weights: DecodeWeights,
                     cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One token for each of n active rows; returns logits [n, V].
 
@@ -216,8 +221,10 @@ class NativeDecoder:
         n, h_q, h_kv, d = tokens.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = cos[:, None], sin[:, None]
         h = self.embed(tokens)  # [n, d_model]
-        for i, w in enumerate(weights):
-            qkv = _project(rms_norm(h, w.input_norm, self.eps), w.qkv).view(n, h_q + 2 * h_kv, d)  # [n, H+2Hkv, D]
+        for i, w in enumerate(weights.layers):
+            x = rms_norm(h, w.input_norm, self.eps)
+            qkv = torch.cat([p(x) for p in w.qkv], dim=-1) if len(w.qkv) > 1 else w.qkv[0](x)
+            qkv = qkv.view(n, h_q + 2 * h_kv, d)  # [n, H+2Hkv, D]
             if w.q_norm is not None:
                 q, k, v = qkv.split([h_q, h_kv, h_kv], dim=1)
                 qk = torch.cat([rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)], dim=1)
@@ -229,10 +236,10 @@ class NativeDecoder:
             cache_v[:, :, -1] = v
             attn = self._decode_attention(q, cache_k, cache_v, prompts.keys[i], prompts.values[i],
                                           prompts.bias, layout, scaled=w.q_scaled)
-            h = h + F.linear(attn, w.o_proj, w.o_bias)
-            gate, up = _project(rms_norm(h, w.post_norm, self.eps), w.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w.down_proj)
-        return self.logits(h)
+            h = w.o_proj.plus(attn, h)
+            x = rms_norm(h, w.post_norm, self.eps)
+            h = w.down.plus(w.up.times(x, w.gate.silu(x)), h)
+        return weights.lm_head(rms_norm(h, weights.final_norm, self.eps))
 
     def _decode_attention(self, q, kc, vc, kp, vp, bias, layout: GroupLayout, scaled: bool) -> torch.Tensor:
         # q [n, H, D]; kc, vc [n, Hkv, t, D]; kp, vp [P, Hkv, Lp, D] (prompt KV, shared by a group).
@@ -283,23 +290,25 @@ class NativeDecoder:
 
 @dataclass
 class LayerWeights:
-    """One block's weights as decoding uses them (projections possibly fused)."""
+    """One block's weights as decoding uses them."""
 
     input_norm: torch.Tensor
-    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]  # one fused (weight, bias) or three
+    qkv: list[DecodeLinear]  # one fused q|k|v projection or three
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
+    o_proj: DecodeLinear
     post_norm: torch.Tensor
-    gate_up: list[tuple[torch.Tensor, None]]  # one fused or two
-    down_proj: torch.Tensor
+    gate: DecodeLinear
+    up: DecodeLinear
+    down: DecodeLinear
     q_scaled: bool = False  # the attention scale is folded into the q projection
 
 
-def _project(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
-    outs = [F.linear(x, w, b) for w, b in parts]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+@dataclass
+class DecodeWeights:
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: DecodeLinear
 
 
 def _scatter_rows(x: torch.Tensor, slots: torch.Tensor, size: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from grpo.batch import TrainBatch
 from grpo.native.decoder import NativeDecoder, SharedPromptPack, pack_shared_prompts
+from grpo.native.linear import linear
 
 CHUNK_ELEMENTS = 1 << 22  # logits elements per chunk (16 MB in float32)
 
@@ -32,7 +33,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         entropy = hidden.new_empty(m if with_entropy else 0, dtype=torch.float32)
         for s in range(0, m, chunk):
             e = min(s + chunk, m)
-            logits = (hidden[s:e] @ weight.T).float() / temperature  # [c, V]
+            logits = linear(hidden[s:e], weight).float() / temperature  # [c, V]
             lse[s:e] = torch.logsumexp(logits, -1)
             logp[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
             if with_entropy:
@@ -50,13 +51,13 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = min(s + ctx.chunk, hidden.shape[0])
-            logits = (hidden[s:e] @ weight.T).float() / ctx.temperature  # [c, V] recomputed
+            logits = linear(hidden[s:e], weight).float() / ctx.temperature  # [c, V] recomputed
             # d logp / d logits = onehot(target) − softmax, times the upstream gradient, over τ.
             g = (logits - lse[s:e, None]).exp_().mul_(-grad_logp[s:e, None])  # [c, V]
             g.scatter_add_(-1, targets[s:e, None], grad_logp[s:e, None].float())
             g = g.div_(ctx.temperature).to(hidden.dtype)
             if grad_h is not None:
-                grad_h[s:e] = g @ weight
+                grad_h[s:e] = linear(g, weight.t())
             if grad_w is not None:
                 grad_w.add_(g.T @ hidden[s:e])
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None

@@ -1,0 +1,65 @@
+"""oneDNN linear layers equal F.linear (values and gradients), fused decode variants included."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpo.native import linear as native_linear
+from grpo.native.linear import DecodeLinear, linear
+
+needs_onednn = pytest.mark.skipif(not native_linear.ONEDNN, reason="this PyTorch build has no oneDNN")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    # Two GEMM libraries sum in different orders: equal up to float32 rounding of the sums.
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_forward_and_gradients_match_f_linear(bias):
+    torch.manual_seed(0)
+    x = torch.randn(37, 24, requires_grad=True)
+    w = torch.randn(40, 24, requires_grad=True)
+    b = torch.randn(40, requires_grad=True) if bias else None
+    upstream = torch.randn(37, 40)
+    out = linear(x, w, b)
+    assert out.grad_fn is not None and "OneDNN" in type(out.grad_fn).__name__  # really the oneDNN path
+    grads = torch.autograd.grad((out * upstream).sum(), [x, w] + ([b] if bias else []))
+    ref = F.linear(x, w, b)
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), [x, w] + ([b] if bias else []))
+    _close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        _close(g, r)
+
+
+@needs_onednn
+def test_linear_without_grad_and_on_a_strided_input():
+    torch.manual_seed(1)
+    x = torch.randn(16, 50)[:, 3:35]  # a column slice: not contiguous
+    w = torch.randn(8, 32)
+    with torch.no_grad():
+        _close(linear(x, w), F.linear(x, w))
+
+
+def test_linear_falls_back_to_f_linear_exactly(monkeypatch):
+    monkeypatch.setattr(native_linear, "ONEDNN", False)
+    torch.manual_seed(2)
+    x, w, b = torch.randn(5, 7), torch.randn(3, 7), torch.randn(3)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    xd = x.double()  # other dtypes never take the oneDNN path
+    assert torch.equal(linear(xd, w.double()), F.linear(xd, w.double()))
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_decode_linear_fused_ops(onednn):
+    torch.manual_seed(3)
+    x, other = torch.randn(9, 16), torch.randn(9, 12)
+    w, b = torch.randn(12, 16), torch.randn(12)
+    layer = DecodeLinear(w, b, onednn=onednn)
+    assert layer.onednn == (onednn and native_linear.ONEDNN)
+    y = F.linear(x, w, b)
+    _close(layer(x), y)
+    _close(layer.silu(x), F.silu(y))
+    _close(layer.times(x, other), y * other)
+    _close(layer.plus(x, other), y + other)
