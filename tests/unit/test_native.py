@@ -5,6 +5,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpo.learner import token_logprobs
+from grpo.native import decoder as decoder_module
 from grpo.native import logprobs as native_logprobs
 from grpo.native.decoder import GroupLayout, NativeDecoder, unsupported_reason
 from grpo.native.logprobs import ChunkedTokenLogprobs, shared_prompt_logprobs
@@ -84,7 +85,9 @@ def shared_prompt_batch(seed=0):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama3.1"])
-def test_shared_prompt_loss_and_gradients_equal_unshared(arch):
+@pytest.mark.parametrize("query_chunk", [64, 2])  # one attention call; three causal query chunks
+def test_shared_prompt_loss_and_gradients_equal_unshared(arch, query_chunk, monkeypatch):
+    monkeypatch.setattr(decoder_module, "QUERY_CHUNK", query_chunk)
     model = random_model(arch).train()
     batch = shared_prompt_batch()
     mask, adv = batch.completion_mask, batch.advantages

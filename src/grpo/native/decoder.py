@@ -281,11 +281,29 @@ class NativeDecoder:
         # A completion's keys: its group's prompt (shared; gradients sum back through the index) then itself.
         keys = torch.cat([kp.index_select(0, packed.row_group), kc], dim=2)  # [N, Hkv, Lp+Tc, D]
         vals = torch.cat([vp.index_select(0, packed.row_group), vc], dim=2)
-        attn_c = F.scaled_dot_product_attention(qc, keys, vals, attn_mask=packed.completion_mask,
-                                                enable_gqa=True, scale=self.scale)  # [N, H, Tc, D]
+        attn_c = self._completion_attention(qc, keys, vals, packed.completion_mask, lp)  # [N, H, Tc, D]
         attn = torch.cat([attn_p.transpose(1, 2).reshape(p * lp, -1).index_select(0, packed.prompt_slot),
                           attn_c.transpose(1, 2).reshape(n * tc, -1).index_select(0, packed.completion_slot)])
         return self.block_tail(layer, h, attn)
+
+    def _completion_attention(self, q, keys, vals, mask, lp: int) -> torch.Tensor:
+        """Completion queries q [N, H, Tc, D] over their [prompt | completion] keys [N, Hkv, Lp+Tc, D].
+
+        An attention kernel given an explicit mask computes every score, the masked-out upper triangle
+        too. Queries run in chunks that see only the keys up to their chunk's last position, which skips
+        most of that triangle: ~37% less attention work at 256 completion tokens.
+        """
+        tc = q.shape[2]
+        outs = []
+        for start in range(0, tc, QUERY_CHUNK):
+            end = min(start + QUERY_CHUNK, tc)
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, start:end], keys[:, :, :lp + end], vals[:, :, :lp + end],
+                attn_mask=mask[:, :, start:end, :lp + end], enable_gqa=True, scale=self.scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+QUERY_CHUNK = 64  # completion queries per attention call in training (see _completion_attention)
 
 
 @dataclass
