@@ -117,6 +117,18 @@ def test_greedy_matches_transformers_generate(tiny_model, id_tokenizer):
     assert torch.equal(ours.truncated, ref.truncated)
 
 
+@pytest.mark.slow  # ~1 min of compilation
+def test_compiled_decode_step_on_cpu_matches_eager(tiny_model, id_tokenizer):
+    """compile_decode on a CPU: the compiled step runs on plain weights and gives the eager output."""
+    prompts = [[2, 9, 4], [2, 3]]
+    params = SamplingParams(max_new_tokens=5, greedy=True)
+    with torch.no_grad():
+        eager = NativeEngine(tiny_model, id_tokenizer).generate(prompts, 2, params)
+        compiled = NativeEngine(tiny_model, id_tokenizer, compile_decode=True).generate(prompts, 2, params)
+    assert torch.equal(compiled.completion_ids, eager.completion_ids)
+    assert torch.allclose(compiled.sampling_logprobs, eager.sampling_logprobs, atol=1e-5)
+
+
 def test_engine_choice_and_fallback(tiny_model, id_tokenizer):
     assert isinstance(build_engine("native", tiny_model, id_tokenizer), NativeEngine)
     assert isinstance(build_engine("transformers", tiny_model, id_tokenizer), TransformersEngine)

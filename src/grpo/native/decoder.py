@@ -182,12 +182,13 @@ class NativeDecoder:
                           float("-inf"))
         return PromptCache(keys, values, bias, lengths), self.logits(last)
 
-    def decode_weights(self, fuse: bool) -> DecodeWeights:
+    def decode_weights(self, fuse: bool, onednn: bool | None = None) -> DecodeWeights:
         """Weights for decoding, prepared once per generate call. fuse=True (the CPU path) concatenates
-        q|k|v into one matmul, folds the attention scale into the q rows (RoPE is linear, so scaling
-        before it is the same) and puts every projection on oneDNN with its following elementwise op
-        fused (see native/linear.py): on a CPU a decode step is bound by per-call overhead and small-GEMM
-        efficiency, not arithmetic."""
+        q|k|v into one matmul and folds the attention scale into the q rows (RoPE is linear, so scaling
+        before it is the same); onednn (default: fuse) puts every projection on oneDNN with its following
+        elementwise op fused (see native/linear.py). On a CPU a decode step is bound by per-call
+        overhead and small-GEMM efficiency, not arithmetic."""
+        onednn = fuse if onednn is None else onednn
         layers = []
         fold = fuse and not self.qk_norm  # q/k RMSNorm would undo a scale folded into q
         for layer in self.layers:
@@ -200,13 +201,13 @@ class NativeDecoder:
                 qkv = [(torch.cat([q_w] + [w for w, _ in qkv[1:]]),
                         None if q_b is None else torch.cat([q_b] + [b for _, b in qkv[1:]]))]
             layers.append(LayerWeights(
-                input_norm=layer.input_layernorm.weight, qkv=[DecodeLinear(w, b, fuse) for w, b in qkv],
+                input_norm=layer.input_layernorm.weight, qkv=[DecodeLinear(w, b, onednn) for w, b in qkv],
                 q_norm=a.q_norm.weight if self.qk_norm else None, k_norm=a.k_norm.weight if self.qk_norm else None,
-                o_proj=DecodeLinear(a.o_proj.weight, a.o_proj.bias, fuse),
-                post_norm=layer.post_attention_layernorm.weight, gate=DecodeLinear(m.gate_proj.weight, None, fuse),
-                up=DecodeLinear(m.up_proj.weight, None, fuse), down=DecodeLinear(m.down_proj.weight, None, fuse),
+                o_proj=DecodeLinear(a.o_proj.weight, a.o_proj.bias, onednn),
+                post_norm=layer.post_attention_layernorm.weight, gate=DecodeLinear(m.gate_proj.weight, None, onednn),
+                up=DecodeLinear(m.up_proj.weight, None, onednn), down=DecodeLinear(m.down_proj.weight, None, onednn),
                 q_scaled=fold))
-        return DecodeWeights(layers, self.base.norm.weight, DecodeLinear(self.lm_head_weight, None, fuse))
+        return DecodeWeights(layers, self.base.norm.weight, DecodeLinear(self.lm_head_weight, None, onednn))
 
     def decode_step(self, tokens: torch.Tensor, prompts: PromptCache, layout: GroupLayout,
                     caches: list[tuple[torch.Tensor, torch.Tensor]], weights: DecodeWeights,

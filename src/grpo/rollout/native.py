@@ -71,7 +71,8 @@ class NativeEngine(ChunkedEngine):
         p, t_max = len(prompts), sampling.max_new_tokens
         rows = p * n
         prompt_cache, first_logits = dec.prefill(prompts, self.pad_id)  # first_logits [P, V]
-        weights = dec.decode_weights(fuse=device.type == "cpu")
+        # oneDNN's own weight tensors are opaque to torch.compile: a compiled step keeps plain ones.
+        weights = dec.decode_weights(fuse=device.type == "cpu", onednn=device.type == "cpu" and not self.compiled)
         shape = (rows, dec.num_kv_heads, t_max, dec.head_dim)
         cache_k = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
         cache_v = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
