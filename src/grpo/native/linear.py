@@ -2,8 +2,8 @@
 
 Why: PyTorch sends a CPU float32 `F.linear` to MKL. On the 2-core AMD EPYC (AVX-512) this project is
 measured on, MKL runs the native decoder's GEMMs at 135-185 GFLOP/s for 4,096 training tokens and
-~105 GFLOP/s for a 64-row decode step; oneDNN (bundled with every PyTorch CPU build, and the kernel
-`torch.compile` itself picks for CPU linears) runs the same shapes at 190-215 and ~125-135 GFLOP/s.
+~105 GFLOP/s for a 64-row decode step; oneDNN (bundled with every PyTorch CPU build, and what
+`torch.compile` uses for CPU linears with frozen weights) runs them at 190-215 and ~125-135 GFLOP/s.
 `benchmarks/matmul_peak.py` measures both. The result is the same product up to float32 rounding
 (summation order), as between any two GEMM libraries.
 
@@ -17,10 +17,15 @@ add), saving the separate elementwise pass over the activations.
 
 from __future__ import annotations
 
+import platform
+
 import torch
 import torch.nn.functional as F
 
-ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# x86-64 only: that is where it was measured faster. On ARM (e.g. Apple silicon) PyTorch's BLAS is
+# Accelerate or OpenBLAS, and oneDNN's AArch64 kernels have not been compared with them here.
+ONEDNN = (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+          and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: str = "none") -> torch.Tensor:
