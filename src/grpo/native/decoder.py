@@ -292,7 +292,8 @@ class NativeDecoder:
 
         An attention kernel given an explicit mask computes every score, the masked-out upper triangle
         too. Queries run in chunks that see only the keys up to their chunk's last position, which skips
-        most of that triangle: ~37% less attention work at 256 completion tokens.
+        most of that triangle: 37% fewer scores at 256 completion tokens. Measured on the CPU, the
+        forward takes 27% less time; the backward kernel takes the same either way.
         """
         tc = q.shape[2]
         outs = []
