@@ -63,7 +63,7 @@ def _learner_logprobs(model, tokenizer, prompts, rollouts, temperature):
                               torch.zeros(len(rollouts.truncated)), GRPOConfig(), tokenizer.pad_token_id)
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch, temperature)
-    return logp * rollouts.completion_mask  # [N, T]
+    return logp.float().cpu() * rollouts.completion_mask  # [N, T]
 
 
 def test_greedy_equals_native_and_threads_are_restored(parts):
@@ -145,3 +145,55 @@ def test_short_training_run_logs_mismatch_and_syncs(tmp_path: Path):
         assert 0 <= r["mismatch/logp_abs_mean"] < 0.05 and r["mismatch/kl"] < 0.01
         assert "is/ess" in r and r["time/weight_sync"] > 0  # corrected (tis) and synced every step
     assert (tmp_path / "final_model" / "model.safetensors").exists()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_mode_matches_native_before_and_after_a_weight_push(parts, tmp_path: Path):
+    """A vLLM OpenAI server (VLLM_SERVER_DEV_MODE=1) on a directory grpo wrote; weights pushed by file."""
+    import time
+    import urllib.request
+
+    from grpo.rollout.vllm import VLLMServerEngine, write_model_dir
+
+    model, tokenizer, _, prompts = parts
+    model_dir = write_model_dir(model, tokenizer, tmp_path / "served")
+    port = _free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_LOGGING_LEVEL": "WARNING"}
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                               "--dtype", "float32", "--enforce-eager", "--port", str(port), "--max-model-len", "256",
+                               "--logprobs-mode", "processed_logprobs"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, server.stderr.read()[-3000:]
+                time.sleep(1)
+        engine = VLLMServerEngine(f"http://127.0.0.1:{port}", model, tokenizer)
+        _same_rollouts(_greedy(engine, prompts), _greedy(build_engine("native", model, tokenizer), prompts))
+        changed = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in changed.parameters():
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+        engine.sync_weights(changed)
+        _same_rollouts(_greedy(engine, prompts), _greedy(build_engine("native", changed, tokenizer), prompts))
+        sampled = engine.generate(prompts, 3, SamplingParams(max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0))
+        assert sampled.prompt_index.tolist() == [i for i in range(4) for _ in range(3)]
+        learner = _learner_logprobs(changed, tokenizer, prompts, sampled, 1.0)
+        assert (learner - sampled.sampling_logprobs).abs().max() < 1e-3
+        engine.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

@@ -29,6 +29,7 @@ import shutil
 import tempfile
 import urllib.request
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -52,6 +53,7 @@ def _import_vllm():
     # In-process engine core: no worker process to spawn (so no `if __name__ == "__main__"` guard is needed
     # in user scripts) and weights are reachable through collective_rpc in this process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # else a few INFO lines per step
     try:
         import vllm
     except ImportError as error:
@@ -110,8 +112,13 @@ def _seed() -> int:
 class _WeightsDir:
     """A private model directory (config, tokenizer, weights) that vLLM loads from and reloads."""
 
-    def __init__(self, model, tokenizer):
-        self.path = Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    MARK = ".grpo-vllm"  # written here: the directory's weights may be overwritten by the trainer
+
+    def __init__(self, model, tokenizer, path: str | Path | None = None):
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.path = Path(path) if path else Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir=shm))
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / self.MARK).write_text("grpo writes this directory's weights after every step\n")
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = copy.deepcopy(base.config)
         # Untied on purpose: vLLM's in-place reload skips lm_head when it is tied to the embedding and then
@@ -137,6 +144,15 @@ class _WeightsDir:
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def write_model_dir(model, tokenizer, path: str | Path) -> Path:
+    """A directory to start a vLLM server on (`python -m vllm.entrypoints.openai.api_server --model PATH`):
+    config (embeddings untied, see _WeightsDir), tokenizer, the policy's weights, and the mark that lets
+    VLLMServerEngine overwrite its weights."""
+    where = _WeightsDir(model, tokenizer, path)
+    where.write(hf_state(model))
+    return where.path
 
 
 class VLLMEngine:
@@ -258,14 +274,26 @@ class VLLMServerEngine:
     needs_weight_sync = True
     sampler_differs = True
 
-    def __init__(self, url: str, model, tokenizer, gen=None, weights_dir: str | None = None,
-                 timeout: float = 600.0):
-        from grpo.config import GenerationConfig
+    def __init__(self, url: str, model, tokenizer, gen=None, timeout: float = 600.0):
+        from grpo.config import ConfigError, GenerationConfig
 
         self.url, self.gen, self.model, self.tokenizer = url.rstrip("/"), gen or GenerationConfig(), model, tokenizer
         self.pad_id, self.timeout = tokenizer.pad_token_id, timeout
-        self.served = self._get("/v1/models")["data"][0]["id"]
-        self.weights_path = Path(weights_dir) if weights_dir else None
+        try:
+            served = self._get("/v1/models")["data"][0]
+        except OSError as error:
+            raise ConfigError(f"generation.vllm_server_url={url}: no vLLM server answers there ({error}).") from error
+        self.served = served["id"]
+        # Weights travel as a file in the directory the server loaded (its `root`); refuse any directory
+        # grpo did not write, so a user's own checkpoint is never overwritten.
+        self.weights_path = Path(served.get("root") or self.served)
+        if not (self.weights_path / _WeightsDir.MARK).exists():
+            raise ConfigError(
+                f"The vLLM server at {url} serves {self.weights_path}, which grpo did not prepare. Write a model "
+                "directory with grpo.rollout.vllm.write_model_dir(model, tokenizer, PATH) and start the server "
+                "on it: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model PATH "
+                "--dtype float32 (README, 'vLLM').")
+        self.executor = ThreadPoolExecutor(max_workers=16)
 
     def _post(self, path: str, body: dict | None = None) -> dict:
         data = json.dumps(body or {}).encode()
@@ -289,27 +317,28 @@ class VLLMServerEngine:
         """Write the weights where the server loaded its model from, then reload and drop cached prefixes."""
         from safetensors.torch import save_file
 
-        if self.weights_path is None:
-            raise RuntimeError("The vLLM server engine needs weights_dir: the directory the server was started "
-                               "on (its --model), on a filesystem both processes can read.")
         save_file(hf_state(policy), str(self.weights_path / "model.safetensors"), metadata={"format": "pt"})
         self._post("/collective_rpc", {"method": "reload_weights"})
         self._post("/reset_prefix_cache")
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
                  chunk_prompts: int | None = None) -> Rollouts:
-        completions = []
-        for ids in prompt_token_ids:
+        def one(ids: list[int]) -> list[tuple[list[int], list[float], bool]]:
             body = {"model": self.served, "prompt": list(ids), "n": n, "max_tokens": sampling.max_new_tokens,
                     "temperature": 0.0 if sampling.greedy else sampling.temperature,
                     "top_p": 1.0 if sampling.greedy else sampling.top_p,
                     "top_k": 0 if sampling.greedy or not sampling.top_k else sampling.top_k,
-                    "min_p": 0.0 if sampling.greedy else self.gen.min_p, "logprobs": 0, "seed": _seed(),
+                    "min_p": 0.0 if sampling.greedy else self.gen.min_p, "logprobs": 0,
                     "stop": list(sampling.stop_strings) or None, "include_stop_str_in_output": True,
                     "return_tokens_as_token_ids": True}
             choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
-            completions.append([_server_choice(c) for c in choices])
-        return to_rollouts(completions, self.pad_id)
+            return [_server_choice(c) for c in choices]
+
+        # Concurrent requests: the server batches them (continuous batching), as the offline engine does.
+        return to_rollouts(list(self.executor.map(one, prompt_token_ids)), self.pad_id)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False)
 
 
 def _server_choice(choice: dict) -> tuple[list[int], list[float], bool]:
