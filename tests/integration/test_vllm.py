@@ -197,3 +197,20 @@ def test_server_mode_matches_native_before_and_after_a_weight_push(parts, tmp_pa
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_ray_async_mode_runs_with_vllm_actors(tmp_path: Path):
+    """rollout.mode=async: a Ray actor builds its own vLLM engine; weights reach it by name every step."""
+    pytest.importorskip("ray")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    cmd = [sys.executable, "-m", "grpo", "train", "generation.engine=vllm", "rollout.mode=async", "--steps", "3",
+           "--output-dir", str(tmp_path), "train.eval_before=false", "train.eval_after=false",
+           "train.prompts_per_step=4", "generation.max_new_tokens=24", "--progress-bar", "false",
+           "train.report=false", "train.num_threads=1", "train.logging_steps=1"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all("mismatch/kl" in r and "is/ess" in r for r in steps)
+    assert max(r["rollout/staleness_max"] for r in steps if "rollout/staleness_max" in r) <= 1
