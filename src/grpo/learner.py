@@ -272,7 +272,7 @@ def mismatch_metrics(sampling_logprobs: torch.Tensor, policy_logprobs: torch.Ten
     if n == 0:
         return {}
     delta = (policy_logprobs - sampling_logprobs) * mask  # [N, T]
-    k3 = (delta.exp() - delta - 1) * mask  # [N, T]
+    k3 = (torch.expm1(delta) - delta) * mask  # [N, T]; expm1: no rounding below 0 for tiny Δ
     return {"mismatch/logp_abs_mean": (delta.abs().sum() / n).item(), "mismatch/logp_abs_max": delta.abs().max().item(),
             "mismatch/kl": (k3.sum() / n).item()}
 
