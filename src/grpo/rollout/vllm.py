@@ -63,10 +63,18 @@ def _import_vllm():
     return vllm
 
 
-def hf_state(policy) -> dict[str, torch.Tensor]:
-    """The policy's weights under Hugging Face names (what vLLM's loader reads); LoRA adapters merged."""
-    from grpo.lora import is_lora, merged_model
+def hf_state(policy, merge_lora: bool = True) -> dict[str, torch.Tensor]:
+    """The policy's weights under Hugging Face names (what vLLM's loader reads); LoRA adapters merged, or
+    (merge_lora=False) left out: the frozen base weights alone."""
+    from grpo.lora import ADAPTER_MARK, is_lora, merged_model
 
+    if is_lora(policy) and not merge_lora:
+        base = policy.get_base_model()
+        state = {k.replace(".base_layer.", "."): v.detach().to("cpu", copy=True).contiguous()
+                 for k, v in base.state_dict().items() if ADAPTER_MARK not in k}
+        if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+        return state
     if is_lora(policy):
         full = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
         policy = merged_model(policy, full)
@@ -176,7 +184,7 @@ class VLLMEngine:
         self.cuda = next(model.parameters()).device.type == "cuda"
         self.lora = is_lora(model) and gen.vllm_lora_sync == "adapter"
         self.dir = _WeightsDir(model, tokenizer)
-        self.dir.write(hf_state(model.get_base_model() if self.lora else model))
+        self.dir.write(hf_state(model, merge_lora=not self.lora))
         self.lora_request = None
         threads = torch.get_num_threads()
         if not self.cuda:
