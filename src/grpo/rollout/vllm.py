@@ -43,6 +43,16 @@ INSTALL_HINT = ("vLLM is not installed. On a CUDA machine: pip install 'grpo[vll
                 "torchaudio torchcodec (README, 'vLLM').")
 
 
+# vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process ("not allowed after
+# the thread binding"); in-process, that would pin the learner to vLLM's thread count. Keep the real one.
+_SET_NUM_THREADS = torch.set_num_threads
+
+
+def _restore_threads(threads: int) -> None:
+    torch.set_num_threads = _SET_NUM_THREADS
+    torch.set_num_threads(threads)
+
+
 def vllm_available() -> bool:
     import importlib.util
 
@@ -201,7 +211,7 @@ class VLLMEngine:
         try:
             self.llm = vllm.LLM(**kwargs)
         finally:
-            torch.set_num_threads(threads)  # vLLM sets 1 thread for the whole process; the learner needs its own
+            _restore_threads(threads)  # vLLM sets 1 thread for the whole process; the learner needs its own
         if self.lora:
             self._push_adapter(model)
         self.asleep = False
@@ -259,7 +269,7 @@ class VLLMEngine:
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         finally:
-            torch.set_num_threads(threads)
+            _restore_threads(threads)
         completions = [[(list(c.token_ids), _sampled_logprobs(c), c.finish_reason == "length")
                         for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
         self.sleep()
