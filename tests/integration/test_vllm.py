@@ -103,7 +103,10 @@ def test_stop_strings_eos_and_truncation_flags(parts):
     a, b = engine.generate(prompts, 1, sampling), native.generate(prompts, 1, sampling)
     _same_rollouts(a, b)
     texts = tokenizer.batch_decode(a.completion_ids * a.completion_mask.long(), skip_special_tokens=True)
-    assert all(t.endswith("=") for t, cut in zip(texts, a.truncated, strict=True) if not cut)
+    last = a.completion_ids[torch.arange(len(texts)), a.lengths - 1]  # [N]
+    ended_on = ["=" if t.endswith("=") else "eos" if int(x) == tokenizer.eos_token_id else "?"
+                for t, x in zip(texts, last, strict=True)]
+    assert "=" in ended_on and all(e != "?" for e, cut in zip(ended_on, a.truncated, strict=True) if not cut)
     short = engine.generate(prompts, 1, SamplingParams(max_new_tokens=3, greedy=True))
     assert short.truncated.all() and (short.lengths == 3).all()
 
