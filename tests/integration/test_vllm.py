@@ -137,7 +137,7 @@ def test_short_training_run_logs_mismatch_and_syncs(tmp_path: Path):
     cmd = [sys.executable, "-m", "grpo", "train", "generation.engine=vllm", "--steps", "3",
            "--output-dir", str(tmp_path), "train.eval_before=false", "train.eval_after=false",
            "train.prompts_per_step=4", "generation.max_new_tokens=32", "--progress-bar", "false",
-           "train.report=false", "train.num_threads=2"]
+           "train.report=false", "train.num_threads=2", "train.logging_steps=1"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
