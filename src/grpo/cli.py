@@ -175,7 +175,7 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from grpo.data import PromptFormatter, load_rows
     from grpo.evaluation import evaluate
-    from grpo.models import load_policy, load_tokenizer, resolve_device
+    from grpo.models import load_policy, load_tokenizer, resolve_device, resolve_dtype
     from grpo.rollout import build_engine
 
     overrides = {"model.hf_token": args.hf_token} if args.hf_token else {}
@@ -189,7 +189,8 @@ def cmd_eval(args) -> int:
     rows = rows[:args.limit] if args.limit else rows
     model = load_policy(cfg, device)
     formatter = PromptFormatter(tokenizer, cfg.data)
-    result = evaluate(build_engine(cfg.generation.engine, model, tokenizer), formatter, rows, k=args.k,
+    engine = build_engine(cfg.generation.engine, model, tokenizer, compute_dtype=resolve_dtype(cfg.model.dtype, device))
+    result = evaluate(engine, formatter, rows, k=args.k,
                       temperature=args.temperature, batch_size=cfg.train.eval_batch_size,
                       max_new_tokens=args.max_new_tokens or cfg.train.eval_max_new_tokens
                       or cfg.effective_max_new_tokens, stop_strings=cfg.generation.stop_strings)
@@ -234,6 +235,7 @@ def _assignments_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     from grpo.checkpoint import CheckpointError
+    from grpo.learner import NonFiniteWeightsError
     from grpo.setup import setup_logging
     from grpo.train import TrainingHalted
 
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingHalted) as e:
+    except (CheckpointError, TrainingHalted, NonFiniteWeightsError) as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -50,8 +50,10 @@ class ModelConfig:
     ref_model_path: str | None = _f(None, "Reference model for the KL term; defaults to the policy's "
                                     "initial weights. Not loaded at all when algorithm.beta == 0.")
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the models.")
-    dtype: str = _f("auto", "Parameter dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, "
-                    "bfloat16 or float16.", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = _f("auto", "Compute dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or "
+                    "float16 (with dynamic loss scaling). Trained weights and optimizer state are float32 "
+                    "masters whatever this is; the reference model is held in it.",
+                    choices=("auto", "float32", "bfloat16", "float16"))
     device: str = _f("auto", "Where the policy lives: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     trust_remote_code: bool = _f(False, "Allow model repositories to run their own Python code. Off "
                                  "unless you trust the repository.")
@@ -180,6 +182,9 @@ class TrainConfig:
     logging_steps: int = _f(10, "Console line, metrics.jsonl and TensorBoard every N steps.")
     save_steps: int = _f(500, "Checkpoint every N steps (0: only the final model).")
     save_total_limit: int | None = _f(None, "Keep only the newest K checkpoints.")
+    save_dtype: str = _f("float32", "dtype of final_model/'s weights: float32 (the master weights as trained) "
+                         "or a bfloat16/float16 export at half the size. checkpoint-N/ always holds float32 "
+                         "masters, so a resume is exact.", choices=("float32", "bfloat16", "float16"))
     resume: str | None = _f(None, "Resume: 'latest' (the newest intact checkpoint in output_dir; a corrupt "
                             "or incomplete one is reported and skipped) or a checkpoint directory.")
     allow_config_change: bool = _f(False, "Resume even when settings that change the training trajectory "

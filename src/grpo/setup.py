@@ -20,12 +20,15 @@ import torch
 from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptFormatter, load_rows, rows_from_dataset
 from grpo.models import (
+    float32_masters,
     load_causal_lm,
     load_policy,
     load_reference,
     load_tokenizer,
+    precision_summary,
     prepare_tokenizer,
     resolve_device,
+    resolve_dtype,
     resolve_path,
 )
 from grpo.preflight import check_model_paths, plan_resume
@@ -50,6 +53,7 @@ class RunParts:
     reward_funcs: list[Callable]
     reward_weights: list[float] | None
     resume_from: Path | None = None  # a verified checkpoint whose settings match this run's
+    compute_dtype: torch.dtype = torch.float32  # model.dtype resolved; trained weights stay float32
 
 
 def make_run_dir(cfg: GRPOConfig) -> Path:
@@ -125,6 +129,7 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
                             ([] if reward_model is not None else cfg.algorithm.reward_funcs))
 
     device = resolve_device(cfg.model.device)
+    compute = resolve_dtype(cfg.model.dtype, device)
     if tokenizer is None or isinstance(tokenizer, str):
         tokenizer = load_tokenizer(cfg)
     else:
@@ -132,11 +137,15 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
     if model is None or isinstance(model, str):
         policy = load_policy(cfg, device)
     else:
-        policy = model.to(device).train()
+        policy = float32_masters(model.to(device).train())
     if cfg.lora.enabled:
         from grpo.lora import apply_lora
 
         policy = apply_lora(policy, cfg.lora)
+        if compute != torch.float32:  # the frozen base is never stepped: hold it in the compute dtype
+            for param in policy.parameters():
+                if not param.requires_grad and param.is_floating_point():
+                    param.data = param.data.to(compute)
     ref = None
     if cfg.algorithm.beta > 0:
         if cfg.lora.enabled:  # the base weights with the adapters off: no second copy
@@ -144,9 +153,9 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
 
             ref = ReferenceWithoutAdapters(policy)
         elif ref_model is None or isinstance(ref_model, str):
-            ref = load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy)
+            ref = load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy, compute)
         else:
-            ref = ref_model.to(device).eval().requires_grad_(False)
+            ref = ref_model.to(device=device, dtype=compute).eval().requires_grad_(False)
     elif ref_model is not None:
         log.info("algorithm.beta = 0: the reference model is not used (no KL term).")
     if ref is not None and not cfg.lora.enabled:
@@ -166,7 +175,7 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
 
     formatter = PromptFormatter(tokenizer, cfg.data)
     formatter.check_lengths(train_rows)
-    engine = build_engine(cfg.generation.engine, policy, tokenizer, cfg.generation.compile_decode)
+    engine = build_engine(cfg.generation.engine, policy, tokenizer, cfg.generation.compile_decode, compute)
     n_params = sum(p.numel() for p in policy.parameters())
     log.info("Run directory: %s", run_dir)
     log.info("Policy: %s (%.2fM parameters, %s, %s); reference: %s; rewards: %s",
@@ -174,8 +183,10 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
              device, "none (beta = 0)" if ref is None else
              "the base weights, adapters off" if cfg.lora.enabled else f"frozen copy ({cfg.distributed.ref_device})",
              ", ".join(getattr(f, "__name__", type(f).__name__) for f in funcs))
+    ref_dtype = None if ref is None else next(ref.parameters()).dtype
+    log.info(precision_summary(compute, ref_dtype, cfg.train.save_dtype, cfg.distributed.strategy == "fsdp2"))
     return RunParts(run_dir, device, policy, ref, tokenizer, engine, formatter, train_rows, eval_rows,
-                    funcs, weights, resume_from)
+                    funcs, weights, resume_from, compute)
 
 
 def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
@@ -191,10 +202,10 @@ def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
     return rows[:cfg.data.eval_max_samples] if cfg.data.eval_max_samples else rows
 
 
-def _frozen_copy(policy):
+def _frozen_copy(policy, dtype: torch.dtype):
     import copy
 
-    return copy.deepcopy(policy).eval().requires_grad_(False)
+    return copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
 
 
 def _model_reward(spec, policy, tokenizer, cfg: GRPOConfig, device):

@@ -107,7 +107,7 @@ class GRPOTrainer:
         if rt.sharded and getattr(p.engine, "model", None) is p.policy:
             # FSDP2 leaves no rank with whole weights: colocated rollout samples from a full copy that
             # receives the new weights after every update.
-            p.engine = build_engine(g.engine, copy.deepcopy(p.policy), p.tokenizer)
+            p.engine = build_engine(g.engine, copy.deepcopy(p.policy).to(p.compute_dtype), p.tokenizer)
         learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt)
         sampling = SamplingParams(max_new_tokens=cfg.effective_max_new_tokens, temperature=g.temperature,
                                   top_k=g.top_k, top_p=g.top_p, stop_strings=g.stop_strings)
@@ -217,7 +217,7 @@ class GRPOTrainer:
             return summary
         self._save_checkpoint(step, learner, data)
         save_policy_dir(rt, p.run_dir / "final_model", p.policy, p.tokenizer, cfg.to_yaml(), None,
-                        merge_lora=cfg.lora.save_merged)
+                        merge_lora=cfg.lora.save_merged, dtype=_SAVE_DTYPES.get(t.save_dtype))
         if t.eval_after:
             summary.update(self._log_eval(logger, step, "after"))
         logger.close()
@@ -411,6 +411,9 @@ def _logprobs_match_policy(engine, sampling: SamplingParams) -> bool:
     """The engine's sampling log-probs are the learner's π_θ (same weights and precision, no filters)."""
     return (getattr(engine, "exact_logprobs", False) and not sampling.greedy and sampling.top_k == 0
             and sampling.top_p >= 1.0)
+
+
+_SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # train.save_dtype; float32: as trained
 
 
 def _chunk(batch_size: int | None, n: int) -> int | None:
