@@ -39,11 +39,11 @@ def test_cli_bf16_at_lr_1e_6_moves_the_saved_weights_and_tracks_float32(tmp_path
         assert {v.dtype for v in saved.values()} == {torch.float32}  # the masters
         runs[dtype] = {"moved": changed_fraction(initial, saved),
                        "metrics": [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]}
-    assert runs["bfloat16"]["moved"] >= 0.9  # measured 0.9966 (float32: 0.9961); bf16 parameters: ~0.01
+    assert runs["bfloat16"]["moved"] >= 0.9  # measured 0.9966 (float32: 0.9967); bf16 parameters: 0.010
     assert "Precision: float32 master weights and AdamW state, bfloat16 compute" in \
         (tmp_path / "bfloat16" / "train.log").read_text()
     # The runs sample different tokens once bf16 logits differ from float32's, so the rewards part ways by
-    # sampling noise, not drift: measured per-step |Δ reward| ≤ 0.13, mean over the 3 steps 0.04.
+    # sampling noise, not drift: measured per-step |Δ reward| 0.006, 0.06, 0.19; of the 3-step mean 0.04.
     rewards = {d: [m["reward"] for m in r["metrics"]] for d, r in runs.items()}
     deltas = [abs(a - b) for a, b in zip(rewards["float32"], rewards["bfloat16"], strict=True)]
     assert max(deltas) < 0.25 and abs(sum(rewards["float32"]) - sum(rewards["bfloat16"])) / 3 < 0.1, rewards
