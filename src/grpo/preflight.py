@@ -32,7 +32,7 @@ RESUME_SAFE_KEYS = frozenset({
     "generation.batch_size",
     "train.steps", "train.num_epochs", "train.micro_batch_size", "train.gradient_accumulation_steps",
     "train.output_dir", "train.base_output_directory", "train.run_name", "train.logging_steps",
-    "train.save_steps", "train.save_total_limit", "train.resume", "train.allow_config_change",
+    "train.save_steps", "train.save_total_limit", "train.save_dtype", "train.resume", "train.allow_config_change",
     "train.stop_after_nonfinite_steps", "train.eval_before", "train.eval_after", "train.eval_steps",
     "train.eval_batch_size", "train.eval_max_new_tokens", "train.use_wandb", "train.wandb_project",
     "train.wandb_run_name", "train.tensorboard", "train.progress_bar", "train.num_threads",
