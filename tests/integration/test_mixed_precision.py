@@ -100,3 +100,18 @@ def test_nan_weights_stop_the_run_with_an_error_and_keep_earlier_checkpoints(ass
     assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / "final_model").exists()
     kept = load_file(str(tmp_path / "checkpoint-1" / "model.safetensors"))
     assert all(v.isfinite().all() for v in kept.values())
+
+
+def test_lora_in_bf16_keeps_float32_adapters_over_a_bf16_base(assets, tmp_path):
+    cfg = GRPOConfig(**tiny_run.config(assets["model"], assets["data"], tmp_path, steps=2, dtype="bfloat16",
+                                       **{"lora.enabled": True, "lora.r": 4}))
+    trainer = GRPOTrainer(config=cfg, reward_funcs=[letter_score, "gsm8k_format"])
+    params = dict(trainer.parts.policy.named_parameters())
+    assert {p.dtype for n, p in params.items() if p.requires_grad} == {torch.float32}  # the adapters
+    assert {p.dtype for n, p in params.items() if not p.requires_grad} == {torch.bfloat16}  # the frozen base
+    before = {n: p.detach().clone() for n, p in params.items() if "lora_B" in n}
+    summary = trainer.train()
+    assert torch.isfinite(torch.tensor([summary["loss"], summary["kl"]])).all()
+    assert any(not torch.equal(before[n], params[n]) for n in before)  # the adapters trained
+    merged = load_file(str(tmp_path / "final_model" / "model.safetensors"))
+    assert {v.dtype for v in merged.values()} == {torch.float32}
