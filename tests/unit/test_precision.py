@@ -151,3 +151,19 @@ def test_bf16_forward_matches_transformers_own_bf16_forward():
     err = {k: (v - expected).abs() for k, v in {"native": native, "autocast": autocast, "fp32": fp32}.items()}
     assert err["native"].max() < 0.1 and err["native"].mean() < 0.01
     assert err["autocast"].max() < 0.1 and err["autocast"].mean() < err["fp32"].mean()
+
+
+def test_bf16_rollout_log_probs_are_not_reused_as_pi_old():
+    """The loop reuses sampling log-probs as π_old only when bitwise the learner's (train._logprobs_match_policy)."""
+    from grpo.batch import SamplingParams
+    from grpo.rollout import build_engine
+    from grpo.train import _logprobs_match_policy
+    from tests.conftest import IdTokenizer
+
+    model, sampling = tiny_llama(), SamplingParams(max_new_tokens=4, temperature=1.0)
+    assert _logprobs_match_policy(build_engine("native", model, IdTokenizer()), sampling)
+    bf16 = build_engine("native", model, IdTokenizer(), compute_dtype=torch.bfloat16)
+    assert not _logprobs_match_policy(bf16, sampling)
+    rollouts = bf16.generate([[3, 4, 5]], 2, sampling)
+    assert rollouts.sampling_logprobs.isfinite().all()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # sampled from a cast, not a converted model
