@@ -75,6 +75,11 @@ class DataConfig:
     system_prompt: str | None = _f(None, "System message put before every prompt when the tokenizer has "
                                    "a chat template.")
     use_chat_template: bool = _f(True, "Format prompts with the tokenizer's chat template when it has one.")
+    chat_template_for_text: bool = _f(True, "Also template plain-text prompts (as one user message); false sends "
+                                      "them as they are, as TRL does. A prompt already templated is never templated "
+                                      "twice.")
+    chat_template_kwargs: dict | None = _f(None, "Extra arguments for the chat template, e.g. "
+                                           "{enable_thinking: false} (TRL's chat_template_kwargs).")
     max_prompt_length: int = _f(256, "Longest prompt in tokens (MaxText --max_prefill_predict_length).")
     long_prompt_policy: str = _f("error", "What to do with a longer prompt: error (stop, naming the rows) or "
                                  "truncate_left (keep the end, warn and count).",
@@ -426,6 +431,10 @@ def coerce(path: str, value: Any) -> Any:
             return None
         raise ConfigError(f"{path} cannot be empty (expected {_type_name(hint)}).")
     origin = typing.get_origin(hint)
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} expects a mapping, e.g. {{enable_thinking: false}}, got {value!r}.")
+        return dict(value)
     try:
         if origin is list:
             (item,) = typing.get_args(hint)

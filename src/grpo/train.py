@@ -26,6 +26,7 @@ import json
 import logging
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -89,7 +90,12 @@ class GRPOTrainer:
         if not self.rt.is_main:  # rank 0 speaks for the group
             logging.getLogger("grpo").setLevel(logging.WARNING)
         self.stop_signal: int | None = None  # the first SIGINT/SIGTERM received
+        self.step, self.total_steps = 0, 0
         self.nonfinite_total = 0
+
+    def reward_state(self, stream: PromptStream) -> RewardState:
+        """TRL's `trainer_state` for reward functions: the step being scored (1-based) and the epoch."""
+        return RewardState(global_step=self.step, epoch=float(stream.epoch), max_steps=self.total_steps)
 
     def evaluate(self) -> EvalResult | None:
         p, t = self.parts, self.cfg.train
@@ -104,6 +110,7 @@ class GRPOTrainer:
         g, t, a = cfg.generation, cfg.train, cfg.algorithm
         stream = PromptStream(p.train_rows, seed=t.seed, shuffle=cfg.data.shuffle)
         total_steps = t.steps or max(1, round(t.num_epochs * stream.steps_per_epoch(t.prompts_per_step)))
+        self.total_steps = total_steps
         if rt.sharded and getattr(p.engine, "model", None) is p.policy:
             # FSDP2 leaves no rank with whole weights: colocated rollout samples from a full copy that
             # receives the new weights after every update.
@@ -139,6 +146,7 @@ class GRPOTrainer:
                     self.stop_signal = self.stop_signal or signal.SIGTERM
                     break
                 step += 1
+                self.step = step
                 timer = StageTimer()
                 step_start = time.perf_counter()
                 scored, sampling_stats = self._collect(stream, sampling, timer, remote)
@@ -163,9 +171,10 @@ class GRPOTrainer:
                 self.nonfinite_total += stats.skipped
                 step_seconds = time.perf_counter() - step_start
                 metrics = {
-                    "reward": scored.rewards.mean().item(), "reward_std": scored.rewards.std().item(),
+                    "reward": _nanmean(scored.rewards), "reward_std": _nanstd(scored.rewards),
                     **{f"reward/{n}": _nanmean(scores.per_function[:, j]) for j, n in enumerate(scores.names)},
-                    "reward/skipped": float(scores.skipped), **sampling_stats,
+                    "reward/skipped": float(scores.skipped), "reward/not_scored": float(scores.none_applicable),
+                    **scores.logged, **sampling_stats,
                     **group_reward_stats(scored.rewards, group),
                     "advantage/mean": advantages.mean().item(), "advantage/std": advantages.std().item(),
                     "advantage/abs_max": advantages.abs().max().item(),
@@ -285,8 +294,12 @@ class GRPOTrainer:
             group = rollouts.prompt_index  # [N]
             columns = {k: [v[i] for i in group] for k, v in prompts.columns.items()}
             columns.setdefault("completion_truncated", rollouts.truncated.tolist())
-            scores = score_completions(p.reward_funcs, p.reward_weights, [prompts.prompts[i] for i in group],
-                                       texts, columns, timeout=a.reward_timeout, on_error=a.reward_on_error)
+            reward_prompts, completions, extra = trl_reward_inputs(prompts, rollouts, texts)
+            for name, values in extra.items():
+                columns.setdefault(name, values)
+            scores = score_completions(p.reward_funcs, p.reward_weights, reward_prompts, completions, columns,
+                                       timeout=a.reward_timeout, on_error=a.reward_on_error,
+                                       extras={"trainer_state": self.reward_state(stream)})
             shaping = overlong_penalty(rollouts.lengths, cfg.effective_max_new_tokens, a.overlong_buffer,
                                        a.overlong_penalty)  # [N]
         return ScoredRollouts(prompts, rollouts, texts, scores, scores.total + shaping, lag=lag)
@@ -405,6 +418,32 @@ def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
 
 def _nanmean(x: torch.Tensor) -> float:
     return x.nanmean().item() if not torch.isnan(x).all() else float("nan")
+
+
+def _nanstd(x: torch.Tensor) -> float:
+    scored = x[~x.isnan()]  # [M] samples some reward function scored
+    return scored.std().item() if scored.numel() > 1 else float("nan")
+
+
+@dataclass(frozen=True)
+class RewardState:
+    """What TRL passes reward functions as `trainer_state` (a transformers TrainerState), the fields they read."""
+
+    global_step: int
+    epoch: float
+    max_steps: int
+
+
+def trl_reward_inputs(prompts: PromptBatch, rollouts: Rollouts, texts: list[str]) -> tuple[list, list, dict]:
+    """Prompts, completions and `completion_ids` as TRL gives reward functions: one entry per completion; a
+    conversational prompt's completion is `[{"role": "assistant", "content": text}]`, plain text stays text."""
+    group = rollouts.prompt_index.tolist()  # [N]
+    reward_prompts = [prompts.prompts[i] for i in group]
+    completions = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+                   for prompt, text in zip(reward_prompts, texts, strict=True)]
+    lengths = rollouts.lengths.tolist()  # [N]
+    completion_ids = [ids[:n] for ids, n in zip(rollouts.completion_ids.tolist(), lengths, strict=True)]
+    return reward_prompts, completions, {"completion_ids": completion_ids}
 
 
 def _logprobs_match_policy(engine, sampling: SamplingParams) -> bool:
