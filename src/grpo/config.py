@@ -121,10 +121,18 @@ class AlgorithmConfig:
     epsilon_low: float = _f(0.2, "Lower clip range ε_low: the ratio is clipped at 1 − ε_low.")
     epsilon_high: float = _f(0.2, "Upper clip range ε_high: the ratio is clipped at 1 + ε_high "
                              "(DAPO's clip-higher uses 0.28).")
-    loss_variant: str = _f("grpo", "Policy loss: grpo (token-level ratio) or gspo (sequence-level ratio, "
-                           "GSPO; use clip ranges near 3e-4/4e-4).", choices=("grpo", "gspo"))
-    entropy_coef: float = _f(0.0, "Entropy bonus: subtract this × the mean token entropy from the loss "
-                             "(0 = off).")
+    loss_variant: str = _f("grpo", "Policy loss: grpo (token-level ratio), gspo (sequence-level ratio, "
+                           "GSPO; use clip ranges near 3e-4/4e-4), cispo (capped, detached ratio × Â × log π, "
+                           "MiniMax-M1; cap 1 + epsilon_high) or sapo (soft sigmoid gate, SAPO).",
+                           choices=("grpo", "gspo", "cispo", "sapo"))
+    sapo_temperature_pos: float = _f(1.0, "SAPO gate temperature τ for tokens with positive advantage.")
+    sapo_temperature_neg: float = _f(1.05, "SAPO gate temperature τ for tokens with zero or negative advantage.")
+    use_bias_correction_kl: bool = _f(False, "Multiply the KL term by the importance ratio, so its gradient is "
+                                      "the unbiased KL gradient (DeepSeek-V3.2; TRL's default true). Changes the "
+                                      "gradient on-policy too.")
+    entropy_coef: float = _f(0.0, "Entropy bonus: subtract this × each token's entropy from that token's loss "
+                             "before aggregation (the mean token entropy only with token_mean; TRL's "
+                             "entropy_coef always uses the mean token entropy). 0 = off.")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and "
                                 "draw more prompts until the batch has prompts_per_step informative groups.")
     dynamic_sampling_max_rounds: int = _f(4, "Most rollout rounds per step with dynamic sampling; after them "
@@ -618,6 +626,9 @@ def validate(cfg: GRPOConfig) -> None:
                           f"{a.epsilon_low} and {a.epsilon_high}.")
     if not 0 < a.gamma <= 1:
         raise ConfigError(f"algorithm.gamma must be in (0, 1], got {a.gamma}.")
+    if not (a.sapo_temperature_pos > 0 and a.sapo_temperature_neg > 0):
+        raise ConfigError("algorithm.sapo_temperature_pos and sapo_temperature_neg must be > 0, got "
+                          f"{a.sapo_temperature_pos} and {a.sapo_temperature_neg}.")
     if a.loss_variant == "gspo" and a.gamma != 1:
         raise ConfigError("algorithm.loss_variant=gspo has one advantage per sequence; it needs gamma = 1.")
     if not a.reward_funcs and not a.reward_model:
