@@ -502,6 +502,10 @@ class GRPOConfig:
     def __init__(self, **kwargs: Any) -> None:
         for section, cls in SECTIONS.items():
             object.__setattr__(self, section, cls())
+        from grpo import trl_compat
+
+        if trl_compat.is_trl_style(kwargs):  # TRL's field names and defaults (docs/trl.md)
+            kwargs = trl_compat.translate(kwargs)
         flat = {}
         for key, value in kwargs.items():
             if key in SECTIONS and isinstance(value, (dict, SECTIONS[key])):

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from grpo import trl_compat
 from grpo.advantages import discounted_token_advantages, group_advantages, group_reward_stats
 from grpo.batch import PromptBatch, Rollouts, SamplingParams, TrainBatch
 from grpo.checkpoint import (
@@ -75,11 +76,28 @@ class TrainingHalted(RuntimeError):
 class GRPOTrainer:
     """GRPO on a causal LM. Models and tokenizer may be objects or names/paths; anything left out
     comes from `config`. `reward_model` (an object or path) scores completions; `reward_funcs` are
-    callables, registered names or 'module:function' paths."""
+    callables, registered names or 'module:function' paths.
+
+    TRL's call works too (docs/trl.md): `GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
+    train_dataset=..., eval_dataset=..., processing_class=..., peft_config=LoraConfig(...))`; `args` is
+    `config` and `processing_class` is `tokenizer` under TRL's names."""
 
     def __init__(self, model=None, ref_model=None, reward_model=None, tokenizer=None,
-                 config: GRPOConfig | None = None, train_dataset=None, reward_funcs=None, eval_dataset=None):
+                 config: GRPOConfig | None = None, train_dataset=None, reward_funcs=None, eval_dataset=None, *,
+                 args: GRPOConfig | None = None, processing_class=None, peft_config=None, callbacks=None,
+                 optimizers=(None, None), reward_processing_classes=None):
+        if trl_compat.looks_like_rewards(ref_model):  # TRL's positional order: (model, reward_funcs, args, ...)
+            ref_model, reward_funcs = None, ref_model if reward_funcs is None else reward_funcs
+            if isinstance(reward_model, GRPOConfig):
+                reward_model, args = None, reward_model
+        config = trl_compat.one_of("config", config, "args", args)
+        tokenizer = trl_compat.one_of("tokenizer", tokenizer, "processing_class", processing_class)
+        reward_funcs, reward_model = trl_compat.split_reward_models(reward_funcs, reward_model)
+        trl_compat.refuse_trainer_args(callbacks=callbacks, optimizers=optimizers,
+                                       reward_processing_classes=reward_processing_classes)
         self.cfg = (config or GRPOConfig()).validate()
+        if peft_config is not None:
+            self.cfg.update(trl_compat.lora_from_peft(peft_config)).validate()
         d = self.cfg.distributed
         self.rt = init_runtime(d.strategy, d.backend, d.timeout_s)  # one process unless torchrun started us
         self.roles = apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
@@ -87,11 +105,20 @@ class GRPOTrainer:
                                          tokenizer=tokenizer, train_dataset=train_dataset,
                                          reward_funcs=reward_funcs, eval_dataset=eval_dataset)
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
+        self.args, self.processing_class = self.cfg, self.tokenizer  # TRL's names for them
         if not self.rt.is_main:  # rank 0 speaks for the group
             logging.getLogger("grpo").setLevel(logging.WARNING)
         self.stop_signal: int | None = None  # the first SIGINT/SIGTERM received
         self.step, self.total_steps = 0, 0
         self.nonfinite_total = 0
+
+    def save_model(self, output_dir: str | Path | None = None) -> Path:
+        """TRL's `trainer.save_model()`: the policy and tokenizer in `output_dir` (default: the run directory's
+        final_model/), loadable with from_pretrained."""
+        p = self.parts
+        path = Path(output_dir) if output_dir is not None else p.run_dir / "final_model"
+        return save_policy_dir(self.rt, path, p.policy, p.tokenizer, self.cfg.to_yaml(), None,
+                               merge_lora=self.cfg.lora.save_merged)
 
     def reward_state(self, stream: PromptStream) -> RewardState:
         """TRL's `trainer_state` for reward functions: the step being scored (1-based) and the epoch."""
@@ -225,7 +252,11 @@ class GRPOTrainer:
                         self.stop_signal, where, how)
             return summary
         self._save_checkpoint(step, learner, data)
-        save_policy_dir(rt, p.run_dir / "final_model", p.policy, p.tokenizer, cfg.to_yaml(), None,
+        # final_model/ is resumable like checkpoint-{step}/ (the seed's layout), except as merged LoRA weights,
+        # which no longer hold the adapters the optimizer state belongs to.
+        merged = cfg.lora.enabled and cfg.lora.save_merged
+        save_policy_dir(rt, p.run_dir / "final_model", p.policy, p.tokenizer, cfg.to_yaml(),
+                        None if merged else self._training_state(step, learner, data),
                         merge_lora=cfg.lora.save_merged)
         if t.eval_after:
             summary.update(self._log_eval(logger, step, "after"))
@@ -328,12 +359,15 @@ class GRPOTrainer:
             return last, stats
         return truncate_prompts(concat_rounds(kept, self.parts.tokenizer.pad_token_id), want), stats
 
+    def _training_state(self, step: int, learner: Learner, stream: PromptStream) -> dict:
+        rngs = self.rt.gather_objects(rng_state())  # each rank's sampling noise, for an exact resume
+        return {"step": step, "learner": learner.state_dict(), "rng": rngs[0] if len(rngs) == 1 else rngs,
+                "data": stream.state_dict(), "nonfinite_in_a_row": learner.nonfinite_in_a_row,
+                "nonfinite_total": self.nonfinite_total}
+
     def _save_checkpoint(self, step: int, learner: Learner, stream: PromptStream) -> Path:
         p = self.parts
-        rngs = self.rt.gather_objects(rng_state())  # each rank's sampling noise, for an exact resume
-        state = {"step": step, "learner": learner.state_dict(), "rng": rngs[0] if len(rngs) == 1 else rngs,
-                 "data": stream.state_dict(), "nonfinite_in_a_row": learner.nonfinite_in_a_row,
-                 "nonfinite_total": self.nonfinite_total}
+        state = self._training_state(step, learner, stream)
         path = save_policy_dir(self.rt, p.run_dir / f"checkpoint-{step}", p.policy, p.tokenizer,
                                self.cfg.to_yaml(), state)
         if self.rt.is_main:
