@@ -17,14 +17,14 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from grpo import GRPOConfig  # noqa: E402
-from grpo.advantages import group_advantages  # noqa: E402
-from grpo.batch import PromptBatch, Rollouts  # noqa: E402
-from grpo.learner import token_logprobs  # noqa: E402
-from grpo.loss import LossNorm, grpo_loss  # noqa: E402
-from grpo.models import resolve_path  # noqa: E402
-from grpo.rewards import score_completions  # noqa: E402
-from grpo.train import build_train_batch  # noqa: E402
+from grpo import GRPOConfig
+from grpo.advantages import group_advantages
+from grpo.batch import PromptBatch, Rollouts
+from grpo.learner import token_logprobs
+from grpo.loss import LossNorm, grpo_loss
+from grpo.models import resolve_path
+from grpo.rewards import score_completions
+from grpo.train import build_train_batch
 
 G, T = 4, 6  # generations per prompt, max completion length
 PROMPTS = ["Maya has 6 stamps. How many?", "2 + 3 = ?", "Hugo sells 4 of 9 marbles. How many are left?"]
