@@ -39,7 +39,7 @@ TRL_DEFAULTS: dict[str, Any] = {
     "generation.num_generations": 8, "generation.max_new_tokens": 512, "generation.temperature": 1.0,
     "generation.top_k": 0, "generation.top_p": 1.0,
     "train.num_epochs": 3.0, "train.logging_steps": 10, "train.save_steps": 500, "train.seed": 42,
-    "train.log_samples": 0, "data.shuffle": True, "data.chat_template_for_text": False,
+    "data.shuffle": True, "data.chat_template_for_text": False,
     "model.gradient_checkpointing": True,
 }
 
