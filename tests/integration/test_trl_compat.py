@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("trl")
 
@@ -134,7 +133,8 @@ def test_a_typical_trl_script_runs_by_swapping_the_import(tmp_path):
     script = (TRL_SCRIPT.replace("from trl import", "from grpo import")
               .replace('"Qwen/Qwen2-0.5B-Instruct"', '"tiny-math-lm"'))  # the one model available offline
     (tmp_path / "script.py").write_text(script)
-    done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "Qwen2-0.5B-GRPO"
     lines = (run / "metrics.jsonl").read_text().splitlines()
@@ -149,4 +149,3 @@ def test_trainer_refuses_trl_arguments_it_cannot_honour(tmp_path):
         GRPOTrainer(model="tiny-math-lm", reward_funcs=len, args=_trl_args(tmp_path), callbacks=[object()])
     with pytest.raises(ConfigError, match="both config= and args="):
         GRPOTrainer(config=_trl_args(tmp_path), args=_trl_args(tmp_path))
-    assert torch.is_tensor(torch.zeros(1))
