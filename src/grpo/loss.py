@@ -174,7 +174,7 @@ def cispo_policy_loss(
     clip_high: float = 4.0,
     **_options: float,
 ) -> tuple[Tensor, RatioStats]:
-    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): clip the importance weight, not the update,
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update,
 
         ℓ_t = −sg(min(ρ_t, 1 + ε_high)) · Â_t · log π_θ(o_t),
 
