@@ -83,3 +83,12 @@ def test_bare_resume_means_latest(argv, expected):
     parser = build_parser()
     args = parser.parse_args(_assignments_last(parser, argv))
     assert _overrides(args) == expected
+
+
+def test_chat_template_kwargs_from_the_command_line_and_from_trl():
+    assert GRPOConfig(**{"data.chat_template_kwargs": "{enable_thinking: false}"}).data.chat_template_kwargs == {
+        "enable_thinking": False}
+    assert GRPOConfig(chat_template_kwargs={"enable_thinking": False}, max_completion_length=8).data.chat_template_kwargs \
+        == {"enable_thinking": False}
+    with pytest.raises(ConfigError, match="expects a mapping"):
+        GRPOConfig(**{"data.chat_template_kwargs": "[1, 2]"})
