@@ -26,7 +26,6 @@ import json
 import logging
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -120,9 +119,9 @@ class GRPOTrainer:
         return save_policy_dir(self.rt, path, p.policy, p.tokenizer, self.cfg.to_yaml(), None,
                                merge_lora=self.cfg.lora.save_merged)
 
-    def reward_state(self, stream: PromptStream) -> RewardState:
+    def reward_state(self, stream: PromptStream) -> trl_compat.RewardState:
         """TRL's `trainer_state` for reward functions: the step being scored (1-based) and the epoch."""
-        return RewardState(global_step=self.step, epoch=float(stream.epoch), max_steps=self.total_steps)
+        return trl_compat.RewardState(global_step=self.step, epoch=float(stream.epoch), max_steps=self.total_steps)
 
     def evaluate(self) -> EvalResult | None:
         p, t = self.parts, self.cfg.train
@@ -325,7 +324,7 @@ class GRPOTrainer:
             group = rollouts.prompt_index  # [N]
             columns = {k: [v[i] for i in group] for k, v in prompts.columns.items()}
             columns.setdefault("completion_truncated", rollouts.truncated.tolist())
-            reward_prompts, completions, extra = trl_reward_inputs(prompts, rollouts, texts)
+            reward_prompts, completions, extra = trl_compat.reward_inputs(prompts, rollouts, texts)
             for name, values in extra.items():
                 columns.setdefault(name, values)
             scores = score_completions(p.reward_funcs, p.reward_weights, reward_prompts, completions, columns,
@@ -457,27 +456,6 @@ def _nanmean(x: torch.Tensor) -> float:
 def _nanstd(x: torch.Tensor) -> float:
     scored = x[~x.isnan()]  # [M] samples some reward function scored
     return scored.std().item() if scored.numel() > 1 else float("nan")
-
-
-@dataclass(frozen=True)
-class RewardState:
-    """What TRL passes reward functions as `trainer_state` (a transformers TrainerState), the fields they read."""
-
-    global_step: int
-    epoch: float
-    max_steps: int
-
-
-def trl_reward_inputs(prompts: PromptBatch, rollouts: Rollouts, texts: list[str]) -> tuple[list, list, dict]:
-    """Prompts, completions and `completion_ids` as TRL gives reward functions: one entry per completion; a
-    conversational prompt's completion is `[{"role": "assistant", "content": text}]`, plain text stays text."""
-    group = rollouts.prompt_index.tolist()  # [N]
-    reward_prompts = [prompts.prompts[i] for i in group]
-    completions = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
-                   for prompt, text in zip(reward_prompts, texts, strict=True)]
-    lengths = rollouts.lengths.tolist()  # [N]
-    completion_ids = [ids[:n] for ids, n in zip(rollouts.completion_ids.tolist(), lengths, strict=True)]
-    return reward_prompts, completions, {"completion_ids": completion_ids}
 
 
 def _logprobs_match_policy(engine, sampling: SamplingParams) -> bool:

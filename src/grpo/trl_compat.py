@@ -10,18 +10,21 @@ then TRL 1.16's defaults apply to every setting both libraries have (β = 0, tem
 loss "dapo", bias-corrected KL, linear schedule, …) and TRL's names are translated as TRL means them
 (its batch sizes count completions per device and micro-batch, not prompts). A name that we cannot honour
 is refused with the reason; names that change nothing here are accepted and listed in the log.
-docs/trl.md has the whole table.
+docs/trl.md has the whole table. Also here: the reward-function inputs TRL passes (`reward_inputs`,
+`RewardState`) and the GRPOTrainer argument checks.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from grpo.batch import PromptBatch, Rollouts
 from grpo.config import ConfigError
 
 log = logging.getLogger("grpo")
@@ -326,3 +329,28 @@ def lora_from_peft(peft_config: Any) -> dict[str, Any]:
     modules = [modules] if isinstance(modules, str) else sorted(modules or [])
     return {"lora.enabled": True, "lora.r": peft_config.r, "lora.alpha": float(peft_config.lora_alpha),
             "lora.dropout": float(peft_config.lora_dropout), "lora.target_modules": modules}
+
+
+@dataclass(frozen=True)
+class RewardState:
+    """What TRL passes reward functions as `trainer_state` (a transformers TrainerState), the fields they read."""
+
+    global_step: int
+    epoch: float
+    max_steps: int
+
+    @property
+    def step(self) -> int:
+        return self.global_step
+
+
+def reward_inputs(prompts: PromptBatch, rollouts: Rollouts, texts: list[str]) -> tuple[list, list, dict]:
+    """Prompts, completions and `completion_ids` as TRL gives reward functions: one entry per completion; a
+    conversational prompt's completion is `[{"role": "assistant", "content": text}]`, plain text stays text."""
+    group = rollouts.prompt_index.tolist()  # [N]
+    reward_prompts = [prompts.prompts[i] for i in group]
+    completions = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+                   for prompt, text in zip(reward_prompts, texts, strict=True)]
+    lengths = rollouts.lengths.tolist()  # [N]
+    completion_ids = [ids[:n] for ids, n in zip(rollouts.completion_ids.tolist(), lengths, strict=True)]
+    return reward_prompts, completions, {"completion_ids": completion_ids}
