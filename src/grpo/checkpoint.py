@@ -95,10 +95,7 @@ def save_model_dir(path: Path, model, tokenizer, config_yaml: str, training_stat
         (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
         _fault_point(path, "config")
         if training_state is not None:
-            # Through a Python file object: a full disk then raises OSError(ENOSPC); given a path, torch's
-            # own writer reports it as "unexpected pos" and the reason is lost.
-            with open(tmp / STATE_FILE, "wb") as fh:
-                torch.save(training_state, fh)
+            _save_state(training_state, tmp / STATE_FILE)
         _fault_point(path, "state")
         write_manifest(tmp)
         _fault_point(path, "manifest")
@@ -118,6 +115,35 @@ def save_model_dir(path: Path, model, tokenizer, config_yaml: str, training_stat
             raise CheckpointError(_save_failure(path, e)) from e
         raise
     return path
+
+
+class _WriteErrors:
+    """A file that remembers the OSError of a failed write. torch's zip writer turns it into "unexpected pos"
+    (a RuntimeError without the reason); this keeps the reason (ENOSPC: disk full) for the message."""
+
+    def __init__(self, fh):
+        self.fh, self.error = fh, None
+
+    def write(self, data) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _save_state(state: dict, target: Path) -> None:
+    with open(target, "wb") as fh:
+        recorder = _WriteErrors(fh)
+        try:
+            torch.save(state, recorder)
+        except RuntimeError as e:
+            if recorder.error is not None:
+                raise recorder.error from e
+            raise
 
 
 def _save_failure(path: Path, e: BaseException) -> str:
@@ -180,8 +206,8 @@ def verify_checkpoint(path: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
         return f"its {MANIFEST_FILE} is unreadable"
     if not _manifest_shape_ok(files):
-        return (f"its {MANIFEST_FILE} is not a grpo manifest (expected {{\"files\": {{name: {{\"bytes\": n, "
-                "\"sha256\": hex}}}}}} with names inside the checkpoint)")
+        return (f"its {MANIFEST_FILE} is not a grpo manifest (\"files\" must map names inside the checkpoint "
+                "to their bytes and sha256)")
     for name, meta in files.items():
         f = path / name
         if not f.is_file():

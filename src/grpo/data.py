@@ -193,7 +193,7 @@ def normalise_rows(records: list[dict[str, Any]], prompt_field: str | None, answ
     if not_text and not skip_invalid:
         value = records[not_text[0]][prompt_col]
         raise ConfigError(f"{source}: rows {_rows(not_text)} (counting from 0) have a '{prompt_col}' that is not "
-                          f"text (row {not_text[0]}: {value!r}, a {type(value).__name__}). A prompt is a string, or "
+                          f"text (row {not_text[0]}: {value!r}). A prompt is a string, or "
                           "a list of chat messages {\"role\": ..., \"content\": ...}. Fix them, or set "
                           "data.skip_invalid_rows=true to drop such rows.")
     if answer_col is not None:

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from grpo.checkpoint import CheckpointError
 from grpo.config import ConfigError
 
 log = logging.getLogger("grpo")
@@ -67,6 +68,10 @@ class MetricsLogger:
                                     name=cfg.train.wandb_run_name or self.run_dir.name, config=config_dict)
 
     def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
+        if not self.run_dir.is_dir():  # the open log would go on writing into a deleted file, unseen
+            raise CheckpointError(f"The run directory {self.run_dir} no longer exists (deleted or moved while the "
+                                  f"run was going?); stopped at step {step}. Restore it, then resume with "
+                                  "--resume latest.")
         clean = {k: _clean(v) for k, v in metrics.items()}
         self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self.jsonl.flush()

@@ -1,7 +1,10 @@
 """Every hostile input in docs/reliability.md's table, one case each: the message the user gets must be
 the one the table shows (`<...>` there stands for a path, a number or a library's own words)."""
 
+import builtins
+import contextlib
 import errno
+import io
 import json
 import logging
 import os
@@ -10,12 +13,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import grpo.checkpoint as ckpt
-from grpo import GRPOConfig, GRPOTrainer
+from grpo import GRPOConfig, GRPOTrainer, cli
 from grpo.checkpoint import CheckpointError, save_model_dir
 from grpo.config import ConfigError, load_config
 from grpo.models import prepare_tokenizer
+from grpo.rewards import RewardError
+from grpo.runlock import RunLock
 from tests import tiny_run
 
 pytestmark = pytest.mark.slow
@@ -49,6 +55,7 @@ def base(tmp_path_factory):
 class Ctx:
     def __init__(self, base, tmp: Path, monkeypatch):
         self.base, self.tmp, self.monkeypatch = base, tmp, monkeypatch
+        self.held = []  # objects a case keeps alive until it is over (a lock another "run" holds)
 
     def trainer(self, **overrides):
         overrides.setdefault("output_dir", str(self.tmp / "out"))
@@ -129,6 +136,118 @@ def _unreadable(c: Ctx, what: str):
     c.monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p).name == what else real(p, mode))
 
 
+def _cli(*argv: str) -> str:
+    """The error line `grpo ...` prints (a case that goes through the command line)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli.main(list(argv))
+    assert code != 0, f"{argv} exited 0"
+    return [line for line in err.getvalue().splitlines() if line.startswith("grpo ")][-1]
+
+
+def _live_run(c: Ctx):
+    run = c.copy_run()
+    c.held.append(RunLock(run).acquire())  # as a live `grpo train` on this directory holds it
+    c.trainer(output_dir=str(run), resume="latest")
+
+
+def _final_model_without_state(c: Ctx):
+    run = c.copy_run()
+    (run / "final_model" / ckpt.STATE_FILE).unlink(missing_ok=True)  # final_model as older versions wrote it
+    ckpt.write_manifest(run / "final_model")
+    c.trainer(output_dir=str(run), resume=str(run / "final_model"))
+
+
+def _run_dir_without_checkpoints(c: Ctx):
+    run = c.tmp / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    c.trainer(output_dir=str(c.tmp / "out"), resume=str(run))
+
+
+def _newer_checkpoint(c: Ctx, config_yaml: str = "x: 1\n") -> Path:
+    run = c.copy_run()
+    ckpt.save_model_dir(run / "checkpoint-2", _Model(), _Tok(), config_yaml, {"step": 2})
+    return run
+
+
+def _manifest_of_wrong_shape(c: Ctx, files):
+    run = _newer_checkpoint(c)
+    (run / "checkpoint-2" / "manifest.json").write_text(json.dumps({"version": 1, "files": files}))
+    c.trainer(output_dir=str(run), resume="latest")
+
+
+def _config_not_yaml(c: Ctx):
+    run = _newer_checkpoint(c, config_yaml="train: [unclosed\n")  # hashed as written: the manifest verifies
+    c.trainer(output_dir=str(run), resume="latest")
+
+
+class _Payload:
+    def __reduce__(self):
+        return os.getcwd, ()  # harmless, and never called: the point is that loading would call it
+
+
+def _pickle_payload(c: Ctx):
+    run = c.copy_run()
+    torch.save({"step": 1, "x": _Payload()}, run / "checkpoint-1" / ckpt.STATE_FILE)
+    ckpt.write_manifest(run / "checkpoint-1")  # re-made over it, as an attacker would
+    c.trainer(output_dir=str(run), resume=str(run / "checkpoint-1"))
+
+
+def _metrics_not_utf8(c: Ctx):
+    run = c.copy_run()
+    with open(run / "metrics.jsonl", "ab") as fh:
+        fh.write(b'{"step": 1, "note": "caf\xe9"}\n')
+    c.trainer(output_dir=str(run), resume="latest").train()
+
+
+def _metrics_is_a_directory(c: Ctx):
+    run = c.copy_run()
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    c.trainer(output_dir=str(run), resume="latest").train()
+
+
+def _run_dir_deleted_mid_run(c: Ctx):
+    out = c.tmp / "out"
+
+    def deletes_the_run_dir(prompts, completions, **_):
+        shutil.rmtree(out, ignore_errors=True)
+        return [0.0] * len(completions)
+
+    cfg = tiny_run.config(c.base["model"], c.base["data"], out, steps=2)
+    GRPOTrainer(config=GRPOConfig(**cfg), reward_funcs=[deletes_the_run_dir, tiny_run.letter_score]).train()
+
+
+def _reward_calls_sys_exit(c: Ctx):
+    def exits(prompts, completions, **_):
+        raise SystemExit(3)
+
+    cfg = tiny_run.config(c.base["model"], c.base["data"], c.tmp / "out", steps=1, reward_timeout=None)
+    GRPOTrainer(config=GRPOConfig(**cfg), reward_funcs=[exits]).train()
+
+
+class _SmallDisk(io.FileIO):
+    """A file on a disk with 1 KiB left: writes past it fail as a full disk's do (ENOSPC)."""
+
+    def write(self, data):
+        if self.tell() + len(data) > 1024:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)
+
+
+def _disk_full_in_torch_save(c: Ctx):
+    save_model_dir(c.tmp / "checkpoint-1", _Model(), _Tok(), "x: 1\n", {"step": 1})
+
+    def small_disk(file, mode="r", *args, **kwargs):  # the real torch.save writes the state onto it
+        if Path(file).name == ckpt.STATE_FILE and "w" in mode:
+            return _SmallDisk(file, "w")
+        return builtins.open(file, mode, *args, **kwargs)
+
+    c.monkeypatch.setattr(ckpt, "open", small_disk, raising=False)
+    save_model_dir(c.tmp / "checkpoint-2", _Model(), _Tok(), "x: 1\n", {"step": 2, "t": torch.zeros(4096)})
+
+
 CASES = {
     "H01": lambda c: GRPOConfig(lerning_rate=1e-3),
     "H02": lambda c: GRPOConfig(beta="high"),
@@ -168,7 +287,40 @@ CASES = {
     "H33": _unusable_warning,
     "H34": _different_dataset,
     "H35": _disk_full,
+    "H36": _live_run,
+    "H37": _disk_full_in_torch_save,
+    "H38": _final_model_without_state,
+    "H39": _run_dir_without_checkpoints,
+    "H40": lambda c: _manifest_of_wrong_shape(c, [1, 2]),
+    "H41": lambda c: _manifest_of_wrong_shape(c, {"../../outside": {"bytes": 1, "sha256": "00"}}),
+    "H42": _config_not_yaml,
+    "H43": _pickle_payload,
+    "H44": _metrics_not_utf8,
+    "H45": _metrics_is_a_directory,
+    "H46": _run_dir_deleted_mid_run,
+    "H47": _reward_calls_sys_exit,
+    "H48": lambda c: _cli("eval", "--model", str(c.tmp / "run") + "/checkpoint-6"),
+    "H49": lambda c: _cli("eval", "--model", "runs/exp1/checkpoint-6"),
+    "H50": lambda c: _cli("eval", "--model", "gs://bucket/run/checkpoint-6"),
+    "H51": lambda c: _cli("eval", "--k", "0"),
+    "H52": lambda c: _cli("eval", "--limit", "-2"),
+    "H53": lambda c: GRPOConfig(eval_max_new_tokens=0).validate(),
+    "H54": lambda c: GRPOConfig(seed=2**70).validate(),
+    "H55": lambda c: GRPOConfig(num_threads=-1).validate(),
+    "H56": lambda c: GRPOConfig(device="banana").validate(),
+    "H57": lambda c: c.trainer(reward_funcs=["no_such_package.rewards:brevity"]),
+    "H58": lambda c: c.trainer(dataset=str(c.file("n.jsonl", '{"prompt": 5}\n'))),
+    "H59": lambda c: c.trainer(dataset=str(c.file("pretty.json", '{\n  "prompt": "a",\n  "answer": "1",\n}\n'))),
+    "H60": lambda c: GRPOConfig(run_name="../../x").validate(),
+    "H61": lambda c: load_config(str(c.file("latin1.yaml", "train:\n  run_name: caf\xe9\n".encode("latin-1")))),
+    "H62": lambda c: _write_report_of(c.file("metrics.jsonl", b"\xff\xfe\n[1, 2]\n").parent),
 }
+
+
+def _write_report_of(run: Path):
+    from grpo.report import write_report
+
+    write_report(run)
 
 
 def _denied(self):
@@ -189,11 +341,15 @@ def message_for(case_id: str, ctx: Ctx) -> str:
     logger, handler = logging.getLogger("grpo"), _Collect()
     logger.addHandler(handler)
     try:
-        CASES[case_id](ctx)
-    except (ConfigError, CheckpointError) as e:
+        said = CASES[case_id](ctx)
+        if isinstance(said, str):  # a command-line case: the line it printed
+            return said
+    except (ConfigError, CheckpointError, RewardError) as e:
         return str(e)
     finally:
         logger.removeHandler(handler)
+        for held in ctx.held:
+            held.release()
     assert handler.messages, f"{case_id} was accepted silently"
     return handler.messages[0]
 
