@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -363,3 +364,72 @@ def test_hostile_input_gets_the_documented_message(case_id, base, tmp_path, monk
     message = message_for(case_id, Ctx(base, tmp_path, monkeypatch))
     expected = doc_rows()[case_id]
     assert re.fullmatch(as_regex(expected), message, flags=re.DOTALL), f"{case_id}:\n  got  {message}\n  doc  {expected}"
+
+
+# -- the same families, where the promise is a behaviour rather than a message ---------------------------
+def _release(trainer: GRPOTrainer) -> Path | None:
+    trainer.parts.lock.release()
+    return trainer.parts.resume_from
+
+
+def test_resume_with_a_run_directory_means_its_newest_intact_checkpoint(base, tmp_path, monkeypatch):
+    c = Ctx(base, tmp_path, monkeypatch)
+    run = c.copy_run()
+    assert _release(c.trainer(output_dir=str(run), resume=str(run))) == run / "checkpoint-1"
+
+
+def test_resume_from_a_final_model_with_its_training_state_continues_the_run(base, tmp_path, monkeypatch):
+    c = Ctx(base, tmp_path, monkeypatch)
+    run = c.copy_run()
+    shutil.copy(run / "checkpoint-1" / ckpt.STATE_FILE, run / "final_model" / ckpt.STATE_FILE)
+    ckpt.write_manifest(run / "final_model")
+    c.trainer(output_dir=str(run), resume=str(run / "final_model")).train()
+    assert [m["step"] for m in tiny_run.metrics(run)] == [1, 2]
+
+
+def test_a_pickle_payload_is_refused_without_advising_weights_only_false(base, tmp_path, monkeypatch):
+    message = message_for("H43", Ctx(base, tmp_path, monkeypatch))
+    assert "posix.getcwd" in message and "weights_only" not in message
+
+
+def test_report_reads_logs_with_damaged_lines_and_a_damaged_config(tmp_path):
+    from grpo.report import write_report
+
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "reward": 0.25}\n\xff\xfe\n[3]\n{"step": "x", "reward": 1}\n'
+                                             b'{"step": 2, "reward": 0.5}\n{"step": 3, "rew')  # still being written
+    (tmp_path / "samples.jsonl").write_bytes('{"step": 2, "prompt": "p", "completion": "caf\u00e9 ok"}\n'.encode()
+                                             + b'{"step": 2, "completion": "caf\xe9"}\n')
+    (tmp_path / "config.yaml").write_text("model: 5\ntrain: [unclosed\n")
+    page = write_report(tmp_path).read_text(encoding="utf-8")
+    assert "café ok" in page and "steps logged</th><td>1–2" in page
+
+
+def test_pretty_printed_json_files_load(tmp_path):
+    from grpo.config import DataConfig
+    from grpo.data import load_rows
+
+    rows = {"array.json": '[\n  {"prompt": "a", "answer": "1"},\n  {"prompt": "b", "answer": "2"}\n]\n',
+            "object.json": '{\n  "prompt": "a",\n  "answer": "1"\n}\n',
+            "wrapped.json": '{\n  "version": 2,\n  "data": [\n    {"prompt": "a", "answer": "1"}\n  ]\n}\n'}
+    loaded = {name: load_rows(str(Ctx(None, tmp_path, None).file(name, text)), DataConfig())
+              for name, text in rows.items()}
+    assert [r["prompt"] for r in loaded["array.json"]] == ["a", "b"]
+    assert loaded["object.json"] == [{"prompt": "a", "answer": "1"}] == loaded["wrapped.json"]
+
+
+def test_a_really_full_disk_keeps_the_previous_checkpoint(tmp_path):
+    """A 1 MiB tmpfs: the real torch.save (and safetensors) meet ENOSPC. Needs permission to mount."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]
+    if subprocess.run(mount, check=False, capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        save_model_dir(disk / "checkpoint-1", _Model(), _Tok(), "x: 1\n", {"step": 1})
+        with pytest.raises(CheckpointError, match=r"No space left on the device while saving checkpoint-2 .*"
+                           r"The previous checkpoint checkpoint-1 is intact\."):
+            save_model_dir(disk / "checkpoint-2", _Model(), _Tok(), "x: 1\n", {"step": 2, "t": torch.zeros(2**18)})
+        assert ckpt.verify_checkpoint(disk / "checkpoint-1") is None
+        assert sorted(p.name for p in disk.iterdir()) == ["checkpoint-1"]
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
