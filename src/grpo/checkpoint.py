@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import yaml
 
+from grpo.config import SECTIONS
+
 log = logging.getLogger("grpo")
 
 STATE_FILE = "training_state.pt"
@@ -237,8 +239,9 @@ def _config_problem(path: Path) -> str | None:
         saved = yaml.safe_load(f.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         return f"its {CONFIG_FILE} is not valid YAML ({str(e).splitlines()[0]})"
-    if saved is not None and not isinstance(saved, dict):
-        return f"its {CONFIG_FILE} does not hold a mapping of settings"
+    if saved is not None and not (isinstance(saved, dict)
+                                  and all(isinstance(saved.get(s), dict | None) for s in SECTIONS)):
+        return f"its {CONFIG_FILE} does not hold a mapping of sections to settings"
     return None
 
 

@@ -668,7 +668,20 @@ DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)$")
 
 def _check_runtime_settings(cfg: GRPOConfig) -> None:
     """Values torch or the file system would otherwise reject with a traceback deep inside start-up."""
-    t, m = cfg.train, cfg.model
+    t, m, o, lo = cfg.train, cfg.model, cfg.optim, cfg.lora
+    for path, value in (("optim.adam_beta1", o.adam_beta1), ("optim.adam_beta2", o.adam_beta2),
+                        ("lora.dropout", lo.dropout)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{path} must be in [0, 1), got {value}.")
+    for path, value in (("optim.adam_epsilon", o.adam_epsilon), ("algorithm.advantage_eps",
+                                                                 cfg.algorithm.advantage_eps),
+                        ("train.log_samples", t.log_samples)):
+        if value < 0:
+            raise ConfigError(f"{path} must be >= 0, got {value}.")
+    if lo.r < 1 or not lo.alpha > 0:
+        raise ConfigError(f"lora.r must be at least 1 and lora.alpha > 0, got r = {lo.r}, alpha = {lo.alpha}.")
+    if cfg.generation.batch_size is not None and cfg.generation.batch_size < 1:
+        raise ConfigError(f"generation.batch_size must be at least 1 (or unset), got {cfg.generation.batch_size}.")
     if not 0 <= t.seed < 2**63:  # torch.manual_seed takes a 64-bit integer
         raise ConfigError(f"train.seed must be between 0 and 2**63 - 1, got {t.seed}.")
     for path, value in (("train.num_threads", t.num_threads), ("train.eval_max_new_tokens", t.eval_max_new_tokens)):

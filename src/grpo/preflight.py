@@ -108,9 +108,13 @@ def _check_model_dir(key: str, path: Path, trust_remote_code: bool) -> None:
                           "a pickled checkpoint can run code when it is opened. If you trust the file, convert it "
                           "once with AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir).")
     try:
-        auto_map = json.loads(config.read_text(encoding="utf-8")).get("auto_map")
+        settings = json.loads(config.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"{key}: {config} is not valid JSON ({e}).") from e
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{key}: {config} holds a JSON {type(settings).__name__}, not the object of settings "
+                          "save_pretrained writes; the directory is not a saved model.")
+    auto_map = settings.get("auto_map")
     if auto_map and not trust_remote_code:
         raise ConfigError(f"{key} = {path} needs its own Python code to load (auto_map in config.json). Set "
                           "model.trust_remote_code=true only if you trust that code.")

@@ -315,6 +315,10 @@ CASES = {
     "H60": lambda c: GRPOConfig(run_name="../../x").validate(),
     "H61": lambda c: load_config(str(c.file("latin1.yaml", "train:\n  run_name: caf\xe9\n".encode("latin-1")))),
     "H62": lambda c: _write_report_of(c.file("metrics.jsonl", b"\xff\xfe\n[1, 2]\n").parent),
+    "H63": lambda c: GRPOConfig(adam_beta1=1.5).validate(),
+    "H64": lambda c: GRPOConfig().update({"lora.dropout": 1.5}).validate(),
+    "H65": lambda c: c.trainer(model=str(c.model_dir("m", {"config.json": "[]", "model.safetensors": "x"}))),
+    "H66": lambda c: c.trainer(output_dir=str(_newer_checkpoint(c, config_yaml="model: 5\n")), resume="latest"),
 }
 
 
@@ -432,4 +436,4 @@ def test_a_really_full_disk_keeps_the_previous_checkpoint(tmp_path):
         assert ckpt.verify_checkpoint(disk / "checkpoint-1") is None
         assert sorted(p.name for p in disk.iterdir()) == ["checkpoint-1"]
     finally:
-        subprocess.run(["umount", str(disk)], check=False)
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)
