@@ -184,6 +184,8 @@ def cmd_eval(args) -> int:
             raise ConfigError(f"{flag} must be at least 1, got {value}.")
     if not 0 < args.temperature < float("inf"):
         raise ConfigError(f"--temperature must be a finite number > 0, got {args.temperature}.")
+    if args.dump and not Path(args.dump).resolve().parent.is_dir():  # found out now, not after the evaluation
+        raise ConfigError(f"--dump {args.dump}: the directory {Path(args.dump).resolve().parent} does not exist.")
     overrides = {"model.hf_token": args.hf_token} if args.hf_token else {}
     if args.model:
         overrides["model.name_or_path"] = args.model
