@@ -266,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grpo {args.command}: error: {redact(e.strerror or str(e))}{redact(where)}.{hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if args.command != "train":  # nothing to resume: eval and report write only at their end
+            print(f"grpo {args.command}: interrupted.", file=sys.stderr)
+            return 130
         print(f"grpo {args.command}: stopped at once, without saving; --resume latest continues from the last "
               "checkpoint.", file=sys.stderr)
         return 130

@@ -437,3 +437,13 @@ def test_a_really_full_disk_keeps_the_previous_checkpoint(tmp_path):
         assert sorted(p.name for p in disk.iterdir()) == ["checkpoint-1"]
     finally:
         subprocess.run(["umount", "--lazy", str(disk)], check=False)
+
+
+def test_ctrl_c_in_eval_or_report_says_interrupted_not_resume(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    for command, argv in (("eval", ["eval"]), ("report", ["report", "somewhere"])):
+        monkeypatch.setattr(cli, f"cmd_{command}", interrupted)
+        assert cli.main(argv) == 130
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"grpo {command}: interrupted."
