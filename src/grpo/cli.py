@@ -41,7 +41,12 @@ class _Override(argparse.Action):
     """Collect `--key value` into an ordered list of (key, value) so later flags win."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        namespace.overrides.append((self.dest, values))
+        # a new list: appending would change the parser's shared default and leak into the next parse
+        namespace.overrides = [*namespace.overrides, (self.dest, values)]
+
+
+# Flags that may be given bare, with the value they then mean (HF Trainer users write `--resume` alone).
+_BARE_FLAG_VALUES = {"train.resume": "latest"}
 
 
 def _aliases_by_path() -> dict[str, list[str]]:
@@ -72,8 +77,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             extra = [a for a in aliases.get(path, []) if a != f.name]
             alias_text = f" Also: {', '.join('--' + a.replace('_', '-') for a in extra)}." if extra else ""
             is_bool = hints[f.name] is bool
+            const = "true" if is_bool else _BARE_FLAG_VALUES.get(path)
             group.add_argument(*names, dest=path, action=_Override, metavar="" if is_bool else "VALUE",
-                               nargs="?" if is_bool else None, const="true" if is_bool else None,
+                               nargs="?" if const is not None else None, const=const,
                                help=f"{f.metadata['help']}{alias_text} (default: {shown})")
             taken.update(names)
     for alias, target in ALIASES.items():
@@ -227,8 +233,9 @@ _ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\-]*=")
 
 
 def _assignments_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """Move `key=value` words of `grpo train` behind the flags. argparse takes a run of positionals only
-    once, so `--steps 1 lr=1e-3 --seed 1 beta=0` would otherwise fail with "unrecognized arguments"."""
+    """Move `key=value` words of `grpo train` before the flags. argparse takes a run of positionals only
+    once, so `--steps 1 lr=1e-3 --seed 1 beta=0` would otherwise fail with "unrecognized arguments"; and a
+    flag that may be given bare (`--resume`, `--dynamic-sampling`) must not take a following key=value."""
     if not argv or argv[0] != "train":
         return argv
     train = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("train"))
@@ -238,7 +245,7 @@ def _assignments_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[
     for i, word in enumerate(argv[1:], start=1):
         is_value = argv[i - 1] in takes_value  # e.g. `--dataset a=b.jsonl`: the flag's own value
         (assignments if _ASSIGNMENT.match(word) and not is_value else flags).append(word)
-    return flags + assignments
+    return flags[:1] + assignments + flags[1:]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,6 +76,11 @@ class DataConfig:
     system_prompt: str | None = _f(None, "System message put before every prompt when the tokenizer has "
                                    "a chat template.")
     use_chat_template: bool = _f(True, "Format prompts with the tokenizer's chat template when it has one.")
+    chat_template_for_text: bool = _f(True, "Also template plain-text prompts (as one user message); false sends "
+                                      "them as they are, as TRL does. A prompt already templated is never templated "
+                                      "twice.")
+    chat_template_kwargs: dict | None = _f(None, "Extra arguments for the chat template, e.g. "
+                                           "{enable_thinking: false} (TRL's chat_template_kwargs).")
     max_prompt_length: int = _f(256, "Longest prompt in tokens (MaxText --max_prefill_predict_length).")
     long_prompt_policy: str = _f("error", "What to do with a longer prompt: error (stop, naming the rows) or "
                                  "truncate_left (keep the end, warn and count).",
@@ -117,10 +122,18 @@ class AlgorithmConfig:
     epsilon_low: float = _f(0.2, "Lower clip range ε_low: the ratio is clipped at 1 − ε_low.")
     epsilon_high: float = _f(0.2, "Upper clip range ε_high: the ratio is clipped at 1 + ε_high "
                              "(DAPO's clip-higher uses 0.28).")
-    loss_variant: str = _f("grpo", "Policy loss: grpo (token-level ratio) or gspo (sequence-level ratio, "
-                           "GSPO; use clip ranges near 3e-4/4e-4).", choices=("grpo", "gspo"))
-    entropy_coef: float = _f(0.0, "Entropy bonus: subtract this × the mean token entropy from the loss "
-                             "(0 = off).")
+    loss_variant: str = _f("grpo", "Policy loss: grpo (token-level ratio), gspo (sequence-level ratio, "
+                           "GSPO; use clip ranges near 3e-4/4e-4), cispo (capped, detached ratio × Â × log π, "
+                           "MiniMax-M1; cap 1 + epsilon_high) or sapo (soft sigmoid gate, SAPO).",
+                           choices=("grpo", "gspo", "cispo", "sapo"))
+    sapo_temperature_pos: float = _f(1.0, "SAPO gate temperature τ for tokens with positive advantage.")
+    sapo_temperature_neg: float = _f(1.05, "SAPO gate temperature τ for tokens with zero or negative advantage.")
+    use_bias_correction_kl: bool = _f(False, "Multiply the KL term by the importance ratio, so its gradient is "
+                                      "the unbiased KL gradient (DeepSeek-V3.2; TRL's default true). Changes the "
+                                      "gradient on-policy too.")
+    entropy_coef: float = _f(0.0, "Entropy bonus: subtract this × each token's entropy from that token's loss "
+                             "before aggregation (the mean token entropy only with token_mean; TRL's "
+                             "entropy_coef always uses the mean token entropy). 0 = off.")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and "
                                 "draw more prompts until the batch has prompts_per_step informative groups.")
     dynamic_sampling_max_rounds: int = _f(4, "Most rollout rounds per step with dynamic sampling; after them "
@@ -427,6 +440,10 @@ def coerce(path: str, value: Any) -> Any:
             return None
         raise ConfigError(f"{path} cannot be empty (expected {_type_name(hint)}).")
     origin = typing.get_origin(hint)
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} expects a mapping, e.g. {{enable_thinking: false}}, got {value!r}.")
+        return dict(value)
     try:
         if origin is list:
             (item,) = typing.get_args(hint)
@@ -486,6 +503,10 @@ class GRPOConfig:
     def __init__(self, **kwargs: Any) -> None:
         for section, cls in SECTIONS.items():
             object.__setattr__(self, section, cls())
+        from grpo import trl_compat
+
+        if trl_compat.is_trl_style(kwargs):  # TRL's field names and defaults (docs/trl.md)
+            kwargs = trl_compat.translate(kwargs)
         flat = {}
         for key, value in kwargs.items():
             if key in SECTIONS and isinstance(value, (dict, SECTIONS[key])):
@@ -610,6 +631,9 @@ def validate(cfg: GRPOConfig) -> None:
                           f"{a.epsilon_low} and {a.epsilon_high}.")
     if not 0 < a.gamma <= 1:
         raise ConfigError(f"algorithm.gamma must be in (0, 1], got {a.gamma}.")
+    if not (a.sapo_temperature_pos > 0 and a.sapo_temperature_neg > 0):
+        raise ConfigError("algorithm.sapo_temperature_pos and sapo_temperature_neg must be > 0, got "
+                          f"{a.sapo_temperature_pos} and {a.sapo_temperature_neg}.")
     if a.loss_variant == "gspo" and a.gamma != 1:
         raise ConfigError("algorithm.loss_variant=gspo has one advantage per sequence; it needs gamma = 1.")
     if not a.reward_funcs and not a.reward_model:

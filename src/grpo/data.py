@@ -1,7 +1,9 @@
 """Prompt sources → rows → PromptBatch.
 
-A row is a dict with a `prompt` string plus the dataset's other columns (e.g. `answer`), which reach
-reward functions as keyword arguments. Sources: the bundled `tiny_math` task, GSM8K and IFEval from the hub,
+A row is a dict with a `prompt` (text, or a list of chat messages as TRL's conversational datasets have
+it) plus the dataset's other columns, which reach reward functions as keyword arguments under their own
+names. A reference-answer column named otherwise (`solution`, `ground_truth`, `target`) is also copied
+to `answer`, the name this package's rewards read. Sources: the bundled `tiny_math` task, GSM8K and IFEval from the hub,
 local JSONL/JSON/Parquet/CSV files, any hub dataset (through `datasets`), or a Python list
 (`SimplePromptDataset`).
 """
@@ -173,7 +175,7 @@ def _pick(columns: list[str], wanted: str | None, candidates: tuple[str, ...], w
 
 def normalise_rows(records: list[dict[str, Any]], prompt_field: str | None, answer_field: str | None,
                    source: str, skip_invalid: bool = False) -> list[dict[str, Any]]:
-    """Rename the prompt/answer columns to `prompt`/`answer`. Rows whose prompt (or, when there is an
+    """Rename the prompt column to `prompt`; the answer column keeps its name and is also copied to `answer`. Rows whose prompt (or, when there is an
     answer column, answer) is missing or empty stop the run with their row numbers, or with
     `skip_invalid` are dropped and counted."""
     if not records:
@@ -214,9 +216,11 @@ def normalise_rows(records: list[dict[str, Any]], prompt_field: str | None, answ
         records = [r for i, r in enumerate(records) if i not in bad]
     rows = []
     for r in records:
-        row = {k: v for k, v in r.items() if k not in (prompt_col, answer_col)}
+        row = {k: v for k, v in r.items() if k != prompt_col}
         row["prompt"] = r[prompt_col]
         if answer_col is not None:
+            # TRL's reward functions read the column under its own name (`solution`); ours read `answer`.
+            row.pop("answer", None)
             row["answer"] = r[answer_col]
         rows.append(row)
     return rows
@@ -235,14 +239,27 @@ def _rows(indices: list[int], limit: int = 10) -> str:
     return shown + (f" and {len(indices) - limit} more" if len(indices) > limit else "")
 
 
-def rows_from_dataset(dataset: Any, skip_invalid: bool = False) -> list[dict[str, Any]]:
-    """Rows from a SimplePromptDataset, a `datasets.Dataset`, a list of dicts or a list of strings."""
+def rows_from_dataset(dataset: Any, skip_invalid: bool = False, split: str = "train") -> list[dict[str, Any]]:
+    """Rows from a SimplePromptDataset, a `datasets.Dataset` or `DatasetDict` (its `split`, or its only
+    split), a list of dicts or a list of strings."""
+    if _is_dataset_dict(dataset):
+        splits = list(dataset.keys())
+        chosen = split if split in splits else splits[0] if len(splits) == 1 else None
+        if chosen is None:
+            raise ConfigError(f"The DatasetDict has splits {splits} and none is named '{split}': pass one split, "
+                              f"e.g. dataset['{splits[0]}'].")
+        dataset = dataset[chosen]
     if isinstance(dataset, SimplePromptDataset):
         dataset = [dataset[i] for i in range(len(dataset))]
     if hasattr(dataset, "to_list"):
         dataset = dataset.to_list()
     dataset = [{"prompt": r} if isinstance(r, str) else r for r in dataset]
     return normalise_rows(dataset, None, None, source="train_dataset", skip_invalid=skip_invalid)
+
+
+def _is_dataset_dict(dataset: Any) -> bool:
+    return hasattr(dataset, "keys") and hasattr(dataset, "values") and all(
+        hasattr(part, "to_list") for part in dataset.values())
 
 
 class PromptFormatter:
@@ -255,12 +272,26 @@ class PromptFormatter:
         self.truncated_count = 0
 
     def text(self, prompt: str | list[dict[str, str]]) -> str:
+        if isinstance(prompt, str) and self.templated and (not self.cfg.chat_template_for_text
+                                                           or self._already_templated(prompt)):
+            return prompt  # TRL sends plain-text prompts as they are; a templated one is never templated twice
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if not self.templated:
             return "\n".join(m["content"] for m in messages)
         if self.cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **(self.cfg.chat_template_kwargs or {}))
+
+    def _already_templated(self, prompt: str) -> bool:
+        """The text starts as the chat template starts a conversation (a dataset templated beforehand)."""
+        if not hasattr(self, "_template_head"):
+            marker = "\x00prompt\x00"
+            messages = [{"role": "user", "content": marker}]
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                          **(self.cfg.chat_template_kwargs or {}))
+            self._template_head = rendered.partition(marker)[0]
+        return bool(self._template_head.strip()) and prompt.startswith(self._template_head)
 
     def encode(self, prompts: list, indices: list[int] | None = None) -> list[list[int]]:
         # The chat template already places any BOS token; adding special tokens again would double it.
@@ -368,9 +399,9 @@ class PromptStream:
 
 
 def make_prompt_batch(indices: list[int], rows: list[dict[str, Any]], formatter: PromptFormatter) -> PromptBatch:
-    columns = {k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"}
+    columns = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"}
     return PromptBatch(
-        prompts=[prompt_text(r["prompt"]) for r in rows],
+        prompts=[r["prompt"] for r in rows],  # as the dataset gave them: text or a list of messages
         prompt_token_ids=formatter.encode([r["prompt"] for r in rows], indices),
         columns=columns, indices=indices,
     )

@@ -177,7 +177,9 @@ class Learner:
                     mb.advantages.to(device), mask, variant=a.loss_variant, clip_low=a.epsilon_low,
                     clip_high=a.epsilon_high, beta=a.beta, kl_estimator=a.kl_estimator,
                     aggregation=a.loss_aggregation, norm=norm, entropy=entropy,
-                    entropy_coef=a.entropy_coef)
+                    entropy_coef=a.entropy_coef, kl_bias_correction=a.use_bias_correction_kl,
+                    variant_options={"temperature_pos": a.sapo_temperature_pos,
+                                     "temperature_neg": a.sapo_temperature_neg})
                 (out.loss * rt.loss_scale).backward()
                 loss_finite = loss_finite and math.isfinite(out.loss.item())
                 if first_pass:

@@ -143,6 +143,12 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _prompt_text(prompt) -> str:
+    from grpo.data import prompt_text  # the last user message of a conversational prompt
+
+    return prompt_text(prompt)
+
+
 def sample_records(scored, advantages, limit: int) -> list[dict[str, Any]]:
     """Up to `limit` completions of one step, one per group first (so several prompts show), with the
     total reward, each function's reward and the advantage. `scored` is a dapo.ScoredRollouts."""
@@ -154,7 +160,7 @@ def sample_records(scored, advantages, limit: int) -> list[dict[str, Any]]:
     records = []
     for i in order[:limit]:
         records.append({
-            "prompt": scored.prompts.prompts[group[i]], "completion": scored.texts[i],
+            "prompt": _prompt_text(scored.prompts.prompts[group[i]]), "completion": scored.texts[i],
             "reward": _clean(scored.rewards[i]), "advantage": _clean(advantages[i]),
             "rewards": {n: _clean(scored.scores.per_function[i, j]) for j, n in enumerate(scored.scores.names)},
             "length": int(scored.rollouts.lengths[i]), "truncated": bool(scored.rollouts.truncated[i]),

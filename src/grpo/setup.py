@@ -201,7 +201,7 @@ def _build_parts(cfg: GRPOConfig, run_dir: Path, *, model, ref_model, reward_mod
 
 def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
     if eval_dataset is not None:
-        rows = rows_from_dataset(eval_dataset)
+        rows = rows_from_dataset(eval_dataset, split="test")
     elif cfg.data.eval_dataset and (cfg.train.eval_before or cfg.train.eval_after or cfg.train.eval_steps):
         rows = load_rows(cfg.data.eval_dataset, cfg.data, split="test", token=token)
     else:
