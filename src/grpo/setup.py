@@ -35,6 +35,7 @@ from grpo.preflight import check_model_paths, plan_resume
 from grpo.redact import RedactingFilter
 from grpo.rewards import resolve_rewards
 from grpo.rollout import RolloutEngine, build_engine
+from grpo.runlock import lock_run_dir
 
 log = logging.getLogger("grpo")
 
@@ -54,6 +55,7 @@ class RunParts:
     reward_weights: list[float] | None
     resume_from: Path | None = None  # a verified checkpoint whose settings match this run's
     compute_dtype: torch.dtype = torch.float32  # model.dtype resolved; trained weights stay float32
+    lock: Any = None  # runlock.RunLock on run_dir, held while this run may write there
 
 
 def make_run_dir(cfg: GRPOConfig) -> Path:
@@ -105,7 +107,7 @@ def setup_logging(run_dir: Path | None = None) -> None:
 
 
 def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None, tokenizer=None,
-              train_dataset=None, reward_funcs=None, eval_dataset=None) -> RunParts:
+              train_dataset=None, reward_funcs=None, eval_dataset=None, rt=None) -> RunParts:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     torch.manual_seed(cfg.train.seed)
@@ -113,11 +115,27 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
         if isinstance(value, str):  # a name or path passed in place of an object
             setattr(cfg.model, key, value)
     run_dir = make_run_dir(cfg)
+    # Before anything in run_dir is read or written: a second run on a live directory stops here.
+    lock = lock_run_dir(run_dir, rt)
+    try:
+        parts = _build_parts(cfg, run_dir, model=model, ref_model=ref_model, reward_model=reward_model,
+                             tokenizer=tokenizer, train_dataset=train_dataset, reward_funcs=reward_funcs,
+                             eval_dataset=eval_dataset, is_main=rt is None or rt.is_main)
+    except BaseException:
+        lock.release()
+        raise
+    parts.lock = lock
+    return parts
+
+
+def _build_parts(cfg: GRPOConfig, run_dir: Path, *, model, ref_model, reward_model, tokenizer, train_dataset,
+                 reward_funcs, eval_dataset, is_main: bool) -> RunParts:
     setup_logging(run_dir)
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
     # weights are read.
-    resume_from = plan_resume(cfg, run_dir)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+    resume_from = plan_resume(cfg, run_dir, clean_up=is_main)
+    if is_main:  # rank 0 writes for the group
+        (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
     check_model_paths(cfg, model_given=model is not None and not isinstance(model, str),
                       tokenizer_given=tokenizer is not None and not isinstance(tokenizer, str))
     token = cfg.hf_token()
@@ -125,8 +143,11 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
     train_rows = (rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows) if train_dataset is not None
                   else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
     eval_rows = _eval_rows(cfg, eval_dataset, token)
-    funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
-                            ([] if reward_model is not None else cfg.algorithm.reward_funcs))
+    try:
+        funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
+                                ([] if reward_model is not None else cfg.algorithm.reward_funcs))
+    except (ImportError, ValueError, TypeError) as e:  # a name or 'module:function' that does not resolve
+        raise ConfigError(f"algorithm.reward_funcs: {e}") from e
 
     device = resolve_device(cfg.model.device)
     compute = resolve_dtype(cfg.model.dtype, device)

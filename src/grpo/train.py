@@ -63,6 +63,7 @@ from grpo.loss import apply_truncation_mask
 from grpo.metrics import MetricsLogger, StageTimer, sample_records
 from grpo.rewards import score_completions
 from grpo.rollout import build_engine
+from grpo.runlock import holding_run_lock
 from grpo.setup import RunParts, build_run
 
 log = logging.getLogger("grpo")
@@ -102,7 +103,7 @@ class GRPOTrainer:
         self.roles = apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
         self.parts: RunParts = build_run(self.cfg, model=model, ref_model=ref_model, reward_model=reward_model,
                                          tokenizer=tokenizer, train_dataset=train_dataset,
-                                         reward_funcs=reward_funcs, eval_dataset=eval_dataset)
+                                         reward_funcs=reward_funcs, eval_dataset=eval_dataset, rt=self.rt)
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
         self.args, self.processing_class = self.cfg, self.tokenizer  # TRL's names for them
         if not self.rt.is_main:  # rank 0 speaks for the group
@@ -131,6 +132,7 @@ class GRPOTrainer:
                         max_new_tokens=t.eval_max_new_tokens or self.cfg.effective_max_new_tokens,
                         stop_strings=self.cfg.generation.stop_strings)
 
+    @holding_run_lock
     def train(self) -> dict[str, float]:
         cfg, p, rt = self.cfg, self.parts, self.rt
         g, t, a = cfg.generation, cfg.train, cfg.algorithm
@@ -238,7 +240,11 @@ class GRPOTrainer:
                 remote.close()
         data = remote.data if remote is not None else stream  # the data position of the last batch used
         if step < total_steps:  # stopped early: a signal, or non-finite steps
-            where = self._save_checkpoint(step, learner, data)
+            handlers = self._install_signal_handlers()  # a second signal during this save: exit 130, said so
+            try:
+                where = self._save_checkpoint(step, learner, data)
+            finally:
+                self._restore_signal_handlers(handlers)
             logger.close()
             how = (f"Resume with the same command plus --resume latest (e.g. grpo train --resume latest "
                    f"--output-dir {p.run_dir}).")
