@@ -233,7 +233,7 @@ def cmd_report(args) -> int:
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\-]*=")
 
 
-def _assignments_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+def _assignments_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """Move `key=value` words of `grpo train` before the flags. argparse takes a run of positionals only
     once, so `--steps 1 lr=1e-3 --seed 1 beta=0` would otherwise fail with "unrecognized arguments"; and a
     flag that may be given bare (`--resume`, `--dynamic-sampling`) must not take a following key=value."""
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     remember_from_argv(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(_assignments_last(parser, sys.argv[1:] if argv is None else list(argv)))
+    args = parser.parse_args(_assignments_first(parser, sys.argv[1:] if argv is None else list(argv)))
     try:
         return {"train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.command](args)
     except ConfigError as e:

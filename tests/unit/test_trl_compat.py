@@ -3,7 +3,7 @@
 import pytest
 
 from grpo import GRPOConfig
-from grpo.cli import _assignments_last, _overrides, build_parser
+from grpo.cli import _assignments_first, _overrides, build_parser
 from grpo.config import ConfigError
 from grpo.trl_compat import TRLConfigError
 
@@ -81,7 +81,7 @@ def test_unknown_names_still_fail_with_a_suggestion():
 ])
 def test_bare_resume_means_latest(argv, expected):
     parser = build_parser()
-    args = parser.parse_args(_assignments_last(parser, argv))
+    args = parser.parse_args(_assignments_first(parser, argv))
     assert _overrides(args) == expected
 
 
