@@ -181,13 +181,22 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from grpo.data import PromptFormatter, load_rows
     from grpo.evaluation import evaluate
-    from grpo.models import load_policy, load_tokenizer, resolve_device
+    from grpo.models import load_policy, load_tokenizer, resolve_device, resolve_dtype
+    from grpo.preflight import check_model_paths
     from grpo.rollout import build_engine
 
+    for flag, value in (("--k", args.k), ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}.")
+    if not 0 < args.temperature < float("inf"):
+        raise ConfigError(f"--temperature must be a finite number > 0, got {args.temperature}.")
+    if args.dump and not Path(args.dump).resolve().parent.is_dir():  # found out now, not after the evaluation
+        raise ConfigError(f"--dump {args.dump}: the directory {Path(args.dump).resolve().parent} does not exist.")
     overrides = {"model.hf_token": args.hf_token} if args.hf_token else {}
     if args.model:
         overrides["model.name_or_path"] = args.model
     cfg = load_config(args.config, overrides)
+    check_model_paths(cfg, model_given=False, tokenizer_given=False)  # a missing directory, not a "repo id"
     device = resolve_device(cfg.model.device)
     tokenizer = load_tokenizer(cfg)
     rows = load_rows(args.dataset or cfg.data.eval_dataset or "tiny_math:test", cfg.data, split="test",
@@ -195,7 +204,8 @@ def cmd_eval(args) -> int:
     rows = rows[:args.limit] if args.limit else rows
     model = load_policy(cfg, device)
     formatter = PromptFormatter(tokenizer, cfg.data)
-    result = evaluate(build_engine(cfg.generation.engine, model, tokenizer), formatter, rows, k=args.k,
+    engine = build_engine(cfg.generation.engine, model, tokenizer, compute_dtype=resolve_dtype(cfg.model.dtype, device))
+    result = evaluate(engine, formatter, rows, k=args.k,
                       temperature=args.temperature, batch_size=cfg.train.eval_batch_size,
                       max_new_tokens=args.max_new_tokens or cfg.train.eval_max_new_tokens
                       or cfg.effective_max_new_tokens, stop_strings=cfg.generation.stop_strings)
@@ -241,6 +251,8 @@ def _assignments_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     from grpo.checkpoint import CheckpointError
+    from grpo.learner import NonFiniteWeightsError
+    from grpo.rewards import RewardError
     from grpo.setup import setup_logging
     from grpo.train import TrainingHalted
 
@@ -253,10 +265,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingHalted) as e:
+    except (CheckpointError, TrainingHalted, NonFiniteWeightsError, RewardError) as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 1
+    except OSError as e:  # a file or directory removed, replaced or unwritable under a live command
+        where = f" ({e.filename})" if e.filename else ""
+        hint = (" If the run directory was moved or changed while training, restore it, then resume with "
+                "--resume latest." if args.command == "train" else "")
+        print(f"grpo {args.command}: error: {redact(e.strerror or str(e))}{redact(where)}.{hint}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
+        if args.command != "train":  # nothing to resume: eval and report write only at their end
+            print(f"grpo {args.command}: interrupted.", file=sys.stderr)
+            return 130
         print(f"grpo {args.command}: stopped at once, without saving; --resume latest continues from the last "
               "checkpoint.", file=sys.stderr)
         return 130

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -50,8 +51,10 @@ class ModelConfig:
     ref_model_path: str | None = _f(None, "Reference model for the KL term; defaults to the policy's "
                                     "initial weights. Not loaded at all when algorithm.beta == 0.")
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the models.")
-    dtype: str = _f("auto", "Parameter dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, "
-                    "bfloat16 or float16.", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = _f("auto", "Compute dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or "
+                    "float16 (with dynamic loss scaling). Trained weights and optimizer state are float32 "
+                    "masters whatever this is; the reference model is held in it.",
+                    choices=("auto", "float32", "bfloat16", "float16"))
     device: str = _f("auto", "Where the policy lives: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     trust_remote_code: bool = _f(False, "Allow model repositories to run their own Python code. Off "
                                  "unless you trust the repository.")
@@ -193,6 +196,9 @@ class TrainConfig:
     logging_steps: int = _f(10, "Console line, metrics.jsonl and TensorBoard every N steps.")
     save_steps: int = _f(500, "Checkpoint every N steps (0: only the final model).")
     save_total_limit: int | None = _f(None, "Keep only the newest K checkpoints.")
+    save_dtype: str = _f("float32", "dtype of final_model/'s weights: float32 (the master weights as trained) "
+                         "or a bfloat16/float16 export at half the size (then without training_state.pt: not "
+                         "resumable). checkpoint-N/ always holds float32 masters, so a resume is exact.", choices=("float32", "bfloat16", "float16"))
     resume: str | None = _f(None, "Resume: 'latest' (the newest intact checkpoint in output_dir; a corrupt "
                             "or incomplete one is reported and skipped) or a checkpoint directory.")
     allow_config_change: bool = _f(False, "Resume even when settings that change the training trajectory "
@@ -683,6 +689,41 @@ def validate(cfg: GRPOConfig) -> None:
     validate_roles(cfg)
     if d.weight_sync_steps < 1:
         raise ConfigError(f"weight_sync_steps (inference_rollouts) must be >= 1, got {d.weight_sync_steps}.")
+    _check_runtime_settings(cfg)
+
+
+DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)$")
+
+
+def _check_runtime_settings(cfg: GRPOConfig) -> None:
+    """Values torch or the file system would otherwise reject with a traceback deep inside start-up."""
+    t, m, o, lo = cfg.train, cfg.model, cfg.optim, cfg.lora
+    for path, value in (("optim.adam_beta1", o.adam_beta1), ("optim.adam_beta2", o.adam_beta2),
+                        ("lora.dropout", lo.dropout)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{path} must be in [0, 1), got {value}.")
+    for path, value in (("optim.adam_epsilon", o.adam_epsilon), ("algorithm.advantage_eps",
+                                                                 cfg.algorithm.advantage_eps),
+                        ("train.log_samples", t.log_samples)):
+        if value < 0:
+            raise ConfigError(f"{path} must be >= 0, got {value}.")
+    if lo.r < 1 or not lo.alpha > 0:
+        raise ConfigError(f"lora.r must be at least 1 and lora.alpha > 0, got r = {lo.r}, alpha = {lo.alpha}.")
+    if cfg.generation.batch_size is not None and cfg.generation.batch_size < 1:
+        raise ConfigError(f"generation.batch_size must be at least 1 (or unset), got {cfg.generation.batch_size}.")
+    if not 0 <= t.seed < 2**63:  # torch.manual_seed takes a 64-bit integer
+        raise ConfigError(f"train.seed must be between 0 and 2**63 - 1, got {t.seed}.")
+    for path, value in (("train.num_threads", t.num_threads), ("train.eval_max_new_tokens", t.eval_max_new_tokens)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{path} must be at least 1 (or unset for the default), got {value}.")
+    for path, value in (("model.device", m.device), ("algorithm.reward_model_device",
+                                                     cfg.algorithm.reward_model_device)):
+        if value is not None and not DEVICE_RE.match(value):
+            raise ConfigError(f"{path} = {value!r} is not a device; use auto, cpu, cuda or cuda:N.")
+    name = t.run_name
+    if name is not None and (name in ("", ".", "..") or "/" in name or "\\" in name):
+        raise ConfigError(f"train.run_name = {name!r} must be a plain directory name (no '/', '..'): runs go in "
+                          "base_output_directory/run_name. To write somewhere else, set train.output_dir.")
 
 
 def preset_names() -> list[str]:
@@ -696,7 +737,10 @@ def read_config_file(spec: str) -> dict[str, Any]:
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise ConfigError(f"Config file {spec} does not exist. Shipped presets: {', '.join(preset_names())}.")
-        text = path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:  # unreadable, or not UTF-8 text
+            raise ConfigError(f"Cannot read config file {spec}: {e}. A config is UTF-8 YAML text.") from e
     else:
         name = spec.removeprefix("grpo_")  # TorchRL's `--config-name grpo_gsm8k`
         if name not in preset_names():

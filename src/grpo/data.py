@@ -115,13 +115,18 @@ def _utf8(data: bytes, path: Path) -> str:
 
 
 def _parse_json(text: str, path: Path) -> list[Any]:
-    """A JSON array of objects, or JSON Lines (one object per line; blank lines are skipped)."""
-    if text.lstrip().startswith("["):
+    """A JSON array of objects (a .json file may also hold one pretty-printed object), or JSON Lines (one
+    object per line; blank lines are skipped)."""
+    document_error = None
+    if text.lstrip().startswith("[") or path.suffix == ".json":
         try:
             records = json.loads(text)
         except ValueError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}.") from e
-        return records if isinstance(records, list) else [records]
+            if text.lstrip().startswith("["):
+                raise ConfigError(f"{path} is not valid JSON: {e}.") from e
+            document_error = e  # a .json file may still be JSON Lines
+        else:
+            return records if isinstance(records, list) else _rows_of_object(records)
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -129,9 +134,22 @@ def _parse_json(text: str, path: Path) -> list[Any]:
         try:
             records.append(json.loads(line))
         except ValueError as e:
+            if document_error is not None:  # neither one JSON document nor JSON Lines: blame the document
+                raise ConfigError(f"{path} is not valid JSON ({document_error}). A .json file must hold one JSON "
+                                  "array of objects, e.g. [{\"prompt\": \"...\", \"answer\": \"...\"}], or one "
+                                  "object per line.") from e
             raise ConfigError(f"{path}: line {number} is not valid JSON ({e}). Each line of a .jsonl file must "
                               "be one JSON object, e.g. {\"prompt\": \"...\", \"answer\": \"...\"}.") from e
     return records
+
+
+def _rows_of_object(document: Any) -> list[Any]:
+    """One JSON object: a single row, or (`{"data": [...]}`) the one list of rows it wraps."""
+    if isinstance(document, dict):
+        lists = [v for v in document.values() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+        if len(lists) == 1 and not any(k in document for k in PROMPT_COLUMNS):
+            return lists[0]
+    return [document]
 
 
 def _read_hub(path: str, name: str | None, split: str, data_files: str | None,
@@ -173,6 +191,13 @@ def normalise_rows(records: list[dict[str, Any]], prompt_field: str | None, answ
                           f"column that holds the prompt (looked for {', '.join(PROMPT_COLUMNS)}).")
     answer_col = _pick(columns, answer_field, ANSWER_COLUMNS, "answer", source)
     bad = {i: prompt_col for i, r in enumerate(records) if not _valid_prompt(r.get(prompt_col))}
+    not_text = [i for i in bad if not isinstance(records[i].get(prompt_col), str | list | None)]
+    if not_text and not skip_invalid:
+        value = records[not_text[0]][prompt_col]
+        raise ConfigError(f"{source}: rows {_rows(not_text)} (counting from 0) have a '{prompt_col}' that is not "
+                          f"text (row {not_text[0]}: {value!r}). A prompt is a string, or "
+                          "a list of chat messages {\"role\": ..., \"content\": ...}. Fix them, or set "
+                          "data.skip_invalid_rows=true to drop such rows.")
     if answer_col is not None:
         for i, r in enumerate(records):
             if r.get(answer_col) is None or (isinstance(r[answer_col], str) and not r[answer_col].strip()):

@@ -63,6 +63,7 @@ from grpo.loss import apply_truncation_mask
 from grpo.metrics import MetricsLogger, StageTimer, sample_records
 from grpo.rewards import score_completions
 from grpo.rollout import build_engine
+from grpo.runlock import holding_run_lock
 from grpo.setup import RunParts, build_run
 
 log = logging.getLogger("grpo")
@@ -102,7 +103,7 @@ class GRPOTrainer:
         self.roles = apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
         self.parts: RunParts = build_run(self.cfg, model=model, ref_model=ref_model, reward_model=reward_model,
                                          tokenizer=tokenizer, train_dataset=train_dataset,
-                                         reward_funcs=reward_funcs, eval_dataset=eval_dataset)
+                                         reward_funcs=reward_funcs, eval_dataset=eval_dataset, rt=self.rt)
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
         self.args, self.processing_class = self.cfg, self.tokenizer  # TRL's names for them
         if not self.rt.is_main:  # rank 0 speaks for the group
@@ -131,6 +132,7 @@ class GRPOTrainer:
                         max_new_tokens=t.eval_max_new_tokens or self.cfg.effective_max_new_tokens,
                         stop_strings=self.cfg.generation.stop_strings)
 
+    @holding_run_lock
     def train(self) -> dict[str, float]:
         cfg, p, rt = self.cfg, self.parts, self.rt
         g, t, a = cfg.generation, cfg.train, cfg.algorithm
@@ -140,7 +142,7 @@ class GRPOTrainer:
         if rt.sharded and getattr(p.engine, "model", None) is p.policy:
             # FSDP2 leaves no rank with whole weights: colocated rollout samples from a full copy that
             # receives the new weights after every update.
-            p.engine = build_engine(g.engine, copy.deepcopy(p.policy), p.tokenizer)
+            p.engine = build_engine(g.engine, copy.deepcopy(p.policy).to(p.compute_dtype), p.tokenizer)
         learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt)
         sampling = SamplingParams(max_new_tokens=cfg.effective_max_new_tokens, temperature=g.temperature,
                                   top_k=g.top_k, top_p=g.top_p, stop_strings=g.stop_strings)
@@ -238,7 +240,11 @@ class GRPOTrainer:
                 remote.close()
         data = remote.data if remote is not None else stream  # the data position of the last batch used
         if step < total_steps:  # stopped early: a signal, or non-finite steps
-            where = self._save_checkpoint(step, learner, data)
+            handlers = self._install_signal_handlers()  # a second signal during this save: exit 130, said so
+            try:
+                where = self._save_checkpoint(step, learner, data)
+            finally:
+                self._restore_signal_handlers(handlers)
             logger.close()
             how = (f"Resume with the same command plus --resume latest (e.g. grpo train --resume latest "
                    f"--output-dir {p.run_dir}).")
@@ -252,11 +258,13 @@ class GRPOTrainer:
             return summary
         self._save_checkpoint(step, learner, data)
         # final_model/ is resumable like checkpoint-{step}/ (the seed's layout), except as merged LoRA weights,
-        # which no longer hold the adapters the optimizer state belongs to.
+        # which no longer hold the adapters the optimizer state belongs to, or as a bf16/fp16 export
+        # (train.save_dtype), which no longer holds the float32 masters.
         merged = cfg.lora.enabled and cfg.lora.save_merged
+        export = _SAVE_DTYPES.get(t.save_dtype)
         save_policy_dir(rt, p.run_dir / "final_model", p.policy, p.tokenizer, cfg.to_yaml(),
-                        None if merged else self._training_state(step, learner, data),
-                        merge_lora=cfg.lora.save_merged)
+                        None if merged or export else self._training_state(step, learner, data),
+                        merge_lora=cfg.lora.save_merged, dtype=export)
         if t.eval_after:
             summary.update(self._log_eval(logger, step, "after"))
         logger.close()
@@ -462,6 +470,9 @@ def _logprobs_match_policy(engine, sampling: SamplingParams) -> bool:
     """The engine's sampling log-probs are the learner's π_θ (same weights and precision, no filters)."""
     return (getattr(engine, "exact_logprobs", False) and not sampling.greedy and sampling.top_k == 0
             and sampling.top_p >= 1.0)
+
+
+_SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # train.save_dtype; float32: as trained
 
 
 def _chunk(batch_size: int | None, n: int) -> int | None:

@@ -206,7 +206,7 @@ def _call_sync(fn: RewardFunction, batch: dict[str, list], timeout: float | None
     if timeout is None:
         try:
             return fn(**batch)
-        except Exception as error:  # noqa: BLE001 (any failure of user code is reported by _checked)
+        except (Exception, SystemExit) as error:  # noqa: BLE001 (reported by _checked; sys.exit() too)
             return _Failure(error)
     box: dict = {}
 

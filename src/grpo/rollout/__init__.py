@@ -24,8 +24,10 @@ class RolloutEngine(Protocol):
         """Receive new policy weights; a colocated engine shares the learner's parameters and skips this."""
 
 
-def build_engine(name: str, model, tokenizer, compile_decode: bool = False) -> RolloutEngine:
-    """`native` on a supported Llama-family model, else (or when asked) transformers `generate`."""
+def build_engine(name: str, model, tokenizer, compile_decode: bool = False,
+                 compute_dtype: torch.dtype | None = None) -> RolloutEngine:
+    """`native` on a supported Llama-family model, else (or when asked) transformers `generate`. Both
+    sample in `compute_dtype` (None: the weights' own dtype) from float32 master weights."""
     from grpo.native.decoder import unsupported_reason
     from grpo.rollout.hf_generate import TransformersEngine
     from grpo.rollout.native import NativeEngine
@@ -37,5 +39,5 @@ def build_engine(name: str, model, tokenizer, compile_decode: bool = False) -> R
         log.info("Native engine: unsupported model (%s); using transformers generate.", reason)
         name = "transformers"
     if name == "native":
-        return NativeEngine(model, tokenizer, compile_decode=compile_decode)
-    return TransformersEngine(model, tokenizer)
+        return NativeEngine(model, tokenizer, compile_decode=compile_decode, compute_dtype=compute_dtype)
+    return TransformersEngine(model, tokenizer, compute_dtype=compute_dtype)
