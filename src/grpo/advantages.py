@@ -41,16 +41,22 @@ def _group_moments(rewards: Tensor, group_ids: Tensor) -> _GroupMoments:
         )
     _, inverse = torch.unique(group_ids, return_inverse=True)  # [N]
     num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    # NaN = not scored (every reward function returned None): such a sample is left out of its group's
+    # count, mean and std, and its centred reward is 0, as in TRL (nanmean/nanstd, advantage 0).
+    scored = ~rewards.isnan()  # [N]
     zeros = rewards.new_zeros(num_groups)  # [G]
-    counts = zeros.index_add(0, inverse, torch.ones_like(rewards))  # [G]
-    group_min = zeros.scatter_reduce(0, inverse, rewards, "amin", include_self=False)  # [G]
-    group_max = zeros.scatter_reduce(0, inverse, rewards, "amax", include_self=False)  # [G]
+    counts = zeros.index_add(0, inverse, scored.to(rewards.dtype))  # [G]
+    inf = torch.full_like(rewards, float("inf"))  # [N]
+    group_min = zeros.scatter_reduce(0, inverse, torch.where(scored, rewards, inf), "amin", include_self=False)
+    group_max = zeros.scatter_reduce(0, inverse, torch.where(scored, rewards, -inf), "amax", include_self=False)
+    group_min = torch.where(counts > 0, group_min, 0.0)  # [G] a group with nothing scored: 0, not inf
+    group_max = torch.where(counts > 0, group_max, 0.0)  # [G]
     # Averaging rewards shifted by the group minimum makes a group of equal rewards centre to
     # exactly 0: a plain mean can round the common value (0.9 x 3 in float32 leaves 6e-8), and
     # dividing that by std + eps = ~1e-7 + 1e-4 would turn it into a spurious advantage.
-    shifted = rewards - group_min[inverse]  # [N]
-    shifted_mean = zeros.index_add(0, inverse, shifted) / counts  # [G]
-    centered = shifted - shifted_mean[inverse]  # [N]
+    shifted = torch.where(scored, rewards - group_min[inverse], 0.0)  # [N]
+    shifted_mean = zeros.index_add(0, inverse, shifted) / counts.clamp(min=1)  # [G]
+    centered = torch.where(scored, shifted - shifted_mean[inverse], 0.0)  # [N]
     sum_sq = zeros.index_add(0, inverse, centered.square())  # [G]
     # Unbiased (n - 1) variance, torch's default and what DeepSeekMath's reference code and TRL use.
     # A group of one has no spread to estimate: clamping n - 1 to 1 gives std 0 (its centred
@@ -68,7 +74,8 @@ def _scale_by_batch_std(rewards: Tensor, moments: _GroupMoments, eps: float) -> 
     # per-group std distorts (Dr. GRPO, arXiv 2503.20783). It is the std of the raw rewards, as in
     # TRL's scale_rewards="batch"; REINFORCE++-baseline (arXiv 2501.03262) uses the std of the
     # centred rewards instead. torch.std of one element is NaN, hence the guard.
-    batch_std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())  # []
+    scored = rewards[~rewards.isnan()]  # [M] samples some reward function scored
+    batch_std = scored.std() if scored.numel() > 1 else rewards.new_zeros(())  # []
     return batch_std + eps  # []
 
 
@@ -87,7 +94,8 @@ ADVANTAGE_SCALINGS: dict[str, Callable[[Tensor, _GroupMoments, float], Tensor]] 
 def group_advantages(rewards: Tensor, group_ids: Tensor, scale: str = "group", eps: float = 1e-4) -> Tensor:
     """Â = (r - mean of its group) / (divisor + eps), one value per completion.
 
-    rewards:   [N] float, one scalar reward per completion.
+    rewards:   [N] float, one scalar reward per completion; NaN = not scored (every reward function
+               returned None): left out of its group's mean and std, advantage 0 (as TRL).
     group_ids: [N] long, equal ids = same prompt; any order, any values.
     scale:     "group" (per-group std, DeepSeekMath), "batch" (std of all N rewards) or
                "none" (no division, Dr. GRPO). Stds are unbiased (n - 1).

@@ -14,7 +14,7 @@ import torch
 class PromptBatch:
     """P prompts drawn from the dataset for one step."""
 
-    prompts: list[str]  # the dataset's prompt text, as reward functions receive it
+    prompts: list  # the dataset's prompts as it gave them (text or chat messages), as reward functions receive them
     prompt_token_ids: list[list[int]]  # chat-templated and tokenized, no padding
     columns: dict[str, list] = field(default_factory=dict)  # other dataset fields, e.g. answer
     indices: list[int] = field(default_factory=list)  # dataset rows, for logs and resume checks

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -28,6 +29,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
+
+from grpo.config import SECTIONS
 
 log = logging.getLogger("grpo")
 
@@ -79,17 +83,21 @@ def save_model_dir(path: Path, model, tokenizer, config_yaml: str, training_stat
     removed, whatever was under `path` before is left as it was, and a CheckpointError says why."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    if not path.parent.is_dir():  # not re-created: a new, nearly empty run directory would hide the loss
+        raise CheckpointError(f"Cannot save {path.name}: the directory {path.parent} no longer exists (deleted "
+                              "or moved while the run was going?). Nothing was saved. Restore the directory, "
+                              "then resume with --resume latest.")
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
         model.save_pretrained(tmp, safe_serialization=True)
         _fault_point(path, "model")
         tokenizer.save_pretrained(tmp)
         (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
         _fault_point(path, "config")
         if training_state is not None:
-            torch.save(training_state, tmp / STATE_FILE)
+            _save_state(training_state, tmp / STATE_FILE)
         _fault_point(path, "state")
         write_manifest(tmp)
         _fault_point(path, "manifest")
@@ -109,6 +117,35 @@ def save_model_dir(path: Path, model, tokenizer, config_yaml: str, training_stat
             raise CheckpointError(_save_failure(path, e)) from e
         raise
     return path
+
+
+class _WriteErrors:
+    """A file that remembers the OSError of a failed write. torch's zip writer turns it into "unexpected pos"
+    (a RuntimeError without the reason); this keeps the reason (ENOSPC: disk full) for the message."""
+
+    def __init__(self, fh):
+        self.fh, self.error = fh, None
+
+    def write(self, data) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _save_state(state: dict, target: Path) -> None:
+    with open(target, "wb") as fh:
+        recorder = _WriteErrors(fh)
+        try:
+            torch.save(state, recorder)
+        except RuntimeError as e:
+            if recorder.error is not None:
+                raise recorder.error from e
+            raise
 
 
 def _save_failure(path: Path, e: BaseException) -> str:
@@ -168,8 +205,11 @@ def verify_checkpoint(path: Path) -> str | None:
         return f"it has no {MANIFEST_FILE}, so it was not written completely"
     try:
         files = json.loads(manifest_path.read_text(encoding="utf-8"))["files"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
         return f"its {MANIFEST_FILE} is unreadable"
+    if not _manifest_shape_ok(files):
+        return (f"its {MANIFEST_FILE} is not a grpo manifest (\"files\" must map names inside the checkpoint "
+                "to their bytes and sha256)")
     for name, meta in files.items():
         f = path / name
         if not f.is_file():
@@ -180,6 +220,45 @@ def verify_checkpoint(path: Path) -> str | None:
             return f"{name} does not match its sha256 (the file is corrupted)"
     if CHECKPOINT_RE.match(path.name) and STATE_FILE not in files:
         return f"it has no {STATE_FILE}"
+    # What the hashes cannot catch: files written wrong in the first place (or a manifest re-made over them).
+    return _config_problem(path) or (state_problem(path) if STATE_FILE in files else None)
+
+
+def _manifest_shape_ok(files: Any) -> bool:
+    return isinstance(files, dict) and all(
+        isinstance(name, str) and not Path(name).is_absolute() and ".." not in Path(name).parts
+        and isinstance(meta, dict) and type(meta.get("bytes")) is int and isinstance(meta.get("sha256"), str)
+        for name, meta in files.items())
+
+
+def _config_problem(path: Path) -> str | None:
+    f = path / CONFIG_FILE
+    if not f.is_file():
+        return None
+    try:
+        saved = yaml.safe_load(f.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        return f"its {CONFIG_FILE} is not valid YAML ({str(e).splitlines()[0]})"
+    if saved is not None and not (isinstance(saved, dict)
+                                  and all(isinstance(saved.get(s), dict | None) for s in SECTIONS)):
+        return f"its {CONFIG_FILE} does not hold a mapping of sections to settings"
+    return None
+
+
+def state_problem(path: Path) -> str | None:
+    """Why `path`'s training_state.pt cannot be loaded safely, or None. Memory-mapped: cheap even when the
+    optimizer state is large, since no tensor data is read."""
+    try:
+        state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        what = f" ({found.group(1)})" if found else ""
+        return (f"its {STATE_FILE} holds Python objects other than tensors and plain values{what}; loading them "
+                "could run code, so grpo does not open it")
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        return f"its {STATE_FILE} is not a readable training state ({str(e).splitlines()[0][:120]})"
+    if not isinstance(state, dict) or type(state.get("step")) is not int:
+        return f"its {STATE_FILE} is not a grpo training state (no step number)"
     return None
 
 
@@ -195,12 +274,33 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
 
 def find_resume_dir(output_dir: Path, resume: str) -> Path | None:
     """The checkpoint to resume from: 'latest' is the newest one that verifies (saying why any newer one
-    was passed over); a path must verify. None when 'latest' finds no checkpoint at all."""
+    was passed over); a run directory means its newest intact checkpoint; a checkpoint path must verify.
+    None when 'latest' finds no checkpoint at all."""
     if resume != "latest":
         path = Path(resume)
+        if "://" in resume:
+            raise CheckpointError(f"--resume {resume}: cloud storage paths are not supported; copy the checkpoint "
+                                  "locally and pass its directory.")
         if not path.is_dir():
             raise CheckpointError(f"--resume {resume}: no such checkpoint directory. Pass a checkpoint-N "
                                   "directory or 'latest' (the newest intact one in the output directory).")
+        if not (path / MANIFEST_FILE).exists() and _is_run_dir(path):
+            found = find_resume_dir(path, "latest")
+            if found is None:
+                raise CheckpointError(f"--resume {resume}: this run directory holds no checkpoint (none was saved "
+                                      "yet: see train.save_steps), so there is nothing to resume.")
+            log.info("--resume %s is a run directory: resuming from its newest intact checkpoint, %s.",
+                     resume, found.name)
+            return found
+        if not CHECKPOINT_RE.match(path.name) and (path / MANIFEST_FILE).is_file() \
+                and not (path / STATE_FILE).exists():
+            newest = [p.name for _, p in list_checkpoints(path.parent)]
+            instead = (f"--resume {path.parent} (its newest checkpoint, {newest[-1]})" if newest
+                       else "--resume latest in the run directory")
+            raise CheckpointError(f"--resume {resume}: {path.name} holds the trained weights but no {STATE_FILE} "
+                                  "(optimizer, scheduler, data position), so training cannot continue from it "
+                                  f"exactly. Pass {instead} to continue the run, or start a new run from these "
+                                  f"weights with --model {resume}.")
         problem = verify_checkpoint(path)
         if problem:
             raise CheckpointError(f"--resume {resume}: cannot resume from it: {problem}. Pass an earlier "
@@ -220,8 +320,17 @@ def find_resume_dir(output_dir: Path, resume: str) -> Path | None:
     return None
 
 
+def _is_run_dir(path: Path) -> bool:
+    return bool(list_checkpoints(path)) or any((path / f).exists() for f in ("metrics.jsonl", "final_model"))
+
+
 def load_training_state(path: Path) -> dict[str, Any]:
-    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+    """training_state.pt (tensors and plain values only: nothing in it can run code)."""
+    problem = state_problem(path)
+    if problem is None:
+        return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+    raise CheckpointError(f"Cannot resume from {path}: {problem}. Pass an earlier checkpoint, or 'latest' to "
+                          "pick the newest intact one.")
 
 
 def read_saved_config(path: Path) -> str | None:

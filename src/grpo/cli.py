@@ -41,7 +41,12 @@ class _Override(argparse.Action):
     """Collect `--key value` into an ordered list of (key, value) so later flags win."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        namespace.overrides.append((self.dest, values))
+        # a new list: appending would change the parser's shared default and leak into the next parse
+        namespace.overrides = [*namespace.overrides, (self.dest, values)]
+
+
+# Flags that may be given bare, with the value they then mean (HF Trainer users write `--resume` alone).
+_BARE_FLAG_VALUES = {"train.resume": "latest"}
 
 
 def _aliases_by_path() -> dict[str, list[str]]:
@@ -72,8 +77,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             extra = [a for a in aliases.get(path, []) if a != f.name]
             alias_text = f" Also: {', '.join('--' + a.replace('_', '-') for a in extra)}." if extra else ""
             is_bool = hints[f.name] is bool
+            const = "true" if is_bool else _BARE_FLAG_VALUES.get(path)
             group.add_argument(*names, dest=path, action=_Override, metavar="" if is_bool else "VALUE",
-                               nargs="?" if is_bool else None, const="true" if is_bool else None,
+                               nargs="?" if const is not None else None, const=const,
                                help=f"{f.metadata['help']}{alias_text} (default: {shown})")
             taken.update(names)
     for alias, target in ALIASES.items():
@@ -175,13 +181,22 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from grpo.data import PromptFormatter, load_rows
     from grpo.evaluation import evaluate
-    from grpo.models import load_policy, load_tokenizer, resolve_device
+    from grpo.models import load_policy, load_tokenizer, resolve_device, resolve_dtype
+    from grpo.preflight import check_model_paths
     from grpo.rollout import build_engine
 
+    for flag, value in (("--k", args.k), ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}.")
+    if not 0 < args.temperature < float("inf"):
+        raise ConfigError(f"--temperature must be a finite number > 0, got {args.temperature}.")
+    if args.dump and not Path(args.dump).resolve().parent.is_dir():  # found out now, not after the evaluation
+        raise ConfigError(f"--dump {args.dump}: the directory {Path(args.dump).resolve().parent} does not exist.")
     overrides = {"model.hf_token": args.hf_token} if args.hf_token else {}
     if args.model:
         overrides["model.name_or_path"] = args.model
     cfg = load_config(args.config, overrides)
+    check_model_paths(cfg, model_given=False, tokenizer_given=False)  # a missing directory, not a "repo id"
     device = resolve_device(cfg.model.device)
     tokenizer = load_tokenizer(cfg)
     rows = load_rows(args.dataset or cfg.data.eval_dataset or "tiny_math:test", cfg.data, split="test",
@@ -189,7 +204,8 @@ def cmd_eval(args) -> int:
     rows = rows[:args.limit] if args.limit else rows
     model = load_policy(cfg, device)
     formatter = PromptFormatter(tokenizer, cfg.data)
-    result = evaluate(build_engine(cfg.generation.engine, model, tokenizer), formatter, rows, k=args.k,
+    engine = build_engine(cfg.generation.engine, model, tokenizer, compute_dtype=resolve_dtype(cfg.model.dtype, device))
+    result = evaluate(engine, formatter, rows, k=args.k,
                       temperature=args.temperature, batch_size=cfg.train.eval_batch_size,
                       max_new_tokens=args.max_new_tokens or cfg.train.eval_max_new_tokens
                       or cfg.effective_max_new_tokens, stop_strings=cfg.generation.stop_strings)
@@ -217,9 +233,10 @@ def cmd_report(args) -> int:
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\-]*=")
 
 
-def _assignments_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """Move `key=value` words of `grpo train` behind the flags. argparse takes a run of positionals only
-    once, so `--steps 1 lr=1e-3 --seed 1 beta=0` would otherwise fail with "unrecognized arguments"."""
+def _assignments_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """Move `key=value` words of `grpo train` before the flags. argparse takes a run of positionals only
+    once, so `--steps 1 lr=1e-3 --seed 1 beta=0` would otherwise fail with "unrecognized arguments"; and a
+    flag that may be given bare (`--resume`, `--dynamic-sampling`) must not take a following key=value."""
     if not argv or argv[0] != "train":
         return argv
     train = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("train"))
@@ -229,27 +246,38 @@ def _assignments_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[
     for i, word in enumerate(argv[1:], start=1):
         is_value = argv[i - 1] in takes_value  # e.g. `--dataset a=b.jsonl`: the flag's own value
         (assignments if _ASSIGNMENT.match(word) and not is_value else flags).append(word)
-    return flags + assignments
+    return flags[:1] + assignments + flags[1:]
 
 
 def main(argv: list[str] | None = None) -> int:
     from grpo.checkpoint import CheckpointError
+    from grpo.learner import NonFiniteWeightsError
+    from grpo.rewards import RewardError
     from grpo.setup import setup_logging
     from grpo.train import TrainingHalted
 
     setup_logging()
     remember_from_argv(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(_assignments_last(parser, sys.argv[1:] if argv is None else list(argv)))
+    args = parser.parse_args(_assignments_first(parser, sys.argv[1:] if argv is None else list(argv)))
     try:
         return {"train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.command](args)
     except ConfigError as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingHalted) as e:
+    except (CheckpointError, TrainingHalted, NonFiniteWeightsError, RewardError) as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 1
+    except OSError as e:  # a file or directory removed, replaced or unwritable under a live command
+        where = f" ({e.filename})" if e.filename else ""
+        hint = (" If the run directory was moved or changed while training, restore it, then resume with "
+                "--resume latest." if args.command == "train" else "")
+        print(f"grpo {args.command}: error: {redact(e.strerror or str(e))}{redact(where)}.{hint}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
+        if args.command != "train":  # nothing to resume: eval and report write only at their end
+            print(f"grpo {args.command}: interrupted.", file=sys.stderr)
+            return 130
         print(f"grpo {args.command}: stopped at once, without saving; --resume latest continues from the last "
               "checkpoint.", file=sys.stderr)
         return 130

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -50,8 +51,10 @@ class ModelConfig:
     ref_model_path: str | None = _f(None, "Reference model for the KL term; defaults to the policy's "
                                     "initial weights. Not loaded at all when algorithm.beta == 0.")
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the models.")
-    dtype: str = _f("auto", "Parameter dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, "
-                    "bfloat16 or float16.", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = _f("auto", "Compute dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or "
+                    "float16 (with dynamic loss scaling). Trained weights and optimizer state are float32 "
+                    "masters whatever this is; the reference model is held in it.",
+                    choices=("auto", "float32", "bfloat16", "float16"))
     device: str = _f("auto", "Where the policy lives: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     trust_remote_code: bool = _f(False, "Allow model repositories to run their own Python code. Off "
                                  "unless you trust the repository.")
@@ -75,6 +78,11 @@ class DataConfig:
     system_prompt: str | None = _f(None, "System message put before every prompt when the tokenizer has "
                                    "a chat template.")
     use_chat_template: bool = _f(True, "Format prompts with the tokenizer's chat template when it has one.")
+    chat_template_for_text: bool = _f(True, "Also template plain-text prompts (as one user message); false sends "
+                                      "them as they are, as TRL does. A prompt already templated is never templated "
+                                      "twice.")
+    chat_template_kwargs: dict | None = _f(None, "Extra arguments for the chat template, e.g. "
+                                           "{enable_thinking: false} (TRL's chat_template_kwargs).")
     max_prompt_length: int = _f(256, "Longest prompt in tokens (MaxText --max_prefill_predict_length).")
     long_prompt_policy: str = _f("error", "What to do with a longer prompt: error (stop, naming the rows) or "
                                  "truncate_left (keep the end, warn and count).",
@@ -138,10 +146,18 @@ class AlgorithmConfig:
     epsilon_low: float = _f(0.2, "Lower clip range ε_low: the ratio is clipped at 1 − ε_low.")
     epsilon_high: float = _f(0.2, "Upper clip range ε_high: the ratio is clipped at 1 + ε_high "
                              "(DAPO's clip-higher uses 0.28).")
-    loss_variant: str = _f("grpo", "Policy loss: grpo (token-level ratio) or gspo (sequence-level ratio, "
-                           "GSPO; use clip ranges near 3e-4/4e-4).", choices=("grpo", "gspo"))
-    entropy_coef: float = _f(0.0, "Entropy bonus: subtract this × the mean token entropy from the loss "
-                             "(0 = off).")
+    loss_variant: str = _f("grpo", "Policy loss: grpo (token-level ratio), gspo (sequence-level ratio, "
+                           "GSPO; use clip ranges near 3e-4/4e-4), cispo (capped, detached ratio × Â × log π, "
+                           "MiniMax-M1; cap 1 + epsilon_high) or sapo (soft sigmoid gate, SAPO).",
+                           choices=("grpo", "gspo", "cispo", "sapo"))
+    sapo_temperature_pos: float = _f(1.0, "SAPO gate temperature τ for tokens with positive advantage.")
+    sapo_temperature_neg: float = _f(1.05, "SAPO gate temperature τ for tokens with zero or negative advantage.")
+    use_bias_correction_kl: bool = _f(False, "Multiply the KL term by the importance ratio, so its gradient is "
+                                      "the unbiased KL gradient (DeepSeek-V3.2; TRL's default true). Changes the "
+                                      "gradient on-policy too.")
+    entropy_coef: float = _f(0.0, "Entropy bonus: subtract this × each token's entropy from that token's loss "
+                             "before aggregation (the mean token entropy only with token_mean; TRL's "
+                             "entropy_coef always uses the mean token entropy). 0 = off.")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and "
                                 "draw more prompts until the batch has prompts_per_step informative groups.")
     dynamic_sampling_max_rounds: int = _f(4, "Most rollout rounds per step with dynamic sampling; after them "
@@ -202,6 +218,9 @@ class TrainConfig:
     logging_steps: int = _f(10, "Console line, metrics.jsonl and TensorBoard every N steps.")
     save_steps: int = _f(500, "Checkpoint every N steps (0: only the final model).")
     save_total_limit: int | None = _f(None, "Keep only the newest K checkpoints.")
+    save_dtype: str = _f("float32", "dtype of final_model/'s weights: float32 (the master weights as trained) "
+                         "or a bfloat16/float16 export at half the size (then without training_state.pt: not "
+                         "resumable). checkpoint-N/ always holds float32 masters, so a resume is exact.", choices=("float32", "bfloat16", "float16"))
     resume: str | None = _f(None, "Resume: 'latest' (the newest intact checkpoint in output_dir; a corrupt "
                             "or incomplete one is reported and skipped) or a checkpoint directory.")
     allow_config_change: bool = _f(False, "Resume even when settings that change the training trajectory "
@@ -461,6 +480,10 @@ def coerce(path: str, value: Any) -> Any:
             return None
         raise ConfigError(f"{path} cannot be empty (expected {_type_name(hint)}).")
     origin = typing.get_origin(hint)
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} expects a mapping, e.g. {{enable_thinking: false}}, got {value!r}.")
+        return dict(value)
     try:
         if origin is list:
             (item,) = typing.get_args(hint)
@@ -520,6 +543,10 @@ class GRPOConfig:
     def __init__(self, **kwargs: Any) -> None:
         for section, cls in SECTIONS.items():
             object.__setattr__(self, section, cls())
+        from grpo import trl_compat
+
+        if trl_compat.is_trl_style(kwargs):  # TRL's field names and defaults (docs/trl.md)
+            kwargs = trl_compat.translate(kwargs)
         flat = {}
         for key, value in kwargs.items():
             if key in SECTIONS and isinstance(value, (dict, SECTIONS[key])):
@@ -654,6 +681,9 @@ def validate(cfg: GRPOConfig) -> None:
                           f"{a.epsilon_low} and {a.epsilon_high}.")
     if not 0 < a.gamma <= 1:
         raise ConfigError(f"algorithm.gamma must be in (0, 1], got {a.gamma}.")
+    if not (a.sapo_temperature_pos > 0 and a.sapo_temperature_neg > 0):
+        raise ConfigError("algorithm.sapo_temperature_pos and sapo_temperature_neg must be > 0, got "
+                          f"{a.sapo_temperature_pos} and {a.sapo_temperature_neg}.")
     if a.loss_variant == "gspo" and a.gamma != 1:
         raise ConfigError("algorithm.loss_variant=gspo has one advantage per sequence; it needs gamma = 1.")
     if not a.reward_funcs and not a.reward_model:
@@ -704,6 +734,41 @@ def validate(cfg: GRPOConfig) -> None:
     validate_roles(cfg)
     if d.weight_sync_steps < 1:
         raise ConfigError(f"weight_sync_steps (inference_rollouts) must be >= 1, got {d.weight_sync_steps}.")
+    _check_runtime_settings(cfg)
+
+
+DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)$")
+
+
+def _check_runtime_settings(cfg: GRPOConfig) -> None:
+    """Values torch or the file system would otherwise reject with a traceback deep inside start-up."""
+    t, m, o, lo = cfg.train, cfg.model, cfg.optim, cfg.lora
+    for path, value in (("optim.adam_beta1", o.adam_beta1), ("optim.adam_beta2", o.adam_beta2),
+                        ("lora.dropout", lo.dropout)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{path} must be in [0, 1), got {value}.")
+    for path, value in (("optim.adam_epsilon", o.adam_epsilon), ("algorithm.advantage_eps",
+                                                                 cfg.algorithm.advantage_eps),
+                        ("train.log_samples", t.log_samples)):
+        if value < 0:
+            raise ConfigError(f"{path} must be >= 0, got {value}.")
+    if lo.r < 1 or not lo.alpha > 0:
+        raise ConfigError(f"lora.r must be at least 1 and lora.alpha > 0, got r = {lo.r}, alpha = {lo.alpha}.")
+    if cfg.generation.batch_size is not None and cfg.generation.batch_size < 1:
+        raise ConfigError(f"generation.batch_size must be at least 1 (or unset), got {cfg.generation.batch_size}.")
+    if not 0 <= t.seed < 2**63:  # torch.manual_seed takes a 64-bit integer
+        raise ConfigError(f"train.seed must be between 0 and 2**63 - 1, got {t.seed}.")
+    for path, value in (("train.num_threads", t.num_threads), ("train.eval_max_new_tokens", t.eval_max_new_tokens)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{path} must be at least 1 (or unset for the default), got {value}.")
+    for path, value in (("model.device", m.device), ("algorithm.reward_model_device",
+                                                     cfg.algorithm.reward_model_device)):
+        if value is not None and not DEVICE_RE.match(value):
+            raise ConfigError(f"{path} = {value!r} is not a device; use auto, cpu, cuda or cuda:N.")
+    name = t.run_name
+    if name is not None and (name in ("", ".", "..") or "/" in name or "\\" in name):
+        raise ConfigError(f"train.run_name = {name!r} must be a plain directory name (no '/', '..'): runs go in "
+                          "base_output_directory/run_name. To write somewhere else, set train.output_dir.")
 
 
 def preset_names() -> list[str]:
@@ -717,7 +782,10 @@ def read_config_file(spec: str) -> dict[str, Any]:
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise ConfigError(f"Config file {spec} does not exist. Shipped presets: {', '.join(preset_names())}.")
-        text = path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:  # unreadable, or not UTF-8 text
+            raise ConfigError(f"Cannot read config file {spec}: {e}. A config is UTF-8 YAML text.") from e
     else:
         name = spec.removeprefix("grpo_")  # TorchRL's `--config-name grpo_gsm8k`
         if name not in preset_names():

@@ -45,9 +45,13 @@ def informative_prompts(rewards: Tensor, prompt_index: Tensor, num_prompts: int)
     """[P] bool: whether the completions of each prompt have any reward spread (max > min).
 
     rewards [N], prompt_index [N] in 0..P-1. A prompt with fewer than two completions is not informative.
+    NaN rewards (not scored) are ignored.
     """
-    lo = torch.full((num_prompts,), float("inf")).scatter_reduce(0, prompt_index, rewards.float(), "amin")
-    hi = torch.full((num_prompts,), float("-inf")).scatter_reduce(0, prompt_index, rewards.float(), "amax")
+    scored = ~rewards.isnan()  # [N]
+    lo = torch.full((num_prompts,), float("inf")).scatter_reduce(
+        0, prompt_index, rewards.float().where(scored, float("inf")), "amin")  # [P]
+    hi = torch.full((num_prompts,), float("-inf")).scatter_reduce(
+        0, prompt_index, rewards.float().where(scored, float("-inf")), "amax")  # [P]
     return hi > lo  # [P]
 
 

@@ -1,7 +1,9 @@
 """Prompt sources → rows → PromptBatch.
 
-A row is a dict with a `prompt` string plus the dataset's other columns (e.g. `answer`), which reach
-reward functions as keyword arguments. Sources: the bundled `tiny_math` task, GSM8K and IFEval from the hub,
+A row is a dict with a `prompt` (text, or a list of chat messages as TRL's conversational datasets have
+it) plus the dataset's other columns, which reach reward functions as keyword arguments under their own
+names. A reference-answer column named otherwise (`solution`, `ground_truth`, `target`) is also copied
+to `answer`, the name this package's rewards read. Sources: the bundled `tiny_math` task, GSM8K and IFEval from the hub,
 local JSONL/JSON/Parquet/CSV files, any hub dataset (through `datasets`), or a Python list
 (`SimplePromptDataset`).
 """
@@ -113,13 +115,18 @@ def _utf8(data: bytes, path: Path) -> str:
 
 
 def _parse_json(text: str, path: Path) -> list[Any]:
-    """A JSON array of objects, or JSON Lines (one object per line; blank lines are skipped)."""
-    if text.lstrip().startswith("["):
+    """A JSON array of objects (a .json file may also hold one pretty-printed object), or JSON Lines (one
+    object per line; blank lines are skipped)."""
+    document_error = None
+    if text.lstrip().startswith("[") or path.suffix == ".json":
         try:
             records = json.loads(text)
         except ValueError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}.") from e
-        return records if isinstance(records, list) else [records]
+            if text.lstrip().startswith("["):
+                raise ConfigError(f"{path} is not valid JSON: {e}.") from e
+            document_error = e  # a .json file may still be JSON Lines
+        else:
+            return records if isinstance(records, list) else _rows_of_object(records)
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -127,9 +134,22 @@ def _parse_json(text: str, path: Path) -> list[Any]:
         try:
             records.append(json.loads(line))
         except ValueError as e:
+            if document_error is not None:  # neither one JSON document nor JSON Lines: blame the document
+                raise ConfigError(f"{path} is not valid JSON ({document_error}). A .json file must hold one JSON "
+                                  "array of objects, e.g. [{\"prompt\": \"...\", \"answer\": \"...\"}], or one "
+                                  "object per line.") from e
             raise ConfigError(f"{path}: line {number} is not valid JSON ({e}). Each line of a .jsonl file must "
                               "be one JSON object, e.g. {\"prompt\": \"...\", \"answer\": \"...\"}.") from e
     return records
+
+
+def _rows_of_object(document: Any) -> list[Any]:
+    """One JSON object: a single row, or (`{"data": [...]}`) the one list of rows it wraps."""
+    if isinstance(document, dict):
+        lists = [v for v in document.values() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+        if len(lists) == 1 and not any(k in document for k in PROMPT_COLUMNS):
+            return lists[0]
+    return [document]
 
 
 def _read_hub(path: str, name: str | None, split: str, data_files: str | None,
@@ -155,7 +175,7 @@ def _pick(columns: list[str], wanted: str | None, candidates: tuple[str, ...], w
 
 def normalise_rows(records: list[dict[str, Any]], prompt_field: str | None, answer_field: str | None,
                    source: str, skip_invalid: bool = False) -> list[dict[str, Any]]:
-    """Rename the prompt/answer columns to `prompt`/`answer`. Rows whose prompt (or, when there is an
+    """Rename the prompt column to `prompt`; the answer column keeps its name and is also copied to `answer`. Rows whose prompt (or, when there is an
     answer column, answer) is missing or empty stop the run with their row numbers, or with
     `skip_invalid` are dropped and counted."""
     if not records:
@@ -171,6 +191,13 @@ def normalise_rows(records: list[dict[str, Any]], prompt_field: str | None, answ
                           f"column that holds the prompt (looked for {', '.join(PROMPT_COLUMNS)}).")
     answer_col = _pick(columns, answer_field, ANSWER_COLUMNS, "answer", source)
     bad = {i: prompt_col for i, r in enumerate(records) if not _valid_prompt(r.get(prompt_col))}
+    not_text = [i for i in bad if not isinstance(records[i].get(prompt_col), str | list | None)]
+    if not_text and not skip_invalid:
+        value = records[not_text[0]][prompt_col]
+        raise ConfigError(f"{source}: rows {_rows(not_text)} (counting from 0) have a '{prompt_col}' that is not "
+                          f"text (row {not_text[0]}: {value!r}). A prompt is a string, or "
+                          "a list of chat messages {\"role\": ..., \"content\": ...}. Fix them, or set "
+                          "data.skip_invalid_rows=true to drop such rows.")
     if answer_col is not None:
         for i, r in enumerate(records):
             if r.get(answer_col) is None or (isinstance(r[answer_col], str) and not r[answer_col].strip()):
@@ -189,9 +216,11 @@ def normalise_rows(records: list[dict[str, Any]], prompt_field: str | None, answ
         records = [r for i, r in enumerate(records) if i not in bad]
     rows = []
     for r in records:
-        row = {k: v for k, v in r.items() if k not in (prompt_col, answer_col)}
+        row = {k: v for k, v in r.items() if k != prompt_col}
         row["prompt"] = r[prompt_col]
         if answer_col is not None:
+            # TRL's reward functions read the column under its own name (`solution`); ours read `answer`.
+            row.pop("answer", None)
             row["answer"] = r[answer_col]
         rows.append(row)
     return rows
@@ -210,14 +239,27 @@ def _rows(indices: list[int], limit: int = 10) -> str:
     return shown + (f" and {len(indices) - limit} more" if len(indices) > limit else "")
 
 
-def rows_from_dataset(dataset: Any, skip_invalid: bool = False) -> list[dict[str, Any]]:
-    """Rows from a SimplePromptDataset, a `datasets.Dataset`, a list of dicts or a list of strings."""
+def rows_from_dataset(dataset: Any, skip_invalid: bool = False, split: str = "train") -> list[dict[str, Any]]:
+    """Rows from a SimplePromptDataset, a `datasets.Dataset` or `DatasetDict` (its `split`, or its only
+    split), a list of dicts or a list of strings."""
+    if _is_dataset_dict(dataset):
+        splits = list(dataset.keys())
+        chosen = split if split in splits else splits[0] if len(splits) == 1 else None
+        if chosen is None:
+            raise ConfigError(f"The DatasetDict has splits {splits} and none is named '{split}': pass one split, "
+                              f"e.g. dataset['{splits[0]}'].")
+        dataset = dataset[chosen]
     if isinstance(dataset, SimplePromptDataset):
         dataset = [dataset[i] for i in range(len(dataset))]
     if hasattr(dataset, "to_list"):
         dataset = dataset.to_list()
     dataset = [{"prompt": r} if isinstance(r, str) else r for r in dataset]
     return normalise_rows(dataset, None, None, source="train_dataset", skip_invalid=skip_invalid)
+
+
+def _is_dataset_dict(dataset: Any) -> bool:
+    return hasattr(dataset, "keys") and hasattr(dataset, "values") and all(
+        hasattr(part, "to_list") for part in dataset.values())
 
 
 class PromptFormatter:
@@ -230,12 +272,26 @@ class PromptFormatter:
         self.truncated_count = 0
 
     def text(self, prompt: str | list[dict[str, str]]) -> str:
+        if isinstance(prompt, str) and self.templated and (not self.cfg.chat_template_for_text
+                                                           or self._already_templated(prompt)):
+            return prompt  # TRL sends plain-text prompts as they are; a templated one is never templated twice
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if not self.templated:
             return "\n".join(m["content"] for m in messages)
         if self.cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **(self.cfg.chat_template_kwargs or {}))
+
+    def _already_templated(self, prompt: str) -> bool:
+        """The text starts as the chat template starts a conversation (a dataset templated beforehand)."""
+        if not hasattr(self, "_template_head"):
+            marker = "\x00prompt\x00"
+            messages = [{"role": "user", "content": marker}]
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                          **(self.cfg.chat_template_kwargs or {}))
+            self._template_head = rendered.partition(marker)[0]
+        return bool(self._template_head.strip()) and prompt.startswith(self._template_head)
 
     def encode(self, prompts: list, indices: list[int] | None = None) -> list[list[int]]:
         # The chat template already places any BOS token; adding special tokens again would double it.
@@ -343,9 +399,9 @@ class PromptStream:
 
 
 def make_prompt_batch(indices: list[int], rows: list[dict[str, Any]], formatter: PromptFormatter) -> PromptBatch:
-    columns = {k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"}
+    columns = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"}
     return PromptBatch(
-        prompts=[prompt_text(r["prompt"]) for r in rows],
+        prompts=[r["prompt"] for r in rows],  # as the dataset gave them: text or a list of messages
         prompt_token_ids=formatter.encode([r["prompt"] for r in rows], indices),
         columns=columns, indices=indices,
     )

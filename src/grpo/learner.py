@@ -16,22 +16,28 @@ from grpo.batch import TrainBatch
 from grpo.config import GRPOConfig
 from grpo.distributed.runtime import Runtime
 from grpo.loss import LossNorm, grpo_loss
+from grpo.models import autocast, resolve_dtype
 from grpo.native.decoder import NativeDecoder, unsupported_reason
 from grpo.native.logprobs import shared_prompt_logprobs
 
 
+class NonFiniteWeightsError(RuntimeError):
+    """The policy's weights hold NaN/inf after an optimizer step: training cannot go on from here."""
+
+
 def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False,
-                   entropy_grad: bool = False):
+                   entropy_grad: bool = False, compute_dtype: torch.dtype | None = None):
     """log π(completion token | prefix) for every completion position: [N, T] (and entropy [N, T],
     differentiable when `entropy_grad`, for the entropy bonus)."""
     width = batch.prompt_width
     t = batch.input_ids.shape[1] - width
     device = next(model.parameters()).device
-    out = model(
-        input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-        position_ids=batch.position_ids.to(device), use_cache=False,
-        logits_to_keep=t + 1,  # the lm head runs only where completion tokens are predicted
-    )
+    with autocast(device, compute_dtype):
+        out = model(
+            input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+            position_ids=batch.position_ids.to(device), use_cache=False,
+            logits_to_keep=t + 1,  # the lm head runs only where completion tokens are predicted
+        )
     logits = out.logits[:, :-1].float() / temperature  # [N, T, V]
     logp_all = torch.log_softmax(logits, dim=-1)  # [N, T, V]
     targets = batch.input_ids[:, width:].to(device)  # [N, T]
@@ -43,15 +49,18 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
     return logp, entropy
 
 
-def logprob_function(model, native: bool, gradient_checkpointing: bool = False):
+def logprob_function(model, native: bool, gradient_checkpointing: bool = False,
+                     compute_dtype: torch.dtype | None = None):
     """`fn(batch, temperature, with_entropy)` for this model: the native shared-prompt forward when asked
-    for and the architecture is supported, else the transformers forward."""
+    for and the architecture is supported, else the transformers forward; both compute in
+    `compute_dtype` (None: the weights' dtype)."""
     if native and unsupported_reason(model) is None:
-        decoder = NativeDecoder(model)
+        decoder = NativeDecoder(model, compute_dtype)
         decoder.gradient_checkpointing = gradient_checkpointing
         return lambda batch, temperature, with_entropy=False: shared_prompt_logprobs(
             decoder, batch, temperature, with_entropy)
-    return lambda batch, temperature, with_entropy=False: token_logprobs(model, batch, temperature, with_entropy)
+    return lambda batch, temperature, with_entropy=False: token_logprobs(
+        model, batch, temperature, with_entropy, compute_dtype=compute_dtype)
 
 
 def trim(batch: TrainBatch) -> TrainBatch:
@@ -98,12 +107,13 @@ class StepStats:
     grad_norm: float
     skipped: bool
     importance: dict[str, float] = field(default_factory=dict)  # off-policy correction, when applied
+    amp: dict[str, float] = field(default_factory=dict)  # float16 loss scaling: scale, overflow
 
     def as_dict(self) -> dict[str, float]:
         return {"loss": self.loss, "kl": self.kl, "ratio_mean": self.ratio_mean,
                 "clip/low_frac": self.clip_low_frac, "clip/high_frac": self.clip_high_frac,
                 "entropy": self.entropy, "grad_norm": self.grad_norm,
-                "skipped_nonfinite": float(self.skipped), **self.importance}
+                "skipped_nonfinite": float(self.skipped), **self.importance, **self.amp}
 
 
 class Learner:
@@ -113,7 +123,14 @@ class Learner:
         # Several processes: `model` is the DDP/FSDP2-wrapped policy that forward/backward go through,
         # and every count below is made global with the runtime's all-reduces.
         self.rt = runtime or Runtime()
-        self.model = self.rt.wrap(policy)
+        device = next(policy.parameters()).device
+        # Mixed precision (docs/algorithm.md, Precision): the parameters AdamW steps are float32 masters;
+        # forward/backward compute in model.dtype. FSDP2 casts through its MixedPrecisionPolicy instead.
+        self.compute_dtype = resolve_dtype(cfg.model.dtype, device)
+        self.model = self.rt.wrap(policy, param_dtype=self.compute_dtype)
+        forward_dtype = None if self.rt.sharded else self.compute_dtype
+        # float16's 5 exponent bits underflow small gradients: scale the loss (Micikevicius et al. 2018).
+        self.scaler = (torch.amp.GradScaler(device.type) if self.compute_dtype == torch.float16 else None)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=o.learning_rate,
@@ -122,10 +139,13 @@ class Learner:
             self.optimizer, lr_lambda(o.warmup_steps, total_optimizer_steps, o.lr_scheduler))
         self.micro_batch_size = cfg.resolved_micro_batch_size
         self.nonfinite_in_a_row = 0
+        self._overflowed = False
         # The native forward reads parameters directly, skipping module hooks: DDP and FSDP2 rely on their
         # wrapper's forward, so several processes train through the transformers forward.
         native = cfg.generation.engine != "transformers" and not self.rt.active
-        self._policy_logprob_fn = logprob_function(self.model, native, cfg.model.gradient_checkpointing)
+        self._forward_dtype = forward_dtype
+        self._policy_logprob_fn = logprob_function(self.model, native, cfg.model.gradient_checkpointing,
+                                                   forward_dtype)
         self._ref_logprob_fn = None if ref_model is None else logprob_function(ref_model, native)
 
     @torch.no_grad()
@@ -149,7 +169,7 @@ class Learner:
         if not old_given:
             batch.old_logprobs = torch.zeros_like(batch.completion_mask)
         totals: dict[str, float] = {}
-        grad_norm, skipped = 0.0, False
+        grad_norm, skipped, overflow = 0.0, False, False
         for iteration in range(a.num_iterations):
             first_pass, loss_finite = iteration == 0, True
             slices = micro_batches(len(batch), self.micro_batch_size)
@@ -158,7 +178,8 @@ class Learner:
                 rt.set_grad_sync(self.model, k == len(slices) - 1)  # all-reduce once, after the last
                 if a.entropy_coef != 0:  # the bonus needs entropy with a gradient: the transformers forward
                     logp, entropy = token_logprobs(self.model, mb, self.cfg.generation.temperature,
-                                                   with_entropy=first_pass, entropy_grad=True)
+                                                   with_entropy=first_pass, entropy_grad=True,
+                                                   compute_dtype=self._forward_dtype)
                 else:
                     logp, entropy = self._policy_logprob_fn(mb, self.cfg.generation.temperature,
                                                          with_entropy=first_pass)
@@ -177,8 +198,11 @@ class Learner:
                     mb.advantages.to(device), mask, variant=a.loss_variant, clip_low=a.epsilon_low,
                     clip_high=a.epsilon_high, beta=a.beta, kl_estimator=a.kl_estimator,
                     aggregation=a.loss_aggregation, norm=norm, entropy=entropy,
-                    entropy_coef=a.entropy_coef)
-                (out.loss * rt.loss_scale).backward()
+                    entropy_coef=a.entropy_coef, kl_bias_correction=a.use_bias_correction_kl,
+                    variant_options={"temperature_pos": a.sapo_temperature_pos,
+                                     "temperature_neg": a.sapo_temperature_neg})
+                scaled = out.loss * rt.loss_scale
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 loss_finite = loss_finite and math.isfinite(out.loss.item())
                 if first_pass:
                     _add(totals, loss=out.loss.item(), kl=out.kl_sum.item(), ratio=out.ratio_sum.item(),
@@ -186,6 +210,7 @@ class Learner:
                          entropy=(entropy.detach() * mask).sum().item(), tokens=out.num_tokens.item())
             grad_norm, step_skipped = self._optimizer_step(loss_finite)
             skipped = skipped or step_skipped
+            overflow = overflow or self._overflowed
         if rt.active:
             keys = sorted(totals)
             summed = rt.sum_tensor(torch.tensor([totals[k] for k in keys], dtype=torch.float64))
@@ -196,7 +221,9 @@ class Learner:
                          clip_low_frac=totals.get("clip_low", 0.0) / tokens,
                          clip_high_frac=totals.get("clip_high", 0.0) / tokens,
                          entropy=totals.get("entropy", 0.0) / tokens, grad_norm=grad_norm, skipped=skipped,
-                         importance=_importance_stats(totals))
+                         importance=_importance_stats(totals),
+                         amp={} if self.scaler is None else {"amp/loss_scale": float(self.scaler.get_scale()),
+                                                             "amp/overflow": float(overflow)})
 
     def _importance_weighted(self, batch: TrainBatch, rows: slice, mb: TrainBatch, old: torch.Tensor,
                              totals: dict[str, float]) -> torch.Tensor:
@@ -219,26 +246,58 @@ class Learner:
     def _optimizer_step(self, loss_finite: bool = True) -> tuple[float, bool]:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.max_grad_norm or float("inf")
+        self._overflowed = False
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip and report the true gradient, not the scaled one
         grad_norm = self.rt.clip_grad_norm(params, max_norm)
         loss_finite = not self.rt.any(not loss_finite)  # every rank skips, or none
         if not (math.isfinite(grad_norm) and loss_finite):
             # A non-finite gradient would poison AdamW's moments for good: drop this update.
             self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler is not None:
+                self.scaler.update()  # an inf was found while unscaling: the scale halves
+                # A float16 gradient overflow with a finite loss is the scaler's normal working (too high a
+                # scale), not a failed step, while the scale is still ≥ 1; below 1 the unscaled
+                # gradient itself is non-finite, and it counts.
+                if loss_finite and self.scaler.get_scale() >= 1.0:
+                    self._overflowed = True
+                    return grad_norm, False
             self.nonfinite_in_a_row += 1
             return grad_norm, True
         self.nonfinite_in_a_row = 0
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._check_finite(params)
         return grad_norm, False
 
+    def _check_finite(self, params: list[torch.Tensor]) -> None:
+        """Stop the run if an update left NaN/inf weights (no finished run, no checkpoint, may hold them)."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2: this rank's shard
+        norms = [torch.linalg.vector_norm(p.detach()).to(local[0].device) for p in local]
+        finite = not norms or bool(torch.stack(norms).isfinite().all())  # one host sync
+        if self.rt.any(not finite):
+            raise NonFiniteWeightsError(
+                "The policy's weights became NaN/inf in an optimizer step; stopped before saving them. "
+                "Checkpoints saved earlier are intact. Lower optim.learning_rate, keep "
+                "optim.max_grad_norm set, or train in float32 or bfloat16 (model.dtype).")
+
     def state_dict(self) -> dict:
-        return {"optimizer": self.rt.optimizer_state(self.model, self.optimizer),
-                "scheduler": self.scheduler.state_dict()}
+        state = {"optimizer": self.rt.optimizer_state(self.model, self.optimizer),
+                 "scheduler": self.scheduler.state_dict()}
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.rt.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
 
 
 def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str,

@@ -77,4 +77,5 @@ def merged_model(peft_model, full_state: dict[str, torch.Tensor]):
     merged = fresh.merge_and_unload()
     if hasattr(merged, "tie_weights"):
         merged.tie_weights()
-    return merged.to(next(iter(full_state.values())).dtype)
+    # Merged in float32 whatever the frozen base is held in (bf16 under mixed precision); save_dtype casts.
+    return merged.float()

@@ -30,9 +30,11 @@ __all__ = [
     "PolicyLoss",
     "RatioStats",
     "apply_truncation_mask",
+    "cispo_policy_loss",
     "grpo_loss",
     "kl_penalty",
     "per_token_policy_loss",
+    "sapo_policy_loss",
     "sequence_policy_loss",
 ]
 
@@ -92,7 +94,8 @@ class RatioStats(NamedTuple):
 class PolicyLoss(Protocol):
     """Contract of a POLICY_LOSSES entry. grpo_loss calls it with keywords only, so an entry that
     needs no sequence context (the token-level "grpo") may take `mask` last and optional; one that
-    does (a sequence-level ratio, GSPO) uses it to average log-ratios over completion tokens."""
+    does (a sequence-level ratio, GSPO) uses it to average log-ratios over completion tokens. Options of
+    one variant (SAPO's temperatures) arrive as further keywords, which the others ignore."""
 
     def __call__(
         self,
@@ -103,6 +106,7 @@ class PolicyLoss(Protocol):
         mask: Tensor,
         clip_low: float,
         clip_high: float,
+        **options: float,
     ) -> tuple[Tensor, RatioStats]: ...
 
 
@@ -113,6 +117,7 @@ def per_token_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     mask: Tensor | None = None,
+    **_options: float,
 ) -> tuple[Tensor, RatioStats]:
     """PPO's clipped surrogate on a per-token ratio (GRPO, DeepSeekMath eq. 3).
 
@@ -138,6 +143,7 @@ def sequence_policy_loss(
     mask: Tensor,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
+    **_options: float,
 ) -> tuple[Tensor, RatioStats]:
     """GSPO (arXiv 2507.18071, eq. 5-7): PPO's clip on one length-normalised ratio per completion,
 
@@ -158,9 +164,66 @@ def sequence_policy_loss(
     return loss, RatioStats(ratio, clipped_low, clipped_high)
 
 
+def cispo_policy_loss(
+    *,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 4.0,
+    **_options: float,
+) -> tuple[Tensor, RatioStats]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update,
+
+        ℓ_t = −sg(min(ρ_t, 1 + ε_high)) · Â_t · log π_θ(o_t),
+
+    a REINFORCE term weighted by the capped, detached ratio, so every token keeps a gradient (PPO's clip
+    zeroes it for tokens past the trust region). No lower cap (clip_low is unused), as in MiniMax-M1's
+    experiments and TRL's loss_type="cispo", whose `epsilon_high` is the cap itself (= our 1 + ε_high).
+    Returns the per-token loss [B, T] and RatioStats (clipped_high: ρ above the cap, Â > 0).
+    """
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    weight = ratio.clamp(max=1.0 + clip_high).detach()  # [B, T]
+    loss = -weight * advantages * logp  # [B, T]
+    clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)  # [B, T]
+    return loss, RatioStats(ratio, torch.zeros_like(clipped_high), clipped_high)
+
+
+def sapo_policy_loss(
+    *,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    temperature_pos: float = 1.0,
+    temperature_neg: float = 1.05,
+    **_options: float,
+) -> tuple[Tensor, RatioStats]:
+    """SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347): a smooth gate in place of the clip,
+
+        ℓ_t = −f(ρ_t) · Â_t,   f(ρ) = σ(τ (ρ − 1)) · 4 / τ,   τ = τ_pos if Â_t > 0 else τ_neg,
+
+    f(1) = 2/τ and f'(ρ) = 4σ(1 − σ) = 1 at ρ = 1: on-policy the gradient is the plain policy gradient,
+    off-policy it fades smoothly instead of dropping to zero. τ_neg > τ_pos fades negative-advantage
+    tokens faster (the paper's asymmetric temperatures; TRL's defaults 1.05 and 1.0). clip_low and
+    clip_high are unused. Returns the per-token loss [B, T] and RatioStats with no clipped tokens.
+    """
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg)  # [B, T]
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau  # [B, T]
+    loss = -gate * advantages  # [B, T]
+    none = torch.zeros_like(ratio, dtype=torch.bool)  # [B, T]
+    return loss, RatioStats(ratio, none, none)
+
+
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     "grpo": per_token_policy_loss,
     "gspo": sequence_policy_loss,
+    "cispo": cispo_policy_loss,
+    "sapo": sapo_policy_loss,
 }
 
 
@@ -199,7 +262,8 @@ def _sequence_mean(per_token: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
 
 
 def _token_mean(per_token: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
-    # DAPO token-level loss / BNPO: every completion token in the batch weighs the same.
+    # DAPO token-level loss: every completion token in the optimisation batch weighs the same (TRL's
+    # loss_type="dapo"; TRL's "bnpo" divides by each micro-batch's own token count, equal with one micro-batch).
     return (per_token * mask).sum() / max(norm.num_tokens, 1)  # []
 
 
@@ -248,6 +312,8 @@ def grpo_loss(
     norm: LossNorm,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    kl_bias_correction: bool = False,
+    variant_options: Mapping[str, float] | None = None,
 ) -> LossOutput:
     """Clipped surrogate + β·KL − c·entropy for one micro-batch; see the module docstring.
 
@@ -259,6 +325,11 @@ def grpo_loss(
     norm:       normalisers of the whole optimisation batch (LossNorm.from_mask on the full mask).
     entropy:    [B, T] per-token entropy of π_θ (with gradient) when entropy_coef != 0: the bonus
                 −c·H_t is added to every token's loss and aggregated like the rest.
+    kl_bias_correction: multiply the KL term by the (differentiable) importance ratio ρ the policy loss
+                formed, so its gradient is that of KL(π_θ ‖ π_ref) also off-policy (DeepSeek-V3.2,
+                arXiv 2512.02556; TRL's use_bias_correction_kl). It changes the gradient on-policy too: ρ = 1
+                but ∂ρ/∂θ = ρ ∂log π_θ/∂θ adds KL_t·∇log π_θ.
+    variant_options: keyword options of the policy loss (SAPO: temperature_pos, temperature_neg).
     """
     if entropy_coef != 0 and entropy is None:
         raise ValueError(f"entropy_coef={entropy_coef} needs the per-token entropy")
@@ -287,10 +358,12 @@ def grpo_loss(
         mask=mask_f,
         clip_low=clip_low,
         clip_high=clip_high,
+        **(variant_options or {}),
     )  # [B, T]
     kl = estimate_kl(ref_logp.detach() - logp) if ref_logp is not None else torch.zeros_like(logp)  # [B, T]
     if beta != 0:
-        per_token = per_token + beta * kl  # [B, T]
+        penalty = kl * ratio_stats.ratio if kl_bias_correction else kl  # [B, T]
+        per_token = per_token + beta * penalty  # [B, T]
     if entropy_coef != 0:
         per_token = per_token - entropy_coef * entropy  # [B, T] higher entropy lowers the loss
     loss = aggregate(per_token, mask_f, norm)  # []

@@ -16,6 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from grpo.checkpoint import CheckpointError
+from grpo.config import ConfigError
+
 log = logging.getLogger("grpo")
 
 CONSOLE_KEYS = ("reward", "reward_std", "kl", "loss", "completion_len/mean", "entropy", "grad_norm",
@@ -43,6 +46,11 @@ class StageTimer:
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg, config_dict: dict[str, Any], start_step: int = 0):
         self.run_dir = Path(run_dir)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            path = self.run_dir / name
+            if path.exists() and not path.is_file():
+                raise ConfigError(f"{path} is a directory (or another non-file), where grpo appends its "
+                                  f"{name.split('.')[0]} log; move it out of the way, then start again.")
         keep_until_step(self.run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self.tb = None
@@ -60,6 +68,10 @@ class MetricsLogger:
                                     name=cfg.train.wandb_run_name or self.run_dir.name, config=config_dict)
 
     def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
+        if not self.run_dir.is_dir():  # the open log would go on writing into a deleted file, unseen
+            raise CheckpointError(f"The run directory {self.run_dir} no longer exists (deleted or moved while the "
+                                  f"run was going?); stopped at step {step}. Restore it, then resume with "
+                                  "--resume latest.")
         clean = {k: _clean(v) for k, v in metrics.items()}
         self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self.jsonl.flush()
@@ -91,14 +103,21 @@ def keep_until_step(path: Path, step: int) -> None:
     """Drop the lines of a metrics.jsonl logged after `step` (all of them for a fresh start), atomically."""
     if not path.is_file():
         return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+    kept, unreadable = [], 0
+    for raw in path.read_bytes().splitlines():
         try:
+            line = raw.decode("utf-8")
             logged = json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by a kill
+        except (ValueError, KeyError, TypeError):  # ValueError covers bad UTF-8 and bad JSON
+            logged = None
+        if type(logged) is not int:
+            unreadable += bool(raw.strip())  # a line cut short by a kill, or damaged: dropped
+            continue
         if step and logged <= step:
-            kept.append(line if line.endswith("\n") else line + "\n")
+            kept.append(line + "\n")
+    if unreadable and step:
+        log.warning("%s: dropped %d line(s) that were not JSON objects with a step number (cut short by a "
+                    "kill, or damaged).", path, unreadable)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
@@ -124,6 +143,12 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _prompt_text(prompt) -> str:
+    from grpo.data import prompt_text  # the last user message of a conversational prompt
+
+    return prompt_text(prompt)
+
+
 def sample_records(scored, advantages, limit: int) -> list[dict[str, Any]]:
     """Up to `limit` completions of one step, one per group first (so several prompts show), with the
     total reward, each function's reward and the advantage. `scored` is a dapo.ScoredRollouts."""
@@ -135,7 +160,7 @@ def sample_records(scored, advantages, limit: int) -> list[dict[str, Any]]:
     records = []
     for i in order[:limit]:
         records.append({
-            "prompt": scored.prompts.prompts[group[i]], "completion": scored.texts[i],
+            "prompt": _prompt_text(scored.prompts.prompts[group[i]]), "completion": scored.texts[i],
             "reward": _clean(scored.rewards[i]), "advantage": _clean(advantages[i]),
             "rewards": {n: _clean(scored.scores.per_function[i, j]) for j, n in enumerate(scored.scores.names)},
             "length": int(scored.rollouts.lengths[i]), "truncated": bool(scored.rollouts.truncated[i]),

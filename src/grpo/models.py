@@ -7,6 +7,7 @@ safetensors, and repository code runs only with `trust_remote_code`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from importlib import resources
 from pathlib import Path
@@ -46,10 +47,19 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """The compute dtype `model.dtype` names. Trainable weights (masters) stay float32 whatever it is."""
     if spec == "auto":
         # bf16 matmuls are ~100x slower than fp32 on many CPUs; on GPUs bf16 halves memory at no cost.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[spec]
+
+
+def autocast(device: torch.device, compute_dtype: torch.dtype | None):
+    """Mixed precision for a transformers forward: float32 parameters, matmuls in compute_dtype
+    (PyTorch AMP); a no-op for float32 or None."""
+    if compute_dtype in (None, torch.float32):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=compute_dtype)
 
 
 def _hub_kwargs(cfg: GRPOConfig) -> dict:
@@ -87,10 +97,13 @@ def prepare_tokenizer(tok):
 
 
 def load_causal_lm(name_or_path: str, cfg: GRPOConfig, device: torch.device, trainable: bool):
+    """A trainable model loads in float32 (its master weights); a frozen one (reference, reward model)
+    in the compute dtype, since it is never stepped."""
     path = resolve_path(name_or_path)
+    dtype = torch.float32 if trainable else resolve_dtype(cfg.model.dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(cfg.model.dtype, device), use_safetensors=True, **_hub_kwargs(cfg))
+            path, dtype=dtype, use_safetensors=True, **_hub_kwargs(cfg))
     except (OSError, ValueError) as e:
         raise ConfigError(f"Could not load a causal LM from '{path}': {_why(e)}") from e
     model.to(device)
@@ -111,3 +124,30 @@ def load_policy(cfg: GRPOConfig, device: torch.device):
 def load_reference(cfg: GRPOConfig, device: torch.device):
     path = cfg.model.ref_model_path or cfg.model.load_parameters_path or cfg.model.name_or_path
     return load_causal_lm(path, cfg, device, trainable=False)
+
+
+def float32_masters(model):
+    """The trainable floating-point parameters in float32: AdamW on bf16/fp16 parameters rounds away any
+    update below half an ulp (2^-9 relative in bf16), e.g. most updates at lr 1e-6."""
+    low = [p for p in model.parameters() if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
+    if low:
+        log.info("Trainable parameters given in %s: upcasting them to float32 master weights (compute still "
+                 "runs in model.dtype).", low[0].dtype)
+        for p in low:
+            p.data = p.data.float()
+    return model
+
+
+def precision_summary(compute: torch.dtype, ref_dtype: torch.dtype | None, save_dtype: str,
+                      sharded: bool = False) -> str:
+    """The start-up line naming where each precision applies (docs/algorithm.md, Precision)."""
+    name = str(compute).removeprefix("torch.")
+    if compute == torch.float32:
+        how = "float32 throughout"
+    else:
+        via = "FSDP2 MixedPrecisionPolicy" if sharded else "autocast / native decoder casts"
+        how = (f"float32 master weights and AdamW state, {name} compute ({via}, gradients reduced in float32)"
+               + ("; dynamic loss scaling (GradScaler)" if compute == torch.float16 else ""))
+    ref = "no reference" if ref_dtype is None else "reference in " + str(ref_dtype).removeprefix("torch.")
+    return (f"Precision: {how}; rollout samples in {name}; {ref}; checkpoints float32, "
+            f"final_model {save_dtype}.")

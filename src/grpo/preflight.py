@@ -15,7 +15,13 @@ from typing import Any
 
 import yaml
 
-from grpo.checkpoint import find_resume_dir, list_checkpoints, read_saved_config, remove_partial_saves
+from grpo.checkpoint import (
+    CHECKPOINT_RE,
+    find_resume_dir,
+    list_checkpoints,
+    read_saved_config,
+    remove_partial_saves,
+)
 from grpo.config import BUNDLED_MODEL, ConfigError, GRPOConfig
 
 log = logging.getLogger("grpo")
@@ -32,7 +38,7 @@ RESUME_SAFE_KEYS = frozenset({
     "generation.batch_size",
     "train.steps", "train.num_epochs", "train.micro_batch_size", "train.gradient_accumulation_steps",
     "train.output_dir", "train.base_output_directory", "train.run_name", "train.logging_steps",
-    "train.save_steps", "train.save_total_limit", "train.resume", "train.allow_config_change",
+    "train.save_steps", "train.save_total_limit", "train.save_dtype", "train.resume", "train.allow_config_change",
     "train.stop_after_nonfinite_steps", "train.eval_before", "train.eval_after", "train.eval_steps",
     "train.eval_batch_size", "train.eval_max_new_tokens", "train.use_wandb", "train.wandb_project",
     "train.wandb_run_name", "train.tensorboard", "train.progress_bar", "train.num_threads",
@@ -67,8 +73,11 @@ def _local_dir(key: str, spec: str) -> Path | None:
     """The directory `spec` names, or None for the bundled model and hub ids."""
     if spec == BUNDLED_MODEL:
         return None
+    if "://" in spec:
+        raise ConfigError(f"{key} = {spec}: cloud storage paths are not supported; copy the checkpoint locally "
+                          "(e.g. gsutil -m cp -r / aws s3 cp --recursive) and pass its directory.")
     path = Path(spec).expanduser()
-    if not (spec.startswith((".", "/", "~")) or path.exists()):
+    if not (_looks_local(spec) or path.exists()):
         return None  # a hub id (org/name): checked when it is downloaded
     if not path.exists():
         raise ConfigError(f"{key} = {spec}: no such file or directory. Pass a hub id (org/name), a directory "
@@ -78,6 +87,14 @@ def _local_dir(key: str, spec: str) -> Path | None:
     if not os.access(path, os.R_OK | os.X_OK):
         raise ConfigError(f"{key} = {spec} cannot be read (permission denied); fix its permissions or copy it.")
     return path
+
+
+def _looks_local(spec: str) -> bool:
+    """A path, not a hub id: hub ids are `name` or `org/name`, never `a/b/c`, and never named like our own
+    output directories (a `checkpoint-6` pruned a moment ago is a missing directory, not a repo)."""
+    name = spec.rstrip("/").rpartition("/")[2]
+    return (spec.startswith((".", "/", "~")) or spec.count("/") >= 2 or spec.endswith("/") or "\\" in spec
+            or CHECKPOINT_RE.match(name) is not None or name in ("final_model", "best_model"))
 
 
 def _check_model_dir(key: str, path: Path, trust_remote_code: bool) -> None:
@@ -91,17 +108,22 @@ def _check_model_dir(key: str, path: Path, trust_remote_code: bool) -> None:
                           "a pickled checkpoint can run code when it is opened. If you trust the file, convert it "
                           "once with AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir).")
     try:
-        auto_map = json.loads(config.read_text(encoding="utf-8")).get("auto_map")
+        settings = json.loads(config.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"{key}: {config} is not valid JSON ({e}).") from e
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{key}: {config} holds a JSON {type(settings).__name__}, not the object of settings "
+                          "save_pretrained writes; the directory is not a saved model.")
+    auto_map = settings.get("auto_map")
     if auto_map and not trust_remote_code:
         raise ConfigError(f"{key} = {path} needs its own Python code to load (auto_map in config.json). Set "
                           "model.trust_remote_code=true only if you trust that code.")
 
 
-def plan_resume(cfg: GRPOConfig, run_dir: Path) -> Path | None:
-    """The checkpoint this run continues from (verified, settings compatible), or None for a fresh start."""
-    removed = remove_partial_saves(run_dir)
+def plan_resume(cfg: GRPOConfig, run_dir: Path, clean_up: bool = True) -> Path | None:
+    """The checkpoint this run continues from (verified, settings compatible), or None for a fresh start.
+    `clean_up`: remove what an interrupted save left (rank 0 only: the others must not write)."""
+    removed = remove_partial_saves(run_dir) if clean_up else []
     if removed:
         log.info("Removed %s, left by a save that was interrupted.", ", ".join(removed))
     if not cfg.train.resume:
@@ -142,4 +164,5 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 
 def _step(path: Path) -> int:
-    return int(path.name.rpartition("-")[2]) if path.name.rpartition("-")[2].isdigit() else -1
+    m = CHECKPOINT_RE.match(path.name)
+    return int(m.group(1)) if m else 2**62  # final_model: the end of its run, no checkpoint is newer

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from grpo.config import ConfigError
+
 SAMPLES_SHOWN = 24
 
 
@@ -48,21 +50,24 @@ PANELS = [
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a log, line by line. A line that is not one (cut short by a crash, still being
+    written by a live run, or not UTF-8) is skipped, and the rest kept."""
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a crash: skip it, keep the rest
-                continue
+    for line in path.read_bytes().splitlines():
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
     return rows
 
 
 def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and "step" in r]
+    points = [(r["step"], r[key]) for r in rows
+              if isinstance(r.get(key), int | float) and isinstance(r.get("step"), int | float)]
     return [s for s, _ in points], [v for _, v in points]
 
 
@@ -79,7 +84,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     if not rows:
-        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no metrics to report")
+        raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no metrics to report (no step has been logged yet, "
+                          "or no line of it is a JSON object).")
     reward_keys = sorted({k for r in rows for k in r if k.startswith("reward/") and k != "reward/skipped"})
     figures = []
     for panel in PANELS:
@@ -117,17 +123,20 @@ def _mark_eval_phases(ax, rows: list[dict[str, Any]]) -> None:
 
 
 def _summary(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    config = {}
-    if (run_dir / "config.yaml").is_file():
-        config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
-    get = lambda section, key: str((config.get(section) or {}).get(key, "?"))
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # missing or damaged: the summary shows '?'
+        config = None
+    config = config if isinstance(config, dict) else {}
+    section_of = lambda name: config.get(name) if isinstance(config.get(name), dict) else {}
+    get = lambda section, key: str(section_of(section).get(key, "?"))
     items = [("model", get("model", "name_or_path")), ("dataset", get("data", "dataset")),
-             ("rewards", ", ".join((config.get("algorithm") or {}).get("reward_funcs") or []) or "?"),
+             ("rewards", ", ".join(map(str, section_of("algorithm").get("reward_funcs") or [])) or "?"),
              ("prompts × generations", f"{get('train', 'prompts_per_step')} × {get('generation', 'num_generations')}"),
              ("learning rate", get("optim", "learning_rate")), ("β (KL)", get("algorithm", "beta")),
              ("loss", get("algorithm", "loss_variant")),
              ("dynamic sampling", get("algorithm", "dynamic_sampling"))]
-    steps = [r["step"] for r in rows if "step" in r and "reward" in r]
+    steps = [r["step"] for r in rows if isinstance(r.get("step"), int | float) and "reward" in r]
     if steps:
         items.append(("steps logged", f"{min(steps)}–{max(steps)}"))
     for key, label in (("eval/accuracy_before", "accuracy before"), ("eval/accuracy_after", "accuracy after")):

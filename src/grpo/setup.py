@@ -20,18 +20,22 @@ import torch
 from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptFormatter, load_rows, rows_from_dataset
 from grpo.models import (
+    float32_masters,
     load_causal_lm,
     load_policy,
     load_reference,
     load_tokenizer,
+    precision_summary,
     prepare_tokenizer,
     resolve_device,
+    resolve_dtype,
     resolve_path,
 )
 from grpo.preflight import check_model_paths, plan_resume
 from grpo.redact import RedactingFilter
 from grpo.rewards import resolve_rewards
 from grpo.rollout import RolloutEngine, build_engine
+from grpo.runlock import lock_run_dir
 
 log = logging.getLogger("grpo")
 
@@ -50,6 +54,8 @@ class RunParts:
     reward_funcs: list[Callable]
     reward_weights: list[float] | None
     resume_from: Path | None = None  # a verified checkpoint whose settings match this run's
+    compute_dtype: torch.dtype = torch.float32  # model.dtype resolved; trained weights stay float32
+    lock: Any = None  # runlock.RunLock on run_dir, held while this run may write there
 
 
 def make_run_dir(cfg: GRPOConfig) -> Path:
@@ -101,7 +107,7 @@ def setup_logging(run_dir: Path | None = None) -> None:
 
 
 def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None, tokenizer=None,
-              train_dataset=None, reward_funcs=None, eval_dataset=None) -> RunParts:
+              train_dataset=None, reward_funcs=None, eval_dataset=None, rt=None) -> RunParts:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     torch.manual_seed(cfg.train.seed)
@@ -109,11 +115,27 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
         if isinstance(value, str):  # a name or path passed in place of an object
             setattr(cfg.model, key, value)
     run_dir = make_run_dir(cfg)
+    # Before anything in run_dir is read or written: a second run on a live directory stops here.
+    lock = lock_run_dir(run_dir, rt)
+    try:
+        parts = _build_parts(cfg, run_dir, model=model, ref_model=ref_model, reward_model=reward_model,
+                             tokenizer=tokenizer, train_dataset=train_dataset, reward_funcs=reward_funcs,
+                             eval_dataset=eval_dataset, is_main=rt is None or rt.is_main)
+    except BaseException:
+        lock.release()
+        raise
+    parts.lock = lock
+    return parts
+
+
+def _build_parts(cfg: GRPOConfig, run_dir: Path, *, model, ref_model, reward_model, tokenizer, train_dataset,
+                 reward_funcs, eval_dataset, is_main: bool) -> RunParts:
     setup_logging(run_dir)
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
     # weights are read.
-    resume_from = plan_resume(cfg, run_dir)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+    resume_from = plan_resume(cfg, run_dir, clean_up=is_main)
+    if is_main:  # rank 0 writes for the group
+        (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
     check_model_paths(cfg, model_given=model is not None and not isinstance(model, str),
                       tokenizer_given=tokenizer is not None and not isinstance(tokenizer, str))
     token = cfg.hf_token()
@@ -121,10 +143,14 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
     train_rows = (rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows) if train_dataset is not None
                   else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
     eval_rows = _eval_rows(cfg, eval_dataset, token)
-    funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
-                            ([] if reward_model is not None else cfg.algorithm.reward_funcs))
+    try:
+        funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
+                                ([] if reward_model is not None else cfg.algorithm.reward_funcs))
+    except (ImportError, ValueError, TypeError) as e:  # a name or 'module:function' that does not resolve
+        raise ConfigError(f"algorithm.reward_funcs: {e}") from e
 
     device = resolve_device(cfg.model.device)
+    compute = resolve_dtype(cfg.model.dtype, device)
     if tokenizer is None or isinstance(tokenizer, str):
         tokenizer = load_tokenizer(cfg)
     else:
@@ -132,11 +158,15 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
     if model is None or isinstance(model, str):
         policy = load_policy(cfg, device)
     else:
-        policy = model.to(device).train()
+        policy = float32_masters(model.to(device).train())
     if cfg.lora.enabled:
         from grpo.lora import apply_lora
 
         policy = apply_lora(policy, cfg.lora)
+        if compute != torch.float32:  # the frozen base is never stepped: hold it in the compute dtype
+            for param in policy.parameters():
+                if not param.requires_grad and param.is_floating_point():
+                    param.data = param.data.to(compute)
     ref = None
     if cfg.algorithm.beta > 0:
         if cfg.lora.enabled:  # the base weights with the adapters off: no second copy
@@ -144,9 +174,9 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
 
             ref = ReferenceWithoutAdapters(policy)
         elif ref_model is None or isinstance(ref_model, str):
-            ref = load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy)
+            ref = load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy, compute)
         else:
-            ref = ref_model.to(device).eval().requires_grad_(False)
+            ref = ref_model.to(device=device, dtype=compute).eval().requires_grad_(False)
     elif ref_model is not None:
         log.info("algorithm.beta = 0: the reference model is not used (no KL term).")
     if ref is not None and not cfg.lora.enabled:
@@ -166,7 +196,7 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
 
     formatter = PromptFormatter(tokenizer, cfg.data)
     formatter.check_lengths(train_rows)
-    engine = build_engine(cfg.generation.engine, policy, tokenizer, cfg.generation.compile_decode,
+    engine = build_engine(cfg.generation.engine, policy, tokenizer, cfg.generation.compile_decode, compute,
                           generation=cfg.generation, seed=cfg.train.seed)
     n_params = sum(p.numel() for p in policy.parameters())
     log.info("Run directory: %s", run_dir)
@@ -175,13 +205,15 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
              device, "none (beta = 0)" if ref is None else
              "the base weights, adapters off" if cfg.lora.enabled else f"frozen copy ({cfg.distributed.ref_device})",
              ", ".join(getattr(f, "__name__", type(f).__name__) for f in funcs))
+    ref_dtype = None if ref is None else next(ref.parameters()).dtype
+    log.info(precision_summary(compute, ref_dtype, cfg.train.save_dtype, cfg.distributed.strategy == "fsdp2"))
     return RunParts(run_dir, device, policy, ref, tokenizer, engine, formatter, train_rows, eval_rows,
-                    funcs, weights, resume_from)
+                    funcs, weights, resume_from, compute)
 
 
 def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
     if eval_dataset is not None:
-        rows = rows_from_dataset(eval_dataset)
+        rows = rows_from_dataset(eval_dataset, split="test")
     elif cfg.data.eval_dataset and (cfg.train.eval_before or cfg.train.eval_after or cfg.train.eval_steps):
         rows = load_rows(cfg.data.eval_dataset, cfg.data, split="test", token=token)
     else:
@@ -192,10 +224,10 @@ def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
     return rows[:cfg.data.eval_max_samples] if cfg.data.eval_max_samples else rows
 
 
-def _frozen_copy(policy):
+def _frozen_copy(policy, dtype: torch.dtype):
     import copy
 
-    return copy.deepcopy(policy).eval().requires_grad_(False)
+    return copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
 
 
 def _model_reward(spec, policy, tokenizer, cfg: GRPOConfig, device):

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from grpo import trl_compat
 from grpo.advantages import discounted_token_advantages, group_advantages, group_reward_stats
 from grpo.batch import PromptBatch, Rollouts, SamplingParams, TrainBatch
 from grpo.checkpoint import (
@@ -62,6 +63,7 @@ from grpo.loss import apply_truncation_mask
 from grpo.metrics import MetricsLogger, StageTimer, sample_records
 from grpo.rewards import score_completions
 from grpo.rollout import build_engine
+from grpo.runlock import holding_run_lock
 from grpo.setup import RunParts, build_run
 
 log = logging.getLogger("grpo")
@@ -74,22 +76,53 @@ class TrainingHalted(RuntimeError):
 class GRPOTrainer:
     """GRPO on a causal LM. Models and tokenizer may be objects or names/paths; anything left out
     comes from `config`. `reward_model` (an object or path) scores completions; `reward_funcs` are
-    callables, registered names or 'module:function' paths."""
+    callables, registered names or 'module:function' paths.
+
+    TRL's call works too (docs/trl.md): `GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
+    train_dataset=..., eval_dataset=..., processing_class=..., peft_config=LoraConfig(...))`; `args` is
+    `config` and `processing_class` is `tokenizer` under TRL's names."""
 
     def __init__(self, model=None, ref_model=None, reward_model=None, tokenizer=None,
-                 config: GRPOConfig | None = None, train_dataset=None, reward_funcs=None, eval_dataset=None):
+                 config: GRPOConfig | None = None, train_dataset=None, reward_funcs=None, eval_dataset=None, *,
+                 args: GRPOConfig | None = None, processing_class=None, peft_config=None, callbacks=None,
+                 optimizers=(None, None), reward_processing_classes=None):
+        if trl_compat.looks_like_rewards(ref_model):  # TRL's positional order: (model, reward_funcs, args, ...)
+            ref_model, reward_funcs = None, ref_model if reward_funcs is None else reward_funcs
+            if isinstance(reward_model, GRPOConfig):
+                reward_model, args = None, reward_model
+        config = trl_compat.one_of("config", config, "args", args)
+        tokenizer = trl_compat.one_of("tokenizer", tokenizer, "processing_class", processing_class)
+        reward_funcs, reward_model = trl_compat.split_reward_models(reward_funcs, reward_model)
+        trl_compat.refuse_trainer_args(callbacks=callbacks, optimizers=optimizers,
+                                       reward_processing_classes=reward_processing_classes)
         self.cfg = (config or GRPOConfig()).validate()
+        if peft_config is not None:
+            self.cfg.update(trl_compat.lora_from_peft(peft_config)).validate()
         d = self.cfg.distributed
         self.rt = init_runtime(d.strategy, d.backend, d.timeout_s)  # one process unless torchrun started us
         self.roles = apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
         self.parts: RunParts = build_run(self.cfg, model=model, ref_model=ref_model, reward_model=reward_model,
                                          tokenizer=tokenizer, train_dataset=train_dataset,
-                                         reward_funcs=reward_funcs, eval_dataset=eval_dataset)
+                                         reward_funcs=reward_funcs, eval_dataset=eval_dataset, rt=self.rt)
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
+        self.args, self.processing_class = self.cfg, self.tokenizer  # TRL's names for them
         if not self.rt.is_main:  # rank 0 speaks for the group
             logging.getLogger("grpo").setLevel(logging.WARNING)
         self.stop_signal: int | None = None  # the first SIGINT/SIGTERM received
+        self.step, self.total_steps = 0, 0
         self.nonfinite_total = 0
+
+    def save_model(self, output_dir: str | Path | None = None) -> Path:
+        """TRL's `trainer.save_model()`: the policy and tokenizer in `output_dir` (default: the run directory's
+        final_model/), loadable with from_pretrained."""
+        p = self.parts
+        path = Path(output_dir) if output_dir is not None else p.run_dir / "final_model"
+        return save_policy_dir(self.rt, path, p.policy, p.tokenizer, self.cfg.to_yaml(), None,
+                               merge_lora=self.cfg.lora.save_merged)
+
+    def reward_state(self, stream: PromptStream) -> trl_compat.RewardState:
+        """TRL's `trainer_state` for reward functions: the step being scored (1-based) and the epoch."""
+        return trl_compat.RewardState(global_step=self.step, epoch=float(stream.epoch), max_steps=self.total_steps)
 
     def evaluate(self) -> EvalResult | None:
         p, t = self.parts, self.cfg.train
@@ -99,15 +132,17 @@ class GRPOTrainer:
                         max_new_tokens=t.eval_max_new_tokens or self.cfg.effective_max_new_tokens,
                         stop_strings=self.cfg.generation.stop_strings)
 
+    @holding_run_lock
     def train(self) -> dict[str, float]:
         cfg, p, rt = self.cfg, self.parts, self.rt
         g, t, a = cfg.generation, cfg.train, cfg.algorithm
         stream = PromptStream(p.train_rows, seed=t.seed, shuffle=cfg.data.shuffle)
         total_steps = t.steps or max(1, round(t.num_epochs * stream.steps_per_epoch(t.prompts_per_step)))
+        self.total_steps = total_steps
         if rt.sharded and getattr(p.engine, "model", None) is p.policy:
             # FSDP2 leaves no rank with whole weights: colocated rollout samples from a full copy that
             # receives the new weights after every update.
-            p.engine = build_engine(g.engine, copy.deepcopy(p.policy), p.tokenizer)
+            p.engine = build_engine(g.engine, copy.deepcopy(p.policy).to(p.compute_dtype), p.tokenizer)
         learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt)
         sampling = SamplingParams(max_new_tokens=cfg.effective_max_new_tokens, temperature=g.temperature,
                                   top_k=g.top_k, top_p=g.top_p, stop_strings=g.stop_strings)
@@ -139,6 +174,7 @@ class GRPOTrainer:
                     self.stop_signal = self.stop_signal or signal.SIGTERM
                     break
                 step += 1
+                self.step = step
                 timer = StageTimer()
                 step_start = time.perf_counter()
                 scored, sampling_stats = self._collect(stream, sampling, timer, remote)
@@ -165,9 +201,10 @@ class GRPOTrainer:
                 self.nonfinite_total += stats.skipped
                 step_seconds = time.perf_counter() - step_start
                 metrics = {
-                    "reward": scored.rewards.mean().item(), "reward_std": scored.rewards.std().item(),
+                    "reward": _nanmean(scored.rewards), "reward_std": _nanstd(scored.rewards),
                     **{f"reward/{n}": _nanmean(scores.per_function[:, j]) for j, n in enumerate(scores.names)},
-                    "reward/skipped": float(scores.skipped), **sampling_stats,
+                    "reward/skipped": float(scores.skipped), "reward/not_scored": float(scores.none_applicable),
+                    **scores.logged, **sampling_stats,
                     **group_reward_stats(scored.rewards, group),
                     "advantage/mean": advantages.mean().item(), "advantage/std": advantages.std().item(),
                     "advantage/abs_max": advantages.abs().max().item(),
@@ -206,7 +243,11 @@ class GRPOTrainer:
                 remote.close()
         data = remote.data if remote is not None else stream  # the data position of the last batch used
         if step < total_steps:  # stopped early: a signal, or non-finite steps
-            where = self._save_checkpoint(step, learner, data)
+            handlers = self._install_signal_handlers()  # a second signal during this save: exit 130, said so
+            try:
+                where = self._save_checkpoint(step, learner, data)
+            finally:
+                self._restore_signal_handlers(handlers)
             logger.close()
             how = (f"Resume with the same command plus --resume latest (e.g. grpo train --resume latest "
                    f"--output-dir {p.run_dir}).")
@@ -219,8 +260,14 @@ class GRPOTrainer:
                         self.stop_signal, where, how)
             return summary
         self._save_checkpoint(step, learner, data)
-        save_policy_dir(rt, p.run_dir / "final_model", p.policy, p.tokenizer, cfg.to_yaml(), None,
-                        merge_lora=cfg.lora.save_merged)
+        # final_model/ is resumable like checkpoint-{step}/ (the seed's layout), except as merged LoRA weights,
+        # which no longer hold the adapters the optimizer state belongs to, or as a bf16/fp16 export
+        # (train.save_dtype), which no longer holds the float32 masters.
+        merged = cfg.lora.enabled and cfg.lora.save_merged
+        export = _SAVE_DTYPES.get(t.save_dtype)
+        save_policy_dir(rt, p.run_dir / "final_model", p.policy, p.tokenizer, cfg.to_yaml(),
+                        None if merged or export else self._training_state(step, learner, data),
+                        merge_lora=cfg.lora.save_merged, dtype=export)
         if t.eval_after:
             summary.update(self._log_eval(logger, step, "after"))
         logger.close()
@@ -288,8 +335,12 @@ class GRPOTrainer:
             group = rollouts.prompt_index  # [N]
             columns = {k: [v[i] for i in group] for k, v in prompts.columns.items()}
             columns.setdefault("completion_truncated", rollouts.truncated.tolist())
-            scores = score_completions(p.reward_funcs, p.reward_weights, [prompts.prompts[i] for i in group],
-                                       texts, columns, timeout=a.reward_timeout, on_error=a.reward_on_error)
+            reward_prompts, completions, extra = trl_compat.reward_inputs(prompts, rollouts, texts)
+            for name, values in extra.items():
+                columns.setdefault(name, values)
+            scores = score_completions(p.reward_funcs, p.reward_weights, reward_prompts, completions, columns,
+                                       timeout=a.reward_timeout, on_error=a.reward_on_error,
+                                       extras={"trainer_state": self.reward_state(stream)})
             shaping = overlong_penalty(rollouts.lengths, cfg.effective_max_new_tokens, a.overlong_buffer,
                                        a.overlong_penalty)  # [N]
         return ScoredRollouts(prompts, rollouts, texts, scores, scores.total + shaping, lag=lag)
@@ -318,12 +369,15 @@ class GRPOTrainer:
             return last, stats
         return truncate_prompts(concat_rounds(kept, self.parts.tokenizer.pad_token_id), want), stats
 
+    def _training_state(self, step: int, learner: Learner, stream: PromptStream) -> dict:
+        rngs = self.rt.gather_objects(rng_state())  # each rank's sampling noise, for an exact resume
+        return {"step": step, "learner": learner.state_dict(), "rng": rngs[0] if len(rngs) == 1 else rngs,
+                "data": stream.state_dict(), "nonfinite_in_a_row": learner.nonfinite_in_a_row,
+                "nonfinite_total": self.nonfinite_total}
+
     def _save_checkpoint(self, step: int, learner: Learner, stream: PromptStream) -> Path:
         p = self.parts
-        rngs = self.rt.gather_objects(rng_state())  # each rank's sampling noise, for an exact resume
-        state = {"step": step, "learner": learner.state_dict(), "rng": rngs[0] if len(rngs) == 1 else rngs,
-                 "data": stream.state_dict(), "nonfinite_in_a_row": learner.nonfinite_in_a_row,
-                 "nonfinite_total": self.nonfinite_total}
+        state = self._training_state(step, learner, stream)
         path = save_policy_dir(self.rt, p.run_dir / f"checkpoint-{step}", p.policy, p.tokenizer,
                                self.cfg.to_yaml(), state)
         if self.rt.is_main:
@@ -410,10 +464,18 @@ def _nanmean(x: torch.Tensor) -> float:
     return x.nanmean().item() if not torch.isnan(x).all() else float("nan")
 
 
+def _nanstd(x: torch.Tensor) -> float:
+    scored = x[~x.isnan()]  # [M] samples some reward function scored
+    return scored.std().item() if scored.numel() > 1 else float("nan")
+
+
 def _logprobs_match_policy(engine, sampling: SamplingParams) -> bool:
     """The engine's sampling log-probs are the learner's π_θ (same weights and precision, no filters)."""
     return (getattr(engine, "exact_logprobs", False) and not sampling.greedy and sampling.top_k == 0
             and sampling.top_p >= 1.0)
+
+
+_SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # train.save_dtype; float32: as trained
 
 
 def _chunk(batch_size: int | None, n: int) -> int | None:

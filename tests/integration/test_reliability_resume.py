@@ -105,3 +105,41 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(
     assert same_weights(out / "checkpoint-1", out / "checkpoint-3")  # skipped steps changed nothing
     state = torch.load(out / "checkpoint-3" / "training_state.pt", weights_only=True)
     assert state["nonfinite_in_a_row"] == 2 and state["nonfinite_total"] == 2
+
+
+TERM_AT = None  # set per test: the reward (by import path) that sends the first SIGTERM
+
+
+def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(assets, tmp_path, monkeypatch, capsys):
+    import yaml
+
+    import grpo.checkpoint
+    from grpo import cli
+
+    out, data = tmp_path / "run", tiny_run.write_dataset(tmp_path / "data.jsonl", 6)
+    monkeypatch.setattr(__import__(__name__, fromlist=["_"]), "TERM_AT", SignalAt(3, signal.SIGTERM))
+    real_point = grpo.checkpoint._fault_point
+
+    def second_signal_inside_the_stop_save(path, point):
+        if path.name == "checkpoint-3" and point == "state":  # weights and state written, no manifest yet
+            signal.raise_signal(signal.SIGTERM)
+        real_point(path, point)
+
+    monkeypatch.setattr(grpo.checkpoint, "_fault_point", second_signal_inside_the_stop_save)
+    settings = tiny_run.config(assets["model"], data, out, steps=6, save_steps=2,
+                               reward_funcs=[f"{__name__}:TERM_AT", "gsm8k_format"])
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(settings))
+
+    def outside_the_run(signum, frame):  # where the signal lands if the run's own handler is not installed
+        raise AssertionError("the second SIGTERM reached the handler from before the run")
+
+    before = signal.signal(signal.SIGTERM, outside_the_run)
+    try:
+        assert cli.main(["train", "--config", str(config)]) == 130
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "grpo train: stopped at once, without saving; --resume latest continues from the last checkpoint.")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # no .tmp left behind
+    assert grpo.checkpoint.verify_checkpoint(out / "checkpoint-2") is None

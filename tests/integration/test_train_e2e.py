@@ -84,6 +84,13 @@ def test_seed_quick_start_runs_as_written(tmp_path):
     assert lines[-1]["step"] == 3 and "reward/reward_model_likelihood" in lines[-1]
     assert lines[-1]["reward"] < 0  # a mean log-likelihood
     AutoModelForCausalLM.from_pretrained(tmp_path / "grpo_output" / "final_model")
+    assert (tmp_path / "grpo_output" / "final_model" / "training_state.pt").is_file()  # the seed's layout
+
+
+def test_final_model_is_resumable_like_a_checkpoint(tmp_path):
+    run(tmp_path / "a", steps=2, save_steps=0)
+    run(tmp_path / "a", steps=3, save_steps=0, resume=str(tmp_path / "a" / "final_model"))
+    assert [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
 def test_cli_train_eval_and_errors(tmp_path, capsys):

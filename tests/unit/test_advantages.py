@@ -122,3 +122,26 @@ def test_discount_counts_tokens_left_when_mask_starts_after_a_prompt():
     # completion at positions 2..4 (L = 3) after a 2-token prompt: [0, 0, 0.25A, 0.5A, A]
     out = discounted_token_advantages(torch.tensor([4.0]), torch.tensor([[0, 0, 1, 1, 1]]), gamma=0.5)
     torch.testing.assert_close(out, torch.tensor([[0.0, 0.0, 1.0, 2.0, 4.0]]))
+
+
+def test_unscored_completions_are_left_out_of_the_group_baseline():
+    # Group 0: rewards [1, NaN, 3, 5] -> the NaN (every reward function returned None) is left out:
+    #   scored [1, 3, 5], mean 3, unbiased var (4 + 0 + 4) / 2 = 4, std 2 -> [-1, 0, 0, 1] with eps 0.
+    #   Counted as 0 instead, the mean would be 2.25 and the NaN row's advantage negative.
+    # Group 1: [NaN, NaN] -> nothing scored, advantages 0.
+    # Group 2: [2, NaN] -> one scored sample: centred 0, advantage 0.
+    rewards = torch.tensor([1.0, math.nan, 3.0, 5.0, math.nan, math.nan, 2.0, math.nan])
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2])
+    expected = torch.tensor([-1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(group_advantages(rewards, ids, scale="group", eps=0.0), expected)
+    torch.testing.assert_close(group_advantages(rewards, ids, scale="none"), torch.tensor(
+        [-2.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0]))
+    # batch: std of the scored rewards [1, 3, 5, 2]: mean 2.75, squared deviations
+    # 3.0625 + 0.0625 + 5.0625 + 0.5625 = 8.75, var 8.75 / 3, std 1.7078
+    batch_std = math.sqrt(8.75 / 3)
+    torch.testing.assert_close(group_advantages(rewards, ids, scale="batch", eps=0.0), torch.tensor(
+        [-2 / batch_std, 0.0, 0.0, 2 / batch_std, 0.0, 0.0, 0.0, 0.0]))
+    stats = group_reward_stats(rewards, ids)
+    # zero-spread groups: group 1 (nothing scored) and group 2 (one scored) -> 2 of 3
+    assert stats["frac_zero_std_groups"] == pytest.approx(2 / 3)
+    assert stats["reward_std_within_group_mean"] == pytest.approx(2 / 3)  # (2 + 0 + 0) / 3

@@ -86,11 +86,12 @@ def test_secrets_are_redacted_from_dumps():
 
 
 def test_cli_accepts_key_value_overrides_between_flags():
-    from grpo.cli import _assignments_last, build_parser
+    from grpo.cli import _assignments_first, build_parser
 
     parser = build_parser()
     argv = ["train", "--steps", "1", "optimizer.lr=1e-3", "--dataset", "a=b.jsonl", "--seed", "3", "beta=0.1"]
-    assert _assignments_last(parser, argv) == ["train", "--steps", "1", "--dataset", "a=b.jsonl", "--seed", "3",
-                                               "optimizer.lr=1e-3", "beta=0.1"]
-    args = parser.parse_args(_assignments_last(parser, argv))
+    # key=value words go before the flags (a bare flag such as --resume must not take one as its value)
+    assert _assignments_first(parser, argv) == ["train", "optimizer.lr=1e-3", "beta=0.1", "--steps", "1", "--dataset",
+                                               "a=b.jsonl", "--seed", "3"]
+    args = parser.parse_args(_assignments_first(parser, argv))
     assert args.assignments == ["optimizer.lr=1e-3", "beta=0.1"]

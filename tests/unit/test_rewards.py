@@ -188,7 +188,8 @@ def _constant(value_per_sample):
 
 def test_score_completions_weights_and_skips_none():
     # 3 samples, 2 functions with weights 2 and 0.5:
-    #   sample 0: 2·1 + 0.5·4 = 4;  sample 1: r0 is None → 0.5·2 = 1;  sample 2: both None → 0.
+    #   sample 0: 2·1 + 0.5·4 = 4;  sample 1: r0 is None → 0.5·2 = 1;
+    #   sample 2: both None → NaN, "not scored" (the advantages leave it out of the group baseline).
     first, second = _constant([1.0, None, None]), _constant([4, 2, None])
     second.__name__ = "second"
     scores = score_completions(
@@ -199,7 +200,7 @@ def test_score_completions_weights_and_skips_none():
     assert torch.equal(
         scores.per_function.isnan(), torch.tensor([[False, False], [True, False], [True, True]])
     )
-    assert torch.equal(scores.total, torch.tensor([4.0, 1.0, 0.0]))
+    torch.testing.assert_close(scores.total, torch.tensor([4.0, 1.0, math.nan]), equal_nan=True)
     assert scores.none_applicable == 1
 
 
@@ -207,7 +208,8 @@ def test_score_completions_passes_columns_and_defaults_weights_to_one():
     seen = {}
 
     def correctness(prompts, completions, answer, **rest):
-        seen.update(prompts=prompts, completions=completions, answer=answer, rest=rest)
+        seen.update(prompts=prompts, completions=completions, answer=answer,
+                    rest={k: v for k, v in rest.items() if k not in ("log_metric", "log_extra")})
         return [True, False]
 
     scores = score_completions(
@@ -252,3 +254,59 @@ def test_score_completions_wraps_exceptions_in_reward_error():
     with pytest.raises(RewardError, match="'broken' raised KeyError") as raised:
         score_completions([broken], None, ["a"], ["x"], {})
     assert isinstance(raised.value, RuntimeError) and isinstance(raised.value.__cause__, KeyError)
+
+
+def test_each_reward_function_gets_its_own_copies_of_its_inputs():
+    # The first function edits everything it was given in place; the second must still see the originals,
+    # and so must the caller (samples.jsonl shows what the model wrote).
+    def vandal(prompts, completions, answer, **_):
+        completions[0] = "EDITED"
+        completions.append("extra")
+        prompts[0]["content"] = "EDITED"
+        answer[1] = "EDITED"
+        return [0.0, 0.0]
+
+    seen = {}
+
+    def observer(prompts, completions, answer, **_):
+        seen.update(prompts=prompts, completions=completions, answer=answer)
+        return [1.0, 1.0]
+
+    prompts = [{"role": "user", "content": "p0"}, {"role": "user", "content": "p1"}]
+    completions, answer = ["c0", "c1"], ["a0", "a1"]
+    score_completions([vandal, observer], None, prompts, completions, {"answer": answer})
+    assert seen == {"prompts": [{"role": "user", "content": "p0"}, {"role": "user", "content": "p1"}],
+                    "completions": ["c0", "c1"], "answer": ["a0", "a1"]}
+    assert completions == ["c0", "c1"] and answer == ["a0", "a1"] and prompts[0]["content"] == "p0"
+
+
+def test_reward_functions_with_the_same_name_get_distinct_metric_names():
+    first = lambda prompts, completions, **_: [1.0, 1.0]
+    second = lambda prompts, completions, **_: [0.0, 2.0]
+    scores = score_completions([first, second, first], None, ["a", "b"], ["x", "y"], {})
+    assert scores.names == ["<lambda>", "<lambda>_2", "<lambda>_3"]
+    assert torch.equal(scores.per_function[:, 1], torch.tensor([0.0, 2.0]))
+
+
+def test_batch_wide_extras_are_passed_whole_and_log_metric_is_collected():
+    state = object()
+    got = {}
+
+    def fn(prompts, completions, trainer_state, log_metric, completion_ids, **_):
+        got.update(state=trainer_state, ids=completion_ids)
+        log_metric("my/metric", 2.0)
+        log_metric("my/metric", 4.0)
+        return [1.0, None]
+
+    def fails_per_batch(prompts, completions, trainer_state, **_):
+        assert trainer_state is state  # also when re-scored one sample at a time
+        if len(prompts) > 1:
+            raise RuntimeError("batch only")
+        return [0.5]
+
+    scores = score_completions([fn, fails_per_batch], None, ["a", "b"], ["x", "y"],
+                               {"completion_ids": [[1, 2], [3]]}, extras={"trainer_state": state},
+                               on_error="skip")
+    assert got == {"state": state, "ids": [[1, 2], [3]]}
+    assert scores.logged == {"my/metric": 3.0}
+    assert torch.equal(scores.total, torch.tensor([1.5, 0.5]))

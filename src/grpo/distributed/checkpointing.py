@@ -6,6 +6,7 @@ Every rank calls these (gathering a sharded model is a collective); rank 0 alone
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -23,26 +24,37 @@ class _PrepareWeights:
     """What `save_model_dir` calls `save_pretrained` on: the live model with a gathered state dict, or
     the merged LoRA model; optionally the adapters beside it."""
 
-    def __init__(self, model, state: dict[str, torch.Tensor], adapters: _PrepareWeights | None = None):
-        self.model, self.state, self.adapters = model, state, adapters
+    def __init__(self, model, state: dict[str, torch.Tensor], adapters: _PrepareWeights | None = None,
+                 dtype: torch.dtype | None = None):
+        self.model, self.state, self.adapters, self.dtype = model, state, adapters, dtype
+        if dtype is not None:  # an export (train.save_dtype): the masters stay float32 in memory
+            self.state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
     def save_pretrained(self, directory, safe_serialization: bool = True) -> None:
         self.model.save_pretrained(directory, state_dict=self.state, safe_serialization=safe_serialization)
+        if self.dtype is not None:  # save_pretrained wrote the live (float32) model's dtype
+            config = Path(directory) / "config.json"
+            data = json.loads(config.read_text(encoding="utf-8"))
+            data["dtype"] = str(self.dtype).removeprefix("torch.")
+            data.pop("torch_dtype", None)
+            config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         if self.adapters is not None:
             self.adapters.save_pretrained(Path(directory) / ADAPTER_SUBDIR, safe_serialization=safe_serialization)
 
 
 def save_policy_dir(rt: Runtime, path: Path, policy, tokenizer, config_yaml: str, training_state: dict | None,
-                    merge_lora: bool = False) -> Path:
+                    merge_lora: bool = False, dtype: torch.dtype | None = None) -> Path:
     """checkpoint-N/ or final_model/. LoRA: adapters only (plus their model-key copy in the training state
-    for resume), or with `merge_lora` the merged plain model and the adapters in adapter/."""
+    for resume), or with `merge_lora` the merged plain model and the adapters in adapter/. `dtype` casts
+    the written weights (an export; None: as they are, float32 masters)."""
     full = rt.full_state_dict(policy)
     if rt.is_main:
         if is_lora(policy) and merge_lora:
             merged = merged_model(policy, full)
-            target = _PrepareWeights(merged, merged.state_dict(), adapters=_PrepareWeights(policy, full))
+            target = _PrepareWeights(merged, merged.state_dict(), adapters=_PrepareWeights(policy, full),
+                                     dtype=dtype)
         else:
-            target = _PrepareWeights(policy, full)
+            target = _PrepareWeights(policy, full, dtype=dtype)
         if training_state is not None and is_lora(policy):
             training_state = {**training_state, ADAPTER_STATE_KEY: adapter_state(full)}
         save_model_dir(path, target, tokenizer, config_yaml, training_state)

@@ -116,7 +116,7 @@ class RayRollout:
         policy = parts.policy
         base = policy.get_base_model() if is_lora(policy) else policy
         self.lora = asdict(cfg.lora) if is_lora(policy) else None
-        self.spawn_args = (base.config, next(policy.parameters()).dtype, self.lora, parts.tokenizer,
+        self.spawn_args = (base.config, parts.compute_dtype, self.lora, parts.tokenizer,
                            cfg.generation.engine, cfg.train.seed + rt.rank, cfg.train.num_threads or 1, self.gpus > 0,
                            cfg.generation)
         self.spawned = 0

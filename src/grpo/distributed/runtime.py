@@ -133,17 +133,21 @@ class Runtime:
         return [torch.load(io.BytesIO(b), weights_only=True) for b in out]
 
     # -- gradients -------------------------------------------------------------------------------
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, param_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         """The module the learner calls forward on: DDP around the policy, or the policy itself after
-        `fully_shard` (FSDP2 shards in place: each decoder layer, then the root)."""
+        `fully_shard` (FSDP2 shards in place: each decoder layer, then the root). FSDP2 keeps float32
+        shards (masters and AdamW state), all-gathers them in `param_dtype` for compute and
+        reduce-scatters gradients in float32; DDP's forward runs under the learner's autocast."""
         if not self.active:
             return model
         if self.strategy == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            policy = (MixedPrecisionPolicy() if param_dtype == torch.float32 else
+                      MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
             for layer in decoder_layers(model):
-                fully_shard(layer)
-            fully_shard(model)
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
             return model
         from torch.nn.parallel import DistributedDataParallel
 

@@ -77,7 +77,7 @@ class PromptCache:
 class NativeDecoder:
     """Forward passes of a Llama-family `transformers` causal LM, on its live parameters."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, compute_dtype: torch.dtype | None = None):
         reason = unsupported_reason(hf_model)
         if reason is not None:
             raise ValueError(f"The native decoder does not support this model: {reason}.")
@@ -91,6 +91,10 @@ class NativeDecoder:
         self.qk_norm = cfg.model_type == "qwen3"
         self.scale = self.head_dim ** -0.5
         self.gradient_checkpointing = False
+        # Mixed precision: float32 master weights are cast to compute_dtype as they are read (the cast
+        # is differentiable, so gradients reach the masters in float32); autocast would not reach
+        # native/linear.py's oneDNN calls. None: compute in the weights' own dtype.
+        self.compute_dtype = compute_dtype
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- weights, read live -----------------------------------------------------------------------
@@ -104,17 +108,22 @@ class NativeDecoder:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.base.embed_tokens.weight.dtype
+        """The compute dtype: activations, KV caches and the weights as used."""
+        return self.compute_dtype or self.base.embed_tokens.weight.dtype
+
+    def w(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A parameter as computed with: cast to the compute dtype (a no-op when it already is)."""
+        return t if t is None or t.dtype == self.dtype else t.to(self.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.base.embed_tokens.weight)
+        return F.embedding(ids, self.w(self.base.embed_tokens.weight))
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm(h, self.base.norm.weight, self.eps)
+        return rms_norm(h, self.w(self.base.norm.weight), self.eps)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.hf.get_output_embeddings().weight  # [V, d] (the embedding itself when tied)
+        return self.w(self.hf.get_output_embeddings().weight)  # [V, d] (the embedding itself when tied)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return linear(self.final_norm(h), self.lm_head_weight)
@@ -137,23 +146,24 @@ class NativeDecoder:
         """x [S, d] (packed tokens) → q [S, H, D], k, v [S, Hkv, D]; RoPE applied (cos/sin [S, D])."""
         a = layer.self_attn
         s = x.shape[0]
-        q = linear(x, a.q_proj.weight, a.q_proj.bias).view(s, self.num_heads, self.head_dim)
-        k = linear(x, a.k_proj.weight, a.k_proj.bias).view(s, self.num_kv_heads, self.head_dim)
-        v = linear(x, a.v_proj.weight, a.v_proj.bias).view(s, self.num_kv_heads, self.head_dim)
+        w = self.w
+        q = linear(x, w(a.q_proj.weight), w(a.q_proj.bias)).view(s, self.num_heads, self.head_dim)
+        k = linear(x, w(a.k_proj.weight), w(a.k_proj.bias)).view(s, self.num_kv_heads, self.head_dim)
+        v = linear(x, w(a.v_proj.weight), w(a.v_proj.bias)).view(s, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = rms_norm(q, a.q_norm.weight, self.eps)
-            k = rms_norm(k, a.k_norm.weight, self.eps)
+            q = rms_norm(q, w(a.q_norm.weight), self.eps)
+            k = rms_norm(k, w(a.k_norm.weight), self.eps)
         return rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None]), v
 
     def mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
-        m = layer.mlp
-        return linear(F.silu(linear(x, m.gate_proj.weight)) * linear(x, m.up_proj.weight), m.down_proj.weight)
+        m, w = layer.mlp, self.w
+        return linear(F.silu(linear(x, w(m.gate_proj.weight))) * linear(x, w(m.up_proj.weight)), w(m.down_proj.weight))
 
     def block_tail(self, layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection + residual + MLP; h, attn [S, d]."""
         o = layer.self_attn.o_proj
-        h = h + linear(attn, o.weight, o.bias)
-        return h + self.mlp(layer, rms_norm(h, layer.post_attention_layernorm.weight, self.eps))
+        h = h + linear(attn, self.w(o.weight), self.w(o.bias))
+        return h + self.mlp(layer, rms_norm(h, self.w(layer.post_attention_layernorm.weight), self.eps))
 
     # -- rollout ------------------------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], pad_id: int) -> tuple[PromptCache, torch.Tensor]:
@@ -169,7 +179,7 @@ class NativeDecoder:
         cos, sin = cos.repeat(p, 1), sin.repeat(p, 1)
         keys, values = [], []
         for layer in self.layers:
-            q, k, v = self.qkv(layer, rms_norm(h, layer.input_layernorm.weight, self.eps), cos, sin)
+            q, k, v = self.qkv(layer, rms_norm(h, self.w(layer.input_layernorm.weight), self.eps), cos, sin)
             q, k, v = (t.view(p, width, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [P, H, Lp, D]
             # Right padding: a real query never sees a pad key under the causal mask.
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
@@ -191,9 +201,11 @@ class NativeDecoder:
         onednn = fuse if onednn is None else onednn
         layers = []
         fold = fuse and not self.qk_norm  # q/k RMSNorm would undo a scale folded into q
+        w = self.w  # mixed precision: the per-generate cast of every weight to the compute dtype
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv = [(a.q_proj.weight, a.q_proj.bias), (a.k_proj.weight, a.k_proj.bias), (a.v_proj.weight, a.v_proj.bias)]
+            qkv = [(w(a.q_proj.weight), w(a.q_proj.bias)), (w(a.k_proj.weight), w(a.k_proj.bias)),
+                   (w(a.v_proj.weight), w(a.v_proj.bias))]
             if fuse:
                 q_w, q_b = qkv[0]
                 if fold:
@@ -201,13 +213,15 @@ class NativeDecoder:
                 qkv = [(torch.cat([q_w] + [w for w, _ in qkv[1:]]),
                         None if q_b is None else torch.cat([q_b] + [b for _, b in qkv[1:]]))]
             layers.append(LayerWeights(
-                input_norm=layer.input_layernorm.weight, qkv=[DecodeLinear(w, b, onednn) for w, b in qkv],
-                q_norm=a.q_norm.weight if self.qk_norm else None, k_norm=a.k_norm.weight if self.qk_norm else None,
-                o_proj=DecodeLinear(a.o_proj.weight, a.o_proj.bias, onednn),
-                post_norm=layer.post_attention_layernorm.weight, gate=DecodeLinear(m.gate_proj.weight, None, onednn),
-                up=DecodeLinear(m.up_proj.weight, None, onednn), down=DecodeLinear(m.down_proj.weight, None, onednn),
+                input_norm=w(layer.input_layernorm.weight), qkv=[DecodeLinear(wt, b, onednn) for wt, b in qkv],
+                q_norm=w(a.q_norm.weight) if self.qk_norm else None,
+                k_norm=w(a.k_norm.weight) if self.qk_norm else None,
+                o_proj=DecodeLinear(w(a.o_proj.weight), w(a.o_proj.bias), onednn),
+                post_norm=w(layer.post_attention_layernorm.weight),
+                gate=DecodeLinear(w(m.gate_proj.weight), None, onednn),
+                up=DecodeLinear(w(m.up_proj.weight), None, onednn), down=DecodeLinear(w(m.down_proj.weight), None, onednn),
                 q_scaled=fold))
-        return DecodeWeights(layers, self.base.norm.weight, DecodeLinear(self.lm_head_weight, None, onednn))
+        return DecodeWeights(layers, w(self.base.norm.weight), DecodeLinear(self.lm_head_weight, None, onednn))
 
     def decode_step(self, tokens: torch.Tensor, prompts: PromptCache, layout: GroupLayout,
                     caches: list[tuple[torch.Tensor, torch.Tensor]], weights: DecodeWeights,
@@ -272,7 +286,7 @@ class NativeDecoder:
         return self.final_norm(h.index_select(0, packed.predictor_index))  # [M, d]
 
     def _shared_block(self, layer, h, cos, sin, packed: SharedPromptPack) -> torch.Tensor:
-        q, k, v = self.qkv(layer, rms_norm(h, layer.input_layernorm.weight, self.eps), cos, sin)  # [S, H|Hkv, D]
+        q, k, v = self.qkv(layer, rms_norm(h, self.w(layer.input_layernorm.weight), self.eps), cos, sin)  # [S, H|Hkv, D]
         p, lp, n, tc = packed.num_groups, packed.prompt_width, packed.num_rows, packed.input_width
         pad_p = lambda x: _scatter_rows(x, packed.prompt_slot, p * lp).view(p, lp, -1, self.head_dim).transpose(1, 2)
         pad_c = lambda x: _scatter_rows(x, packed.completion_slot, n * tc).view(n, tc, -1, self.head_dim).transpose(1, 2)

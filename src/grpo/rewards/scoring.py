@@ -10,17 +10,26 @@ daemon thread). When a call raises, times out or returns NaN/inf, `on_error` dec
 
 `async def` reward functions run concurrently with each other on one event loop. Contract violations
 that no sample explains (a wrong number of rewards, a string reward) always stop the run.
+
+Each function receives its own deep copies of the prompts, completions and columns: one function
+editing its inputs in place cannot change what the next one scores, nor what samples.jsonl shows.
+Batch-wide arguments (`extras`: TRL's `trainer_state`, `log_metric`, `log_extra`) are passed as they are.
+
+Conversational data reaches user functions as TRL sends it (prompts as message lists, completions as
+`[{"role": "assistant", "content": ...}]`); this package's own rewards (module `grpo.rewards.*`) read text,
+so they receive the last user message and the completion's text instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import logging
 import numbers
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import isfinite, nan
 
 import torch
@@ -50,10 +59,11 @@ class RewardScores:
     """Rewards of one batch of N completions under F functions."""
 
     per_function: torch.Tensor  # [N, F] float32, NaN where a function returned None (or was skipped)
-    names: list[str]  # [F] metric names, in the order of the columns of per_function
+    names: list[str]  # [F] metric names, in the order of the columns of per_function; unique (name, name_2)
     total: torch.Tensor  # [N] Σ_f w_f·r_f over the functions that apply; 0.0 where none applies
     none_applicable: int  # samples on which every function returned None
     skipped: int = 0  # (function, sample) scores dropped under on_error="skip"
+    logged: dict[str, float] = field(default_factory=dict)  # what the functions passed to log_metric
 
 
 class _Failure:
@@ -71,6 +81,20 @@ def reward_name(fn: RewardFunction) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def unique_names(names: list[str]) -> list[str]:
+    """Metric names with repeats numbered (two lambdas: `<lambda>`, `<lambda>_2`), so none overwrites another."""
+    taken: set[str] = set()
+    out = []
+    for name in names:
+        candidate, k = name, 1
+        while candidate in taken:
+            k += 1
+            candidate = f"{name}_{k}"
+        taken.add(candidate)
+        out.append(candidate)
+    return out
+
+
 def is_async(fn: RewardFunction) -> bool:
     target = fn.func if hasattr(fn, "func") else fn
     return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
@@ -85,11 +109,14 @@ def score_completions(
     *,
     timeout: float | None = None,
     on_error: str = "stop",
+    extras: dict | None = None,
 ) -> RewardScores:
     """Calls each function on the whole batch (guarded as the module docstring says) and sums with weights.
 
     A None reward is skipped in the sum rather than counted as 0 (TRL's nansum), so a function that
-    applies only to some samples does not drag the others down.
+    applies only to some samples does not drag the others down. A sample on which every function
+    returned None has total NaN: it is "not scored", and the advantages leave it out of its group's baseline.
+    `extras` are batch-wide keyword arguments (not one value per sample), e.g. `trainer_state`.
     """
     if not funcs:
         raise ValueError("score_completions needs at least one reward function")
@@ -99,22 +126,27 @@ def score_completions(
     if len(weights) != len(funcs):
         raise ValueError(f"got {len(weights)} reward weights for {len(funcs)} reward functions")
     _check_batch(prompts, completions, columns)
-    names = [reward_name(fn) for fn in funcs]
+    names = unique_names([reward_name(fn) for fn in funcs])
+    logged: dict[str, list[float]] = {}
+    extras = {"log_metric": lambda name, value: logged.setdefault(name, []).append(float(value)),
+              "log_extra": lambda column, values: None, **(extras or {})}
     batch = {"prompts": prompts, "completions": completions, **columns}
-    raw = _call_all(funcs, batch, timeout)  # list per function: rewards or _Failure
+    raw = _call_all(funcs, batch, timeout, extras)  # list per function: rewards or _Failure
     rows, skipped = [], 0
     for fn, name, result in zip(funcs, names, raw, strict=True):
-        checked, dropped = _checked(fn, name, result, batch, timeout, on_error)
+        checked, dropped = _checked(fn, name, result, batch, timeout, on_error, extras)
         rows.append(checked)
         skipped += dropped
     per_function = torch.tensor(rows, dtype=torch.float32).T  # [N, F]
     weighted = per_function * torch.tensor(weights, dtype=torch.float32)  # [N, F]
+    unscored = per_function.isnan().all(dim=1)  # [N] every function returned None
     return RewardScores(
         per_function=per_function,
         names=names,
-        total=torch.nansum(weighted, dim=1),  # [N]
-        none_applicable=int(per_function.isnan().all(dim=1).sum()),
+        total=torch.nansum(weighted, dim=1).masked_fill(unscored, nan),  # [N]
+        none_applicable=int(unscored.sum()),
         skipped=skipped,
+        logged={k: sum(v) / len(v) for k, v in logged.items()},
     )
 
 
@@ -122,7 +154,7 @@ def _check_batch(prompts: list[str], completions: list[str], columns: dict[str, 
     if len(completions) != len(prompts):
         raise ValueError(f"got {len(completions)} completions for {len(prompts)} prompts")
     for column, values in columns.items():
-        if column in ("prompts", "completions"):
+        if column in ("prompts", "completions", "trainer_state", "log_metric", "log_extra"):
             raise ValueError(
                 f"dataset column {column!r} clashes with the reward function argument of that name"
             )
@@ -131,16 +163,42 @@ def _check_batch(prompts: list[str], completions: list[str], columns: dict[str, 
 
 
 # -- calling -------------------------------------------------------------------------------------
-def _call_all(funcs: list[RewardFunction], batch: dict[str, list], timeout: float | None) -> list:
+def _own_copy(batch: dict[str, list], extras: dict, fn: RewardFunction | None = None) -> dict:
+    """One function's arguments: its own copies of the per-sample lists, the batch-wide extras as they are."""
+    own = copy.deepcopy(batch)
+    if fn is not None and _reads_text(fn):
+        own["prompts"] = [_text(p, "user") for p in own["prompts"]]
+        own["completions"] = [_text(c, "assistant") for c in own["completions"]]
+    return {**own, **extras}
+
+
+def _reads_text(fn: RewardFunction) -> bool:
+    target = fn.func if hasattr(fn, "func") else fn
+    module = getattr(target, "__module__", None) or type(target).__module__
+    if not isinstance(module, str) or not module.startswith("grpo.rewards"):
+        module = type(target).__module__  # a callable object: its class's module
+    return module.startswith("grpo.rewards")
+
+
+def _text(value, role: str):
+    """A message list's text: the last message of `role` (a completion's assistant message); text as is."""
+    if not isinstance(value, list):
+        return value
+    return next((m.get("content", "") for m in reversed(value) if isinstance(m, dict) and m.get("role") == role),
+                value[-1].get("content", "") if value and isinstance(value[-1], dict) else "")
+
+
+def _call_all(funcs: list[RewardFunction], batch: dict[str, list], timeout: float | None, extras: dict) -> list:
     results: list = [None] * len(funcs)
     async_indices = [i for i, fn in enumerate(funcs) if is_async(fn)]
     if async_indices:
-        gathered = _run_async([funcs[i] for i in async_indices], [batch] * len(async_indices), timeout)
+        gathered = _run_async([funcs[i] for i in async_indices],
+                              [_own_copy(batch, extras, funcs[i]) for i in async_indices], timeout)
         for i, result in zip(async_indices, gathered, strict=True):
             results[i] = result
     for i, fn in enumerate(funcs):
         if i not in async_indices:
-            results[i] = _call_sync(fn, batch, timeout)
+            results[i] = _call_sync(fn, _own_copy(batch, extras, fn), timeout)
     return results
 
 
@@ -148,7 +206,7 @@ def _call_sync(fn: RewardFunction, batch: dict[str, list], timeout: float | None
     if timeout is None:
         try:
             return fn(**batch)
-        except Exception as error:  # noqa: BLE001 (any failure of user code is reported by _checked)
+        except (Exception, SystemExit) as error:  # noqa: BLE001 (reported by _checked; sys.exit() too)
             return _Failure(error)
     box: dict = {}
 
@@ -189,8 +247,8 @@ def _run_async(funcs: list[RewardFunction], batches: list[dict[str, list]], time
     return box["value"]
 
 
-def _call_one(fn: RewardFunction, batch: dict[str, list], index: int, timeout: float | None):
-    single = {k: v[index:index + 1] for k, v in batch.items()}
+def _call_one(fn: RewardFunction, batch: dict[str, list], index: int, timeout: float | None, extras: dict):
+    single = _own_copy({k: v[index:index + 1] for k, v in batch.items()}, extras, fn)
     if is_async(fn):
         return _run_async([fn], [single], timeout)[0]
     return _call_sync(fn, single, timeout)
@@ -198,7 +256,7 @@ def _call_one(fn: RewardFunction, batch: dict[str, list], index: int, timeout: f
 
 # -- checking --------------------------------------------------------------------------------------
 def _checked(fn, name: str, result, batch: dict[str, list], timeout: float | None,
-             on_error: str) -> tuple[list[float], int]:
+             on_error: str, extras: dict) -> tuple[list[float], int]:
     n = len(batch["prompts"])
     if isinstance(result, _Failure):
         timed_out = isinstance(result.error, TimeoutError)
@@ -206,7 +264,7 @@ def _checked(fn, name: str, result, batch: dict[str, list], timeout: float | Non
             # Re-scoring one by one could cost N more time limits; the whole batch goes missing instead.
             log.warning("Reward %r timed out after %s s on a batch of %d; scored as missing.", name, timeout, n)
             return [nan] * n, n
-        return _per_sample(fn, name, batch, timeout, on_error, result.error)
+        return _per_sample(fn, name, batch, timeout, on_error, result.error, extras)
     _check_shape(name, result, n)
     values = [_number(reward, name, i) for i, reward in enumerate(result)]
     bad = [i for i, reward in enumerate(result) if _non_finite(reward)]
@@ -227,12 +285,12 @@ def _non_finite(reward) -> bool:
 
 
 def _per_sample(fn, name: str, batch: dict[str, list], timeout, on_error: str,
-                batch_error: BaseException) -> tuple[list[float], int]:
+                batch_error: BaseException, extras: dict) -> tuple[list[float], int]:
     """Re-score one sample at a time to name the culprit (stop) or keep the others' rewards (skip)."""
     n = len(batch["prompts"])
     values, dropped = [], 0
     for i in range(n):
-        result = _call_one(fn, batch, i, timeout)
+        result = _call_one(fn, batch, i, timeout, extras)
         failed = isinstance(result, _Failure)
         if not failed:
             _check_shape(name, result, 1)

@@ -24,9 +24,10 @@ class RolloutEngine(Protocol):
         """Receive new policy weights; a colocated engine shares the learner's parameters and skips this."""
 
 
-def build_engine(name: str, model, tokenizer, compile_decode: bool = False, generation=None,
-                 seed: int = 0) -> RolloutEngine:
-    """`native` on a supported Llama-family model, else (or when asked) transformers `generate`; `vllm` on
+def build_engine(name: str, model, tokenizer, compile_decode: bool = False,
+                 compute_dtype: torch.dtype | None = None, generation=None, seed: int = 0) -> RolloutEngine:
+    """`native` on a supported Llama-family model, else (or when asked) transformers `generate`. Both
+    sample in `compute_dtype` (None: the weights' own dtype) from float32 master weights. `vllm` on
     vLLM (in-process, or a server when generation.vllm_server_url is set); `auto`: vllm on CUDA when it is
     installed, else native (docs/performance.md has the measurements behind the choice)."""
     from grpo.native.decoder import unsupported_reason
@@ -48,8 +49,8 @@ def build_engine(name: str, model, tokenizer, compile_decode: bool = False, gene
         log.info("Native engine: unsupported model (%s); using transformers generate.", reason)
         name = "transformers"
     if name == "native":
-        return NativeEngine(model, tokenizer, compile_decode=compile_decode)
-    return TransformersEngine(model, tokenizer)
+        return NativeEngine(model, tokenizer, compile_decode=compile_decode, compute_dtype=compute_dtype)
+    return TransformersEngine(model, tokenizer, compute_dtype=compute_dtype)
 
 
 def resolve_auto(device: torch.device) -> str:

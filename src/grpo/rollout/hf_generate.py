@@ -13,6 +13,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from grpo.batch import Rollouts, SamplingParams
+from grpo.models import autocast
 from grpo.rollout.common import ChunkedEngine
 
 
@@ -61,8 +62,9 @@ class _RecordingSampler(LogitsProcessor):
 class TransformersEngine(ChunkedEngine):
     """RolloutEngine on `model.generate`; shares the learner's parameters (no weight sync)."""
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, compute_dtype: torch.dtype | None = None):
         self.model = model
+        self.compute_dtype = compute_dtype  # autocast during generate (float32 masters, bf16/fp16 matmuls)
         self.tokenizer = tokenizer
         if tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token).")
@@ -82,16 +84,8 @@ class TransformersEngine(ChunkedEngine):
         recorder = _RecordingSampler(width, sampling)
         was_training = self.model.training
         self.model.eval()
-        out = self.model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention.to(device),
-            do_sample=not sampling.greedy, num_return_sequences=n, max_new_tokens=sampling.max_new_tokens,
-            **({} if sampling.greedy else _WARPERS_OFF),
-            logits_processor=LogitsProcessorList([recorder]),
-            stop_strings=sampling.stop_strings or None,
-            tokenizer=self.tokenizer if sampling.stop_strings else None,
-            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
-            return_dict_in_generate=True,
-        )
+        with autocast(device, self.compute_dtype):  # weight casts are cached for the whole call
+            out = self._sample(input_ids.to(device), attention.to(device), n, sampling, recorder)
         self.model.train(was_training)
         completion = out.sequences[:, width:].cpu()  # [N, T]
         recorder.record(completion[:, -1].to(device))
@@ -101,6 +95,18 @@ class TransformersEngine(ChunkedEngine):
             prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
             completion_ids=completion.masked_fill(mask == 0, self.pad_id),
             completion_mask=mask, sampling_logprobs=logprobs * mask, truncated=truncated,
+        )
+
+    def _sample(self, input_ids, attention, n: int, sampling: SamplingParams, recorder):
+        return self.model.generate(
+            input_ids=input_ids, attention_mask=attention,
+            do_sample=not sampling.greedy, num_return_sequences=n, max_new_tokens=sampling.max_new_tokens,
+            **({} if sampling.greedy else _WARPERS_OFF),
+            logits_processor=LogitsProcessorList([recorder]),
+            stop_strings=sampling.stop_strings or None,
+            tokenizer=self.tokenizer if sampling.stop_strings else None,
+            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
+            return_dict_in_generate=True,
         )
 
     def _completion_mask(self, completion: torch.Tensor, sampling: SamplingParams):

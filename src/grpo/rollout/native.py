@@ -43,9 +43,11 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch
 class NativeEngine(ChunkedEngine):
     """RolloutEngine on `NativeDecoder`; colocated, it reads the learner's parameters directly."""
 
-    def __init__(self, model, tokenizer, compile_decode: bool = False):
+    def __init__(self, model, tokenizer, compile_decode: bool = False, compute_dtype: torch.dtype | None = None):
         self.model = model
-        self.decoder = NativeDecoder(model)
+        # Mixed precision: each generate call casts the weights to compute_dtype once (decode_weights;
+        # no copy is kept between calls), the prefill casts as it reads.
+        self.decoder = NativeDecoder(model, compute_dtype)
         # torch.compile fuses the step's many small kernels (a GPU's launch overhead). The cache length
         # is a dynamic shape; rows are not dropped when compiled (the group layout stays fixed), so one
         # graph serves every step of every generation of the same batch shape.
@@ -63,7 +65,8 @@ class NativeEngine(ChunkedEngine):
 
     @property
     def exact_logprobs(self) -> bool:
-        """Sampling log-probs equal the learner's (to float32 rounding): π_old needs no forward pass."""
+        """Sampling log-probs equal the learner's (to float32 rounding): π_old needs no forward pass. Not
+        in bf16/fp16, where decode and training kernels round differently (~1e-2 in a log-prob)."""
         return self.decoder.dtype == torch.float32
 
     def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
