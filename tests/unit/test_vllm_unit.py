@@ -29,8 +29,8 @@ def test_seed_names_reach_the_vllm_knobs_and_bad_values_are_refused():
     assert c.generation.vllm_gpu_memory_utilization == 0.5 and c.generation.vllm_tensor_parallel_size == 2
     assert c.distributed.importance_correction == "sequence_mask" and c.distributed.importance_cap == 3.0
     with pytest.raises(ConfigError, match="min_p"):
-        GRPOConfig(min_p=0.1).validate()  # the native engine has no min-p filter
-    GRPOConfig(min_p=0.1, engine="vllm").validate()
+        GRPOConfig(**{"generation.min_p": 0.1}).validate()  # the native engine has no min-p filter
+    GRPOConfig(**{"generation.min_p": 0.1, "engine": "vllm"}).validate()
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         GRPOConfig(engine="vllm", vllm_gpu_memory_utilization=1.5).validate()
 
