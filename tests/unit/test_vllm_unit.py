@@ -32,7 +32,7 @@ def test_seed_names_reach_the_vllm_knobs_and_bad_values_are_refused():
         GRPOConfig(**{"generation.min_p": 0.1}).validate()  # the native engine has no min-p filter
     GRPOConfig(**{"generation.min_p": 0.1, "engine": "vllm"}).validate()
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
-        GRPOConfig(engine="vllm", vllm_gpu_memory_utilization=1.5).validate()
+        GRPOConfig(**{"engine": "vllm", "generation.vllm_gpu_memory_utilization": 1.5}).validate()
 
 
 @pytest.mark.skipif(vllm_available(), reason="vLLM is installed here")
