@@ -63,7 +63,15 @@ SAME: dict[str, str] = {
     "gradient_checkpointing": "model.gradient_checkpointing", "activation_checkpointing": "model.gradient_checkpointing",
     "trust_remote_code": "model.trust_remote_code", "entropy_coef": "algorithm.entropy_coef",
     "eval_steps": "train.eval_steps", "run_name": "train.wandb_run_name",
+    "min_p": "generation.min_p", "vllm_gpu_memory_utilization": "generation.vllm_gpu_memory_utilization",
+    "vllm_max_model_length": "generation.vllm_max_model_len",
+    "vllm_tensor_parallel_size": "generation.vllm_tensor_parallel_size",
+    "vllm_enable_sleep_mode": "generation.vllm_sleep", "vllm_importance_sampling_cap": "distributed.importance_cap",
 }
+
+# TRL's vLLM settings that need more than a rename (see _vllm).
+VLLM = {"use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
+        "vllm_importance_sampling_correction", "vllm_importance_sampling_mode"}
 
 # loss_type -> (our loss_variant, our loss_aggregation).
 LOSS_TYPES: dict[str, tuple[str, str]] = {
@@ -103,10 +111,8 @@ NO_EFFECT: dict[str, tuple[tuple | None, str]] = {
     "model_init_kwargs": ((None, {}), "set model.dtype / model.revision instead"),
     "push_to_hub": ((False,), "upload final_model/ yourself"),
     "hub_model_id": (None, "nothing is uploaded"),
-    "use_vllm": ((False,), "vLLM is not wired in: rollout uses the native engine or Ray actors"),
     "top_entropy_quantile": ((1.0,), "training on high-entropy tokens only is not implemented"),
     "delta": ((None,), "INTELLECT-2's two-sided clipping is not implemented"),
-    "min_p": ((None, 0.0), "min-p sampling is not implemented"),
     "repetition_penalty": ((1.0,), "repetition penalties are not implemented"),
     "generation_kwargs": ((None, {}), "use the generation.* settings"),
     "multi_objective_aggregation": (("sum_then_normalize",), "rewards are summed, then normalised"),
@@ -120,7 +126,6 @@ NO_EFFECT: dict[str, tuple[tuple | None, str]] = {
     "max_tool_calling_iterations": ((None,), "tool calling is not implemented"),
     "cache_implementation": (None, "the native engine keeps its own KV cache"),
     "pad_to_multiple_of": (None, "training packs rows without padding"),
-    "vllm_importance_sampling_correction": (None, "only with use_vllm"),
     "disable_tqdm": (None, "see train.progress_bar"),
 }
 
@@ -128,7 +133,7 @@ NO_EFFECT: dict[str, tuple[tuple | None, str]] = {
 TRL_ONLY = {"per_device_train_batch_size", "max_completion_length", "loss_type", "scale_rewards",
             "importance_sampling_level", "steps_per_generation", "generation_batch_size", "num_train_epochs",
             "max_steps", "lr_scheduler_type", "report_to", "warmup_ratio", "use_bias_correction_kl",
-            "shuffle_dataset", "activation_checkpointing", "use_cpu", *NO_EFFECT} - {"disable_tqdm"}
+            "shuffle_dataset", "activation_checkpointing", "use_cpu", *NO_EFFECT, *VLLM} - {"disable_tqdm"}
 TRL_NAMES = TRL_ONLY | set(SAME) | {"epsilon", "epsilon_high", "top_k", "gradient_accumulation_steps",
                                     "disable_tqdm"}
 
@@ -150,8 +155,11 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
     for name, value in trl.items():
         if name in SAME:
             out[SAME[name]] = value
+        elif name in VLLM:
+            continue  # _vllm
         elif name in NO_EFFECT or name.startswith(("vllm_", "vespo_")):
-            allowed, why = NO_EFFECT.get(name, (None, "only with use_vllm / loss_type='vespo'"))
+            allowed, why = NO_EFFECT.get(name, (None, "a vLLM setting with no counterpart here, or one of "
+                                                      "loss_type='vespo' (not implemented)"))
             if allowed is not None and _plain(value) not in allowed:
                 raise TRLConfigError(f"GRPOConfig({name}={value!r}) is not supported: {why}. Leave it at "
                                      f"{allowed[0]!r}; docs/trl.md lists every TRL setting.")
@@ -159,6 +167,7 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
     _loss(trl, out)
     _batch(trl, out)
     _schedule(trl, out)
+    _vllm(trl, out)
     if "top_k" in trl:
         out["generation.top_k"] = trl["top_k"] or 0  # TRL: None or 0 = off
     if trl.get("use_cpu"):
@@ -171,6 +180,24 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
         log.info("TRL settings with no effect here (docs/trl.md says why): %s", ", ".join(sorted(ignored)))
     out.update(rest)
     return out
+
+
+def _vllm(trl: dict[str, Any], out: dict[str, Any]) -> None:
+    """use_vllm → generation.engine=vllm (colocated, or a server); TRL's importance correction of the
+    sampler/learner mismatch → distributed.importance_correction (same mode names), TRL's cap default 3."""
+    if trl.get("use_vllm"):
+        out["generation.engine"] = "vllm"
+        if trl.get("vllm_mode", "colocate") == "server":
+            host, port = trl.get("vllm_server_host", "0.0.0.0"), trl.get("vllm_server_port", 8000)
+            url = trl.get("vllm_server_base_url") or f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+            out["generation.vllm_server_url"] = url
+        elif trl.get("vllm_mode", "colocate") != "colocate":
+            raise TRLConfigError(f"vllm_mode must be 'colocate' or 'server', got {trl['vllm_mode']!r}.")
+        out.setdefault("distributed.importance_cap", 3.0)
+    if trl.get("vllm_importance_sampling_correction", True) is False:
+        out["distributed.importance_correction"] = "none"
+    elif "vllm_importance_sampling_mode" in trl:
+        out["distributed.importance_correction"] = trl["vllm_importance_sampling_mode"]
 
 
 def _plain(value: Any) -> Any:

@@ -54,7 +54,7 @@ def test_scale_rewards_booleans():
 
 
 @pytest.mark.parametrize("kwargs,reason", [
-    ({"use_vllm": True}, "vLLM is not wired in"),
+    ({"use_vllm": True, "vllm_mode": "remote"}, "vllm_mode must be"),
     ({"loss_type": "vespo"}, "not implemented"),
     ({"steps_per_generation": 4}, "reuses one generation batch"),
     ({"per_device_train_batch_size": 6}, "divisible by num_generations"),
