@@ -138,6 +138,9 @@ TRL_NAMES = TRL_ONLY | set(SAME) | {"epsilon", "epsilon_high", "top_k", "gradien
                                     "disable_tqdm"}
 
 
+_NO_COUNTERPART = "a vLLM setting with no counterpart here, or one of loss_type='vespo' (not implemented)"
+
+
 class TRLConfigError(ConfigError):
     """A TRL setting this package cannot honour; the message says why and what to do instead."""
 
@@ -158,8 +161,7 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
         elif name in VLLM:
             continue  # _vllm
         elif name in NO_EFFECT or name.startswith(("vllm_", "vespo_")):
-            allowed, why = NO_EFFECT.get(name, (None, "a vLLM setting with no counterpart here, or one of "
-                                                      "loss_type='vespo' (not implemented)"))
+            allowed, why = NO_EFFECT.get(name, (None, _NO_COUNTERPART))
             if allowed is not None and _plain(value) not in allowed:
                 raise TRLConfigError(f"GRPOConfig({name}={value!r}) is not supported: {why}. Leave it at "
                                      f"{allowed[0]!r}; docs/trl.md lists every TRL setting.")

@@ -30,15 +30,7 @@ def test_seed_names_reach_the_vllm_knobs_and_bad_values_are_refused():
     assert c.distributed.importance_correction == "sequence_mask" and c.distributed.importance_cap == 3.0
 
 
-def test_trl_use_vllm_selects_the_engine_and_its_settings():
-    c = GRPOConfig(use_vllm=True, vllm_gpu_memory_utilization=0.5, vllm_max_model_length=1024, min_p=0.05)
-    g = c.generation
-    assert (g.engine, g.vllm_gpu_memory_utilization, g.vllm_max_model_len, g.min_p) == ("vllm", 0.5, 1024, 0.05)
-    assert c.distributed.importance_cap == 3.0  # TRL's default cap for its correction
-    server = GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_port=8123)
-    assert server.generation.vllm_server_url == "http://127.0.0.1:8123"
-    off = GRPOConfig(use_vllm=True, vllm_importance_sampling_correction=False)
-    assert off.distributed.importance_correction == "none"
+def test_seed_names_min_p_and_memory_checks():
     with pytest.raises(ConfigError, match="min_p"):
         GRPOConfig(**{"generation.min_p": 0.1}).validate()  # the native engine has no min-p filter
     GRPOConfig(**{"generation.min_p": 0.1, "engine": "vllm"}).validate()
