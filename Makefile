@@ -1,5 +1,6 @@
 # make demo: create .venv, install torch (CPU build) first, then grpo, then train the bundled tiny model.
-# make test: the same set-up, then the test suite (what CI runs).
+# make test: the same set-up, then lint and the whole test suite (what CI runs): the main suite in .venv,
+#            the vLLM tests in .venv-vllm.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -32,13 +33,15 @@ setup: $(BIN)/grpo
 demo: setup
 	$(BIN)/grpo train
 
-test: setup
+test: setup setup-vllm
+	$(BIN)/ruff check src tests scripts benchmarks
 	$(BIN)/python -m pytest -q
+	$(VLLM_BIN)/python -m pytest -q tests/integration/test_vllm.py tests/unit/test_vllm_unit.py
 
 setup-vllm: $(VLLM_BIN)/grpo
 
 test-vllm: setup-vllm
-	$(VLLM_BIN)/python -m pytest -q tests/integration/test_vllm.py
+	$(VLLM_BIN)/python -m pytest -q tests/integration/test_vllm.py tests/unit/test_vllm_unit.py
 
 lint: setup
 	$(BIN)/ruff check src tests scripts
