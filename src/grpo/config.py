@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import types
@@ -36,6 +37,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+CLOUD_SCHEMES = ("gs", "s3", "az", "abfs", "gcs")
 BUNDLED_MODEL = "tiny-math-lm"  # a name that resolves to the model shipped in grpo/assets
 
 
@@ -485,6 +487,7 @@ class GRPOConfig:
     def __init__(self, **kwargs: Any) -> None:
         for section, cls in SECTIONS.items():
             object.__setattr__(self, section, cls())
+        object.__setattr__(self, "_explicit", set())  # dotted paths the user set (not a preset or default)
         flat = {}
         for key, value in kwargs.items():
             if key in SECTIONS and isinstance(value, (dict, SECTIONS[key])):
@@ -493,15 +496,26 @@ class GRPOConfig:
             else:
                 flat[key] = value
         self.update(flat)
+        if flat:
+            apply_user_precedence(self)
 
-    def update(self, overrides: dict[str, Any]) -> GRPOConfig:
+    def update(self, overrides: dict[str, Any], explicit: bool = True) -> GRPOConfig:
+        """Apply settings. `explicit=False` marks them as a preset's or file's, which a value the user
+        gives for a competing key replaces (see `apply_user_precedence`)."""
         for key, value in overrides.items():
             for path in resolve_key(key):
                 section, name = path.split(".")
                 setattr(getattr(self, section), name, coerce(path, value))
+                if explicit:
+                    self._explicit.add(path)
                 if is_secret(name):
                     remember([value])
         return self
+
+    @property
+    def explicit_keys(self) -> frozenset[str]:
+        """Dotted paths set by the user (keyword arguments, command-line overrides, assignments)."""
+        return frozenset(self._explicit)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name in SECTIONS:
@@ -650,7 +664,25 @@ def validate(cfg: GRPOConfig) -> None:
 
     if d.use_pathways:
         raise ConfigError("--use_pathways asks for Google's TPU orchestration, which does not exist on CUDA "
-                          "or CPU. Drop the flag: the trainer and sampler share devices here.")
+                          "or CPU. Drop the flag: by default the trainer and sampler share devices. For "
+                          "Pathways' disaggregated trainer and sampler meshes use Ray rollout actors on devices "
+                          "of their own: rollout.mode=sync (or async) with inference_replicas=N, or "
+                          "trainer_devices_fraction=0.5 sampler_devices_fraction=0.5 (docs/scaling.md).")
+    for path in ("model.name_or_path", "model.load_parameters_path", "model.tokenizer_path", "model.ref_model_path",
+                 "algorithm.reward_model", "data.dataset", "data.hf_path", "data.eval_dataset",
+                 "train.base_output_directory", "train.output_dir", "train.resume"):
+        value = _get(cfg, path)
+        if isinstance(value, str) and value.split("://", 1)[0].lower() in CLOUD_SCHEMES and "://" in value:
+            raise ConfigError(f"{path} = {value}: cloud storage paths are not supported; copy the "
+                              f"{'checkpoint' if path.startswith('model.') else 'files'} locally (e.g. "
+                              f"gcloud storage cp -r {value} ./local) and pass the local path.")
+    if t.use_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("train.use_wandb is on but wandb is not installed: pip install 'grpo[wandb]' "
+                          "(or drop --use-wandb).")
+    if t.steps is not None and d.weight_sync_steps > t.steps:
+        raise ConfigError(f"inference_rollouts (distributed.weight_sync_steps) = {d.weight_sync_steps} is more "
+                          f"than train.steps = {t.steps}, so the rollout weights would never be updated. Use a "
+                          f"value between 1 and {t.steps}.")
     if d.profiler == "xplane":
         raise ConfigError("profiler=xplane is JAX/TPU's profiler; use profiler=torch for a torch.profiler "
                           "trace, or profiler=none.")
@@ -702,9 +734,63 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def load_config(config: str | None = None, overrides: dict[str, Any] | None = None) -> GRPOConfig:
-    """Defaults ← preset/file ← overrides, validated."""
+    """Defaults ← preset/file ← overrides, validated. A value the user gives wins over the preset's,
+    also where it competes with another key the preset set (`apply_user_precedence`)."""
     cfg = GRPOConfig()
     if config:
-        cfg.update(read_config_file(config))
+        cfg.update(read_config_file(config), explicit=False)
     cfg.update(overrides or {})
+    apply_user_precedence(cfg)
     return cfg.validate()
+
+
+# (key the user gave, key that would silently override it when only a preset set it)
+COMPETING_KEYS = (("train.num_epochs", "train.steps"),
+                  ("train.gradient_accumulation_steps", "train.micro_batch_size"))
+
+
+def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
+    """Make the user's values take effect over a preset's; returns (and logs) what changed and why.
+
+    * Competing keys: `--num-epochs 3` under a preset with `train.steps: 80` would run 80 steps (steps win
+      over epochs), so the preset's steps are dropped. When the user gives both, the winner is named.
+    * Task switch: a dataset set to a registered task (`env.dataset=ifeval`) brings that task's rewards,
+      evaluation split and system prompt, except where the user set those too (grpo.tasks)."""
+    import logging
+
+    from grpo.tasks import task_settings
+
+    notes = []
+    explicit = cfg.explicit_keys
+    for given, rival in COMPETING_KEYS:
+        rival_value = _get(cfg, rival)
+        if given not in explicit or rival_value is None:
+            continue
+        if rival in explicit:
+            notes.append(f"both {given} = {_get(cfg, given)} and {rival} = {rival_value} were given; "
+                         f"{rival} wins, {given} is not used.")
+            continue
+        _set(cfg, rival, _field(rival).default)
+        notes.append(f"{given} = {_get(cfg, given)} replaces the preset's {rival} = {rival_value}.")
+    for key in ("data.hf_path", "data.dataset"):
+        if key in explicit and _get(cfg, key):
+            for path, value in task_settings(_get(cfg, key)).items():
+                if path not in explicit and _get(cfg, path) != value:
+                    _set(cfg, path, value)
+                    notes.append(f"{key} = {_get(cfg, key)} sets {path} = {value!r} (the task's; set it to "
+                                 "change).")
+            break
+    log = logging.getLogger("grpo")
+    for note in notes:
+        log.info("Config: %s", note)
+    return notes
+
+
+def _get(cfg: GRPOConfig, path: str) -> Any:
+    section, name = path.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _set(cfg: GRPOConfig, path: str, value: Any) -> None:
+    section, name = path.split(".")
+    setattr(getattr(cfg, section), name, value)

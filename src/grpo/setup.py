@@ -32,6 +32,7 @@ from grpo.preflight import check_model_paths, plan_resume
 from grpo.redact import RedactingFilter
 from grpo.rewards import resolve_rewards
 from grpo.rollout import RolloutEngine, build_engine
+from grpo.tasks import missing_reward_columns, task_of_rows
 
 log = logging.getLogger("grpo")
 
@@ -118,11 +119,8 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
                       tokenizer_given=tokenizer is not None and not isinstance(tokenizer, str))
     token = cfg.hf_token()
 
-    train_rows = (rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows) if train_dataset is not None
-                  else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
-    eval_rows = _eval_rows(cfg, eval_dataset, token)
-    funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
-                            ([] if reward_model is not None else cfg.algorithm.reward_funcs))
+    train_rows, eval_rows, funcs = load_data_and_rewards(cfg, train_dataset, eval_dataset, reward_funcs,
+                                                         reward_model, token)
 
     device = resolve_device(cfg.model.device)
     if tokenizer is None or isinstance(tokenizer, str):
@@ -176,6 +174,58 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
              ", ".join(getattr(f, "__name__", type(f).__name__) for f in funcs))
     return RunParts(run_dir, device, policy, ref, tokenizer, engine, formatter, train_rows, eval_rows,
                     funcs, weights, resume_from)
+
+
+def load_data_and_rewards(cfg: GRPOConfig, train_dataset=None, eval_dataset=None, reward_funcs=None,
+                          reward_model=None, token=None) -> tuple[list[dict], list[dict], list[Callable]]:
+    """Training rows, evaluation rows and the reward functions, checked against each other: every column a
+    reward needs is in the data. Needs no model, so a bad combination stops the run before one loads."""
+    source = "train_dataset" if train_dataset is not None else (cfg.data.hf_path or cfg.data.dataset)
+    train_rows = (rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows) if train_dataset is not None
+                  else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
+    eval_rows = _eval_rows(cfg, eval_dataset, token)
+    has_model = reward_model is not None or cfg.algorithm.reward_model is not None
+    chosen = reward_funcs is not None or "algorithm.reward_funcs" in cfg.explicit_keys
+    funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
+                            ([] if reward_model is not None else cfg.algorithm.reward_funcs))
+    columns = set(train_rows[0]) if train_rows else set()
+    missing = missing_reward_columns(funcs, columns)
+    task = task_of_rows(train_rows)
+    if missing and task is not None and not chosen:
+        # A local copy of a task's data (an IFEval .jsonl) is scored the way the task is.
+        log.info("%s has %s's columns (%s): rewards %s (set algorithm.reward_funcs to choose others).", source,
+                 task.name, ", ".join(task.columns), ", ".join(task.reward_funcs))
+        funcs = resolve_rewards(list(task.reward_funcs))
+        cfg.algorithm.reward_funcs = list(task.reward_funcs)
+        cfg.algorithm.reward_weights = list(task.reward_weights) if task.reward_weights else None
+        missing = missing_reward_columns(funcs, columns)
+    if missing:
+        raise ConfigError(_missing_columns_message(source, missing, columns, has_model))
+    return train_rows, eval_rows, funcs
+
+
+def _missing_columns_message(source: str, missing: dict[str, list[str]], columns: set[str],
+                             has_model: bool) -> str:
+    needs = "; ".join(f"the reward {name} needs the column{'s' * (len(cols) > 1)} {', '.join(map(repr, cols))}"
+                      for name, cols in missing.items())
+    first = next(iter(missing.values()))[0]
+    return (f"The dataset ({source}) has no {first!r} column: {needs} (the dataset has {', '.join(sorted(columns))})."
+            f" Add the column (SimplePromptDataset(prompts, {first}=[...]), or the field {first!r} in every row; "
+            f"data.answer_field names another column as the answer), "
+            + ("or drop the rewards that need it (reward_funcs=[] keeps the reward model alone)." if has_model else
+               "or score with a reward model (reward_model=... / --reward-model PATH) or rewards that need no "
+               f"{first!r} (reward_funcs=[...], --reward-funcs NAME)."))
+
+
+def planned_steps(cfg: GRPOConfig, num_rows: int) -> int:
+    """Optimizer steps of the run: train.steps, else num_epochs passes over num_rows prompts."""
+    t = cfg.train
+    steps = t.steps or max(1, round(t.num_epochs * -(-num_rows // t.prompts_per_step)))
+    if cfg.distributed.weight_sync_steps > steps:
+        raise ConfigError(f"inference_rollouts (distributed.weight_sync_steps) = {cfg.distributed.weight_sync_steps}"
+                          f" is more than the run's {steps} steps, so the rollout weights would never be updated."
+                          f" Use a value between 1 and {steps}.")
+    return steps
 
 
 def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
