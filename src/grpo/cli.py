@@ -206,9 +206,11 @@ def dry_run(cfg: GRPOConfig) -> str:
     """The resolved config plus what the run would do, as YAML, from the data alone (no model is loaded)."""
     import yaml
 
+    from grpo.preflight import check_model_paths
     from grpo.rewards import reward_name
     from grpo.setup import load_data_and_rewards, planned_steps
 
+    check_model_paths(cfg, model_given=False, tokenizer_given=False)
     train_rows, eval_rows, funcs = load_data_and_rewards(cfg, token=cfg.hf_token())
     plan = {"train_rows": len(train_rows), "eval_rows": len(eval_rows),
             "columns": sorted(train_rows[0]) if train_rows else [],

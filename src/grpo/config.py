@@ -358,10 +358,23 @@ ALIASES: dict[str, str] = {
     "train_model.lora.alpha": "lora.alpha",
     "train_model.lora.dropout": "lora.dropout",
     "train_model.lora.target_modules": "lora.target_modules",
+    "env.num_envs": "train.prompts_per_step",  # TorchRL: prompts sampled at once
+    "env.repeats": "generation.num_generations",  # TorchRL: completions per prompt
+    "train.optim_batch_size": "train.micro_batch_size",
     # common spellings
     "lr": "optim.learning_rate",
     "epsilon": ("algorithm.epsilon_low", "algorithm.epsilon_high"),
     "model": "model.name_or_path",
+}
+
+
+# Seed settings with no counterpart, and what to use instead.
+FOREIGN_KEYS = {
+    "inference_model.gpu_memory_utilization": "it is vLLM's share of GPU memory for its KV cache; the rollout "
+    "engine here allocates the cache per generate() call, so lower generation.batch_size (completions per call) "
+    "or generation.max_new_tokens to use less memory.",
+    "train.total_dialog_turns": "TorchRL's run length in dialog turns; here the run length is train.steps "
+    "(optimizer steps of prompts_per_step × num_generations completions) or train.num_epochs.",
 }
 
 
@@ -392,6 +405,8 @@ def resolve_key(key: str) -> tuple[str, ...]:
         return (LEAVES[k][0],)
     if k in LEAVES:
         raise ConfigError(f"'{key}' is ambiguous: write one of {', '.join(LEAVES[k])}.")
+    if k in FOREIGN_KEYS:
+        raise ConfigError(f"'{key}' has no counterpart here: {FOREIGN_KEYS[k]}")
     known = sorted(set(all_paths()) | set(LEAVES) | set(ALIASES))
     close = difflib.get_close_matches(k, known, n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

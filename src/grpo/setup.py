@@ -82,7 +82,8 @@ def setup_logging(run_dir: Path | None = None) -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logger = logging.getLogger("grpo")
-    logger.setLevel(logging.INFO)
+    # torchrun starts one process per device; rank 0 speaks for the job, the others only warn.
+    logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     logger.propagate = False
     if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
                for h in logger.handlers):
@@ -109,6 +110,8 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
     for key, value in (("tokenizer_path", tokenizer), ("name_or_path", model), ("ref_model_path", ref_model)):
         if isinstance(value, str):  # a name or path passed in place of an object
             setattr(cfg.model, key, value)
+        elif value is not None:  # an object: config.yaml records where it came from, not the bundled default
+            setattr(cfg.model, key, getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>")
     run_dir = make_run_dir(cfg)
     setup_logging(run_dir)
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
@@ -183,7 +186,6 @@ def load_data_and_rewards(cfg: GRPOConfig, train_dataset=None, eval_dataset=None
     source = "train_dataset" if train_dataset is not None else (cfg.data.hf_path or cfg.data.dataset)
     train_rows = (rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows) if train_dataset is not None
                   else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
-    eval_rows = _eval_rows(cfg, eval_dataset, token)
     has_model = reward_model is not None or cfg.algorithm.reward_model is not None
     chosen = reward_funcs is not None or "algorithm.reward_funcs" in cfg.explicit_keys
     funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
@@ -198,10 +200,12 @@ def load_data_and_rewards(cfg: GRPOConfig, train_dataset=None, eval_dataset=None
         funcs = resolve_rewards(list(task.reward_funcs))
         cfg.algorithm.reward_funcs = list(task.reward_funcs)
         cfg.algorithm.reward_weights = list(task.reward_weights) if task.reward_weights else None
+        if train_dataset is None and "data.eval_dataset" not in cfg.explicit_keys and cfg.data.eval_dataset:
+            cfg.data.eval_dataset = source  # as the task's own preset does: IFEval evaluates on its prompts
         missing = missing_reward_columns(funcs, columns)
     if missing:
         raise ConfigError(_missing_columns_message(source, missing, columns, has_model))
-    return train_rows, eval_rows, funcs
+    return train_rows, _eval_rows(cfg, eval_dataset, token), funcs
 
 
 def _missing_columns_message(source: str, missing: dict[str, list[str]], columns: set[str],

@@ -219,6 +219,17 @@ def place_reference(ref, spec: str, policy_device: torch.device):
     return ref.to(torch.device(spec))
 
 
+def running_ray_cluster() -> str | None:
+    """The address of a Ray cluster started on this machine (`ray start --head`, or $RAY_ADDRESS), if any."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    try:
+        from ray._private.utils import read_ray_address  # the file `ray start` writes (under $TMPDIR/ray)
+    except ImportError:
+        return None
+    return read_ray_address()
+
+
 def apply_role_plan(cfg: GRPOConfig, rank: int, world_size: int, local_rank: int) -> RolePlan:
     """Plan the roles on this machine and point this process's CUDA device at its learner GPU."""
     num_gpus = torch.cuda.device_count() if cfg.model.device in ("auto", "cuda") else 0
@@ -226,8 +237,11 @@ def apply_role_plan(cfg: GRPOConfig, rank: int, world_size: int, local_rank: int
     if num_gpus:
         torch.cuda.set_device(int(plan.learner_devices[local_rank].split(":")[1]))
     if world_size > 1 and plan.rollout == "ray" and cfg.distributed.ray_address is None:
-        raise ConfigError("Several learner processes share one Ray cluster: start it first (`ray start --head`) "
-                          "and pass ray_address=auto.")
+        if running_ray_cluster() is None:
+            raise ConfigError("Several learner processes share one Ray cluster: start it first (`ray start "
+                              "--head`) on this machine, then run the same command (ray_address=auto is used); "
+                              "or pass ray_address=HOST:PORT.")
+        cfg.distributed.ray_address = "auto"  # the cluster `ray start --head` made here, shared by every rank
     if rank == 0:
         import logging
 
