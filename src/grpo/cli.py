@@ -158,6 +158,9 @@ def _overrides(args) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"'{item}' is not key=value (e.g. optimizer.lr=2e-5).")
+        if key.replace("-", "_") in ("config", "config_file", "config_name"):  # MaxText/Hydra spelling of --config
+            args.config = value
+            continue
         pairs.append((key.lstrip("+"), value))
     return dict(pairs)
 
@@ -191,7 +194,7 @@ def cmd_train(args) -> int:
             run = {**run, "train.output_dir": str(sweep_dir / str(i))}
         cfg = load_config(args.config, run)
         if args.print_config or args.dry_run:
-            print(cfg.to_yaml() if args.print_config else dry_run(cfg))
+            print(("---\n" if len(runs) > 1 else "") + (cfg.to_yaml() if args.print_config else dry_run(cfg)))
             continue
         if args.multirun:
             log.info("Sweep run %d/%d: %s", i + 1, len(runs), redact_mapping(run))

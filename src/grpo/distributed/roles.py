@@ -64,10 +64,13 @@ def validate_roles(cfg: GRPOConfig) -> None:
         "inference_model.devices": d.inference_device_ids,
         "sampler_devices_fraction": None if shared else d.sampler_devices_fraction}.items()
         if v not in (None, 1)}
+    learners = len(d.train_device_ids) if d.train_device_ids is not None else d.train_devices
     if separate and d.rollout_mode == "colocated":
         settings = ", ".join(f"{k}={v}" for k, v in separate.items())
+        launch = (f" With {learners} learner devices, launch one process per device: `torchrun --nproc_per_node "
+                  f"{learners} -m grpo train rollout.mode=async ...` (docs/scaling.md)." if learners != world else "")
         raise ConfigError(f"{settings}: rollout on devices of its own runs in Ray actors; add rollout.mode=sync "
-                          "(on-policy) or rollout.mode=async (overlapped with training).")
+                          f"(on-policy) or rollout.mode=async (overlapped with training).{launch}")
     if d.inference_devices_per_replica != 1 or d.ici_tensor_parallelism not in (-1, 1):
         raise ConfigError("inference_devices_per_replica / ici_tensor_parallelism > 1 ask for tensor-parallel "
                           "rollout replicas; the transformers rollout engine runs one device per replica. Use "
@@ -78,7 +81,6 @@ def validate_roles(cfg: GRPOConfig) -> None:
         if d.train_devices != 1 and d.train_devices != len(d.train_device_ids):
             raise ConfigError(f"train_model.num_devices={d.train_devices} but train_model.devices lists "
                               f"{len(d.train_device_ids)}; give one of the two.")
-    learners = len(d.train_device_ids) if d.train_device_ids is not None else d.train_devices
     if learners != 1 and learners != world:
         raise ConfigError(f"The learner is asked for {learners} devices but runs as {world} process(es): one "
                           f"process per learner device. Launch with `torchrun --nproc_per_node {learners} -m grpo "
