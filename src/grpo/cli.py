@@ -31,6 +31,7 @@ from grpo.config import (
     preset_names,
     read_config_file,
     resolve_key,
+    section_hints,
 )
 from grpo.redact import redact, redact_mapping, remember_from_argv
 
@@ -74,7 +75,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     taken = set()
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} settings")
-        hints = typing.get_type_hints(cls)
+        hints = section_hints(section)
         for f in dataclasses.fields(cls):
             path = f"{section}.{f.name}"
             names = [f"--{path}"]
@@ -100,7 +101,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for alias, target in ALIASES.items():
         for spelling in {f"--{alias}", f"--{alias.replace('_', '-')}"} - taken:
             first = target if isinstance(target, str) else target[0]
-            is_bool = typing.get_type_hints(SECTIONS[first.split('.')[0]])[first.split('.')[1]] is bool
+            is_bool = section_hints(first.split('.')[0])[first.split('.')[1]] is bool
             parser.add_argument(spelling, dest=alias, action=_Override, help=argparse.SUPPRESS,
                                 nargs="?" if is_bool else None, const="true" if is_bool else None)
             taken.add(spelling)
@@ -176,7 +177,7 @@ def _sweep(overrides: dict[str, str]) -> list[dict[str, str]]:
 
 def _hint_of(key: str):
     section, name = resolve_key(key)[0].split(".")
-    return typing.get_type_hints(SECTIONS[section])[name]
+    return section_hints(section)[name]
 
 
 def cmd_train(args) -> int:

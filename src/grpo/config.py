@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import math
 import os
@@ -418,9 +419,15 @@ def _field(path: str) -> dataclasses.Field:
     return {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
 
 
+@functools.cache
+def section_hints(section: str) -> dict[str, Any]:
+    """Field types of a section (evaluating string annotations is slow: once per process)."""
+    return typing.get_type_hints(SECTIONS[section])
+
+
 def _hint(path: str) -> Any:
     section, name = path.split(".")
-    return typing.get_type_hints(SECTIONS[section])[name]
+    return section_hints(section)[name]
 
 
 def coerce(path: str, value: Any) -> Any:

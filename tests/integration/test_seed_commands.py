@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -128,8 +129,7 @@ REFUSED = [  # (flag, value, extra args, what the message must name)
     ("ici_tensor_parallelism", "4", [], "inference_replicas=N"),
     ("trainer_devices_fraction", "0.5", [], "add up to at most 1"),
     ("profiler", "xplane", [], "profiler=torch"),
-    ("load_parameters_path", "gs://path/to/checkpoint", [], "cloud storage paths are not supported; copy the "
-     "checkpoint locally"),
+    ("load_parameters_path", "gs://path/to/checkpoint", [], "not supported; copy the checkpoint locally"),
     ("base_output_directory", "gs://path/to/output", [], "cloud storage paths are not supported"),
     ("inference_rollouts", "20", ["--steps=10"], "between 1 and 10"),
     ("hf_data_files", "train", ["--hf_path={files}/train.jsonl"], "Drop --hf_data_files"),
@@ -462,20 +462,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_ray_started_under(root: Path) -> None:
-    """Stop the head this test started (by pid: `ray stop` would stop every Ray on the machine)."""
+def _kill_ray_started_under(root: Path, port: int) -> None:
+    """Stop the head this test started, by pid (`ray stop` would stop every Ray on the machine): processes
+    whose command line names its temp dir or its GCS port, and their children (Ray's agents)."""
+    parents, mine = {}, set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
+            args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if str(root) in cmd:
-            try:
-                os.kill(int(proc.name), signal.SIGKILL)
-            except OSError:
-                pass
+        if any(str(root) in a or (a.startswith("--address=") and a.endswith(f":{port}")) for a in args):
+            mine.add(int(proc.name))
+    mine |= {pid for pid, parent in parents.items() if parent in mine}
+    for pid in mine:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 @pytest.mark.slow
@@ -484,20 +490,25 @@ def test_scaling_doc_torchrl_translation_with_a_ray_head(files, tmp_path):
     bin_dir = Path(sys.executable).parent
     if not (bin_dir / "ray").exists() or not (bin_dir / "torchrun").exists():
         pytest.skip("ray / torchrun scripts not installed next to the interpreter")
-    root = tmp_path / "raytmp"
-    (root / "home").mkdir(parents=True)
+    root = Path(tempfile.mkdtemp(prefix="grpo-ray-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    (root / "home").mkdir()
     # Isolated from other Ray clusters on the machine: its own temp dir (where `ray start` records the
     # address that ray_address=auto reads) and HOME (where the head writes its ~/.ray/auth_token).
     env = {**os.environ, "TMPDIR": str(root), "HOME": str(root / "home"), "RAY_worker_niceness": "0",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"),
                                           str(Path(__file__).resolve().parents[2])])}
     env.pop("RAY_ADDRESS", None)
-    head = [str(bin_dir / "ray"), "start", "--head", "--num-cpus", "2", "--port", str(_free_port()),
+    port = _free_port()
+    head = [str(bin_dir / "ray"), "start", "--head", "--num-cpus", "2", "--port", str(port),
             "--ray-client-server-port", str(_free_port()), "--dashboard-port", str(_free_port()),
             "--include-dashboard=false", "--disable-usage-stats"]
     try:
-        subprocess.run(head, env=env, check=True, capture_output=True, timeout=180)
-        assert (root / "home" / ".ray" / "auth_token").is_file()  # Ray 2.60: token auth on by default
+        # Ray's token-auth guide: generate the token, then start the head (2.60 turns auth on when one exists).
+        subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True,
+                       capture_output=True, timeout=120)
+        started = subprocess.run(head, env=env, check=False, capture_output=True, text=True, timeout=180)
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        assert "Token authentication is enabled" in started.stdout + started.stderr
         # docs/scaling.md: torchrun --nproc_per_node 2 -m grpo train mode=async train_model.num_devices=2
         #   ref_model.num_devices=2 inference_model.num_devices=2  (+ a tiny model and a short run)
         cmd = [str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "grpo", "train",
@@ -506,11 +517,18 @@ def test_scaling_doc_torchrl_translation_with_a_ray_head(files, tmp_path):
                "num_generations=2", "max_new_tokens=6", "gradient_accumulation_steps=1", "eval_dataset=none",
                "progress_bar=false", "report=false", "tensorboard=false", "num_threads=1", "logging_steps=1",
                f"output_dir={tmp_path / 'run'}"]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+        done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stderr.count("Run directory:") == 1  # header lines from rank 0 only
         metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in metrics] == [1, 2] and all("is/ess" in m for m in metrics)
+        # A learner without the head's token is told how to pass it (not a bare ConnectionError).
+        wrong = subprocess.run([sys.executable, "-m", "grpo", "train", "mode=async", "ray_address=auto",
+                                *cmd[cmd.index("train") + 5:-1], f"output_dir={tmp_path / 'run2'}"],
+                               env={**env, "RAY_AUTH_TOKEN": "not-the-head-token"}, check=False, capture_output=True,
+                               text=True, timeout=300, cwd=tmp_path)
+        assert wrong.returncode == 2 and "RAY_AUTH_TOKEN=$(ray get-auth-token)" in wrong.stderr, wrong.stderr[-3000:]
     finally:
-        _kill_ray_started_under(root)
+        _kill_ray_started_under(root, port)
         time.sleep(1)
+        shutil.rmtree(root, ignore_errors=True)
