@@ -768,7 +768,8 @@ def load_config(config: str | None = None, overrides: dict[str, Any] | None = No
 
 # (key the user gave, key that would silently override it when only a preset set it)
 COMPETING_KEYS = (("train.num_epochs", "train.steps"),
-                  ("train.gradient_accumulation_steps", "train.micro_batch_size"))
+                  ("train.gradient_accumulation_steps", "train.micro_batch_size"),
+                  ("algorithm.reward_funcs", "algorithm.reward_weights"))
 
 
 def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
@@ -797,6 +798,8 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
     for key in ("data.hf_path", "data.dataset"):
         if key in explicit and _get(cfg, key):
             for path, value in task_settings(_get(cfg, key)).items():
+                if path == "algorithm.reward_weights" and "algorithm.reward_funcs" in explicit:
+                    continue  # the task's weights belong to the task's rewards, not to the user's
                 if path not in explicit and _get(cfg, path) != value:
                     _set(cfg, path, value)
                     notes.append(f"{key} = {_get(cfg, key)} sets {path} = {value!r} (the task's; set it to "

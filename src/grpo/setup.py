@@ -188,8 +188,11 @@ def load_data_and_rewards(cfg: GRPOConfig, train_dataset=None, eval_dataset=None
                   else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
     has_model = reward_model is not None or cfg.algorithm.reward_model is not None
     chosen = reward_funcs is not None or "algorithm.reward_funcs" in cfg.explicit_keys
-    funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
-                            ([] if reward_model is not None else cfg.algorithm.reward_funcs))
+    try:
+        funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
+                                ([] if reward_model is not None else cfg.algorithm.reward_funcs))
+    except (ValueError, ImportError, TypeError) as e:  # an unknown name or a bad import path: say which
+        raise ConfigError(f"algorithm.reward_funcs: {e}") from e
     columns = set(train_rows[0]) if train_rows else set()
     missing = missing_reward_columns(funcs, columns)
     task = task_of_rows(train_rows)

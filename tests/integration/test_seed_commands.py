@@ -302,6 +302,12 @@ def test_pytorch_wandb_example_without_wandb_stops_at_start_up(mode, capsys):
     assert "pip install 'grpo[wandb]'" in refused(argv, capsys, mode)
 
 
+def test_rewards_given_drop_the_preset_weights(files, capsys):
+    cfg = run([*small(files), "--reward-funcs", "gsm8k_format"], capsys)  # the preset weighs two rewards
+    assert cfg["algorithm"]["reward_weights"] is None and cfg["plan"]["rewards"] == ["gsm8k_format"]
+    assert "did you mean 'gsm8k_correctness'" in refused([*small(files), "--reward-funcs", "gsm8k_corect"], capsys)
+
+
 def test_prompts_without_answers_are_refused_before_a_model_loads(files, capsys):
     err = refused(["--dataset", files / "prompts.jsonl"], capsys)
     assert "no 'answer' column" in err and "gsm8k_correctness" in err and "reward_model" in err
