@@ -29,7 +29,9 @@ from grpo.config import (
     GRPOConfig,
     load_config,
     preset_names,
+    read_config_file,
     resolve_key,
+    section_hints,
 )
 from grpo.redact import redact, redact_mapping, remember_from_argv
 
@@ -57,13 +59,28 @@ def _aliases_by_path() -> dict[str, list[str]]:
     return out
 
 
+def _shown(path: str, value) -> str:
+    if path.endswith("_token"):
+        return "<redacted>"
+    return "none" if value is None else ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _default_text(path: str, built_in, preset: dict) -> str:
+    """The default a run without the flag uses, and where it comes from (the default preset or the code)."""
+    if path in preset and preset[path] != built_in:
+        return (f"default: {_shown(path, preset[path])} from the {DEFAULT_PRESET} preset; "
+                f"{_shown(path, built_in)} with --config NAME/FILE that leaves it unset")
+    return f"default: {_shown(path, built_in)}"
+
+
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     defaults = GRPOConfig()
     aliases = _aliases_by_path()
+    preset = {resolve_key(k)[0]: v for k, v in read_config_file(DEFAULT_PRESET).items()}
     taken = set()
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} settings")
-        hints = typing.get_type_hints(cls)
+        hints = section_hints(section)
         for f in dataclasses.fields(cls):
             path = f"{section}.{f.name}"
             names = [f"--{path}"]
@@ -73,19 +90,24 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             except ConfigError:
                 pass
             default = getattr(getattr(defaults, section), f.name)
-            shown = "<redacted>" if f.name.endswith("_token") else default
             extra = [a for a in aliases.get(path, []) if a != f.name]
             alias_text = f" Also: {', '.join('--' + a.replace('_', '-') for a in extra)}." if extra else ""
             is_bool = hints[f.name] is bool
             const = "true" if is_bool else _BARE_FLAG_VALUES.get(path)
             group.add_argument(*names, dest=path, action=_Override, metavar="" if is_bool else "VALUE",
                                nargs="?" if const is not None else None, const=const,
-                               help=f"{f.metadata['help']}{alias_text} (default: {shown})")
+                               help=f"{f.metadata['help']}{alias_text} ({_default_text(path, default, preset)})"
+                               .replace("%", "%%"))
             taken.update(names)
+            underscore = f"--{f.name}"  # MaxText's spelling (--use_pathways) of a unique leaf name
+            if "_" in f.name and len(names) > 1 and underscore not in taken:
+                group.add_argument(underscore, dest=path, action=_Override, help=argparse.SUPPRESS,
+                                   nargs="?" if const is not None else None, const=const)
+                taken.add(underscore)
     for alias, target in ALIASES.items():
         for spelling in {f"--{alias}", f"--{alias.replace('_', '-')}"} - taken:
             first = target if isinstance(target, str) else target[0]
-            is_bool = typing.get_type_hints(SECTIONS[first.split('.')[0]])[first.split('.')[1]] is bool
+            is_bool = section_hints(first.split('.')[0])[first.split('.')[1]] is bool
             parser.add_argument(spelling, dest=alias, action=_Override, help=argparse.SUPPRESS,
                                 nargs="?" if is_bool else None, const="true" if is_bool else None)
             taken.add(spelling)
@@ -101,14 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="Train with GRPO.", allow_abbrev=False,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            description=f"Train with GRPO. Presets: {', '.join(preset_names())}. Settings "
-                           "apply in order: defaults, --config, then key=value / --key value overrides.")
+                           "apply in order: built-in defaults, --config (default: the tiny_math preset), then "
+                           "key=value / --key value overrides; a value you give wins over the preset's, also "
+                           "over a competing key it set (--num-epochs replaces the preset's train.steps).")
     train.add_argument("--config", "--config-name", "--config_file", "--config-file", dest="config",
-                       default=DEFAULT_PRESET, help="A shipped preset name or a YAML file.")
+                       default=DEFAULT_PRESET, help=f"A shipped preset name or a YAML file (default: {DEFAULT_PRESET}).")
     train.add_argument("--multirun", action="store_true",
-                       help="Sweep: key=a,b,c runs once per value (cartesian product over keys).")
+                       help="Sweep: key=a,b,c runs once per value (cartesian product over keys), in "
+                       "multirun/RUN_NAME/N (RUN_NAME: --run-name, default a timestamp).")
     train.add_argument("--print-config", action="store_true", help="Print the resolved config and exit.")
+    train.add_argument("--dry-run", action="store_true",
+                       help="Resolve the config, read the datasets, check the rewards against them and print the "
+                       "config and the run's plan (rows, steps, sizes) as YAML; loads no model.")
     train.add_argument("assignments", nargs="*", metavar="key=value", help="Overrides, e.g. optimizer.lr=2e-5.")
     _add_config_flags(train)
     train.set_defaults(overrides=[])
@@ -138,6 +165,9 @@ def _overrides(args) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"'{item}' is not key=value (e.g. optimizer.lr=2e-5).")
+        if key.replace("-", "_") in ("config", "config_file", "config_name"):  # MaxText/Hydra spelling of --config
+            args.config = value
+            continue
         pairs.append((key.lstrip("+"), value))
     return dict(pairs)
 
@@ -153,7 +183,7 @@ def _sweep(overrides: dict[str, str]) -> list[dict[str, str]]:
 
 def _hint_of(key: str):
     section, name = resolve_key(key)[0].split(".")
-    return typing.get_type_hints(SECTIONS[section])[name]
+    return section_hints(section)[name]
 
 
 def cmd_train(args) -> int:
@@ -161,13 +191,17 @@ def cmd_train(args) -> int:
 
     overrides = _overrides(args)
     runs = _sweep(overrides) if args.multirun else [overrides]
-    sweep_dir = Path("multirun") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    sweep_dir = None
+    if args.multirun:  # TorchRL/Hydra: multirun/<name>/<N>; the name is --run-name when given
+        first = load_config(args.config, runs[0])
+        sweep_dir = (Path(first.train.output_dir) if "train.output_dir" in first.explicit_keys else
+                     Path("multirun") / (first.train.run_name or datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
     for i, run in enumerate(runs):
-        if args.multirun:
+        if sweep_dir is not None:
             run = {**run, "train.output_dir": str(sweep_dir / str(i))}
         cfg = load_config(args.config, run)
-        if args.print_config:
-            print(cfg.to_yaml())
+        if args.print_config or args.dry_run:
+            print(("---\n" if len(runs) > 1 else "") + (cfg.to_yaml() if args.print_config else dry_run(cfg)))
             continue
         if args.multirun:
             log.info("Sweep run %d/%d: %s", i + 1, len(runs), redact_mapping(run))
@@ -176,6 +210,27 @@ def cmd_train(args) -> int:
         if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM: the conventional 128 + signal
             return 128 + trainer.stop_signal
     return 0
+
+
+def dry_run(cfg: GRPOConfig) -> str:
+    """The resolved config plus what the run would do, as YAML, from the data alone (no model is loaded)."""
+    import yaml
+
+    from grpo.preflight import check_model_paths
+    from grpo.rewards import reward_name
+    from grpo.setup import load_data_and_rewards, planned_steps
+
+    check_model_paths(cfg, model_given=False, tokenizer_given=False)
+    train_rows, eval_rows, funcs = load_data_and_rewards(cfg, token=cfg.hf_token())
+    plan = {"train_rows": len(train_rows), "eval_rows": len(eval_rows),
+            "columns": sorted(train_rows[0]) if train_rows else [],
+            "rewards": [reward_name(f) for f in funcs] + (["reward_model"] if cfg.algorithm.reward_model else []),
+            "steps": planned_steps(cfg, len(train_rows)),
+            "steps_per_epoch": -(-len(train_rows) // cfg.train.prompts_per_step),
+            "completions_per_step": cfg.completions_per_step,
+            "micro_batch_size": cfg.resolved_micro_batch_size,
+            "explicit": sorted(cfg.explicit_keys)}
+    return cfg.to_yaml() + yaml.safe_dump({"plan": plan}, sort_keys=False)
 
 
 def cmd_eval(args) -> int:

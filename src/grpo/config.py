@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import importlib.util
 import math
 import os
 import re
@@ -37,6 +39,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+CLOUD_SCHEMES = ("gs", "s3", "az", "abfs", "gcs")
 BUNDLED_MODEL = "tiny-math-lm"  # a name that resolves to the model shipped in grpo/assets
 
 
@@ -410,10 +413,23 @@ ALIASES: dict[str, str] = {
     "train_model.lora.alpha": "lora.alpha",
     "train_model.lora.dropout": "lora.dropout",
     "train_model.lora.target_modules": "lora.target_modules",
+    "env.num_envs": "train.prompts_per_step",  # TorchRL: prompts sampled at once
+    "env.repeats": "generation.num_generations",  # TorchRL: completions per prompt
+    "train.optim_batch_size": "train.micro_batch_size",
     # common spellings
     "lr": "optim.learning_rate",
     "epsilon": ("algorithm.epsilon_low", "algorithm.epsilon_high"),
     "model": "model.name_or_path",
+}
+
+
+# Seed settings with no counterpart, and what to use instead.
+FOREIGN_KEYS = {
+    "inference_model.gpu_memory_utilization": "it is vLLM's share of GPU memory for its KV cache; the rollout "
+    "engine here allocates the cache per generate() call, so lower generation.batch_size (completions per call) "
+    "or generation.max_new_tokens to use less memory.",
+    "train.total_dialog_turns": "TorchRL's run length in dialog turns; here the run length is train.steps "
+    "(optimizer steps of prompts_per_step × num_generations completions) or train.num_epochs.",
 }
 
 
@@ -444,6 +460,8 @@ def resolve_key(key: str) -> tuple[str, ...]:
         return (LEAVES[k][0],)
     if k in LEAVES:
         raise ConfigError(f"'{key}' is ambiguous: write one of {', '.join(LEAVES[k])}.")
+    if k in FOREIGN_KEYS:
+        raise ConfigError(f"'{key}' has no counterpart here: {FOREIGN_KEYS[k]}")
     known = sorted(set(all_paths()) | set(LEAVES) | set(ALIASES))
     close = difflib.get_close_matches(k, known, n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
@@ -455,9 +473,15 @@ def _field(path: str) -> dataclasses.Field:
     return {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
 
 
+@functools.cache
+def section_hints(section: str) -> dict[str, Any]:
+    """Field types of a section (evaluating string annotations is slow: once per process)."""
+    return typing.get_type_hints(SECTIONS[section])
+
+
 def _hint(path: str) -> Any:
     section, name = path.split(".")
-    return typing.get_type_hints(SECTIONS[section])[name]
+    return section_hints(section)[name]
 
 
 def coerce(path: str, value: Any) -> Any:
@@ -543,6 +567,7 @@ class GRPOConfig:
     def __init__(self, **kwargs: Any) -> None:
         for section, cls in SECTIONS.items():
             object.__setattr__(self, section, cls())
+        object.__setattr__(self, "_explicit", set())  # dotted paths the user set (not a preset or default)
         from grpo import trl_compat
 
         if trl_compat.is_trl_style(kwargs):  # TRL's field names and defaults (docs/trl.md)
@@ -555,15 +580,26 @@ class GRPOConfig:
             else:
                 flat[key] = value
         self.update(flat)
+        if flat:
+            apply_user_precedence(self)
 
-    def update(self, overrides: dict[str, Any]) -> GRPOConfig:
+    def update(self, overrides: dict[str, Any], explicit: bool = True) -> GRPOConfig:
+        """Apply settings. `explicit=False` marks them as a preset's or file's, which a value the user
+        gives for a competing key replaces (see `apply_user_precedence`)."""
         for key, value in overrides.items():
             for path in resolve_key(key):
                 section, name = path.split(".")
                 setattr(getattr(self, section), name, coerce(path, value))
+                if explicit:
+                    self._explicit.add(path)
                 if is_secret(name):
                     remember([value])
         return self
+
+    @property
+    def explicit_keys(self) -> frozenset[str]:
+        """Dotted paths set by the user (keyword arguments, command-line overrides, assignments)."""
+        return frozenset(self._explicit)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name in SECTIONS:
@@ -725,7 +761,25 @@ def validate(cfg: GRPOConfig) -> None:
 
     if d.use_pathways:
         raise ConfigError("--use_pathways asks for Google's TPU orchestration, which does not exist on CUDA "
-                          "or CPU. Drop the flag: the trainer and sampler share devices here.")
+                          "or CPU. Drop the flag: by default the trainer and sampler share devices. For "
+                          "Pathways' disaggregated trainer and sampler meshes use Ray rollout actors on devices "
+                          "of their own: rollout.mode=sync (or async) with inference_replicas=N, or "
+                          "trainer_devices_fraction=0.5 sampler_devices_fraction=0.5 (docs/scaling.md).")
+    for path in ("model.name_or_path", "model.load_parameters_path", "model.tokenizer_path", "model.ref_model_path",
+                 "algorithm.reward_model", "data.dataset", "data.hf_path", "data.eval_dataset",
+                 "train.base_output_directory", "train.output_dir", "train.resume"):
+        value = _get(cfg, path)
+        if isinstance(value, str) and value.split("://", 1)[0].lower() in CLOUD_SCHEMES and "://" in value:
+            raise ConfigError(f"{path} = {value}: cloud storage paths are not supported; copy the "
+                              f"{'checkpoint' if path.startswith('model.') else 'files'} locally (e.g. "
+                              f"gcloud storage cp -r {value} ./local) and pass the local path.")
+    if t.use_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("train.use_wandb is on but wandb is not installed: pip install 'grpo[wandb]' "
+                          "(or drop --use-wandb).")
+    if t.steps is not None and d.weight_sync_steps > t.steps:
+        raise ConfigError(f"inference_rollouts (distributed.weight_sync_steps) = {d.weight_sync_steps} is more "
+                          f"than train.steps = {t.steps}, so the rollout weights would never be updated. Use a "
+                          f"value between 1 and {t.steps}.")
     if d.profiler == "xplane":
         raise ConfigError("profiler=xplane is JAX/TPU's profiler; use profiler=torch for a torch.profiler "
                           "trace, or profiler=none.")
@@ -815,9 +869,66 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def load_config(config: str | None = None, overrides: dict[str, Any] | None = None) -> GRPOConfig:
-    """Defaults ← preset/file ← overrides, validated."""
+    """Defaults ← preset/file ← overrides, validated. A value the user gives wins over the preset's,
+    also where it competes with another key the preset set (`apply_user_precedence`)."""
     cfg = GRPOConfig()
     if config:
-        cfg.update(read_config_file(config))
+        cfg.update(read_config_file(config), explicit=False)
     cfg.update(overrides or {})
+    apply_user_precedence(cfg)
     return cfg.validate()
+
+
+# (key the user gave, key that would silently override it when only a preset set it)
+COMPETING_KEYS = (("train.num_epochs", "train.steps"),
+                  ("train.gradient_accumulation_steps", "train.micro_batch_size"),
+                  ("algorithm.reward_funcs", "algorithm.reward_weights"))
+
+
+def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
+    """Make the user's values take effect over a preset's; returns (and logs) what changed and why.
+
+    * Competing keys: `--num-epochs 3` under a preset with `train.steps: 80` would run 80 steps (steps win
+      over epochs), so the preset's steps are dropped. When the user gives both, the winner is named.
+    * Task switch: a dataset set to a registered task (`env.dataset=ifeval`) brings that task's rewards,
+      evaluation split and system prompt, except where the user set those too (grpo.tasks)."""
+    import logging
+
+    from grpo.tasks import task_settings
+
+    notes = []
+    explicit = cfg.explicit_keys
+    for given, rival in COMPETING_KEYS:
+        rival_value = _get(cfg, rival)
+        if given not in explicit or rival_value is None:
+            continue
+        if rival in explicit:
+            notes.append(f"both {given} = {_get(cfg, given)} and {rival} = {rival_value} were given; "
+                         f"{rival} wins, {given} is not used.")
+            continue
+        _set(cfg, rival, _field(rival).default)
+        notes.append(f"{given} = {_get(cfg, given)} replaces the preset's {rival} = {rival_value}.")
+    for key in ("data.hf_path", "data.dataset"):
+        if key in explicit and _get(cfg, key):
+            for path, value in task_settings(_get(cfg, key)).items():
+                if path == "algorithm.reward_weights" and "algorithm.reward_funcs" in explicit:
+                    continue  # the task's weights belong to the task's rewards, not to the user's
+                if path not in explicit and _get(cfg, path) != value:
+                    _set(cfg, path, value)
+                    notes.append(f"{key} = {_get(cfg, key)} sets {path} = {value!r} (the task's; set it to "
+                                 "change).")
+            break
+    log = logging.getLogger("grpo")
+    for note in notes:
+        log.info("Config: %s", note)
+    return notes
+
+
+def _get(cfg: GRPOConfig, path: str) -> Any:
+    section, name = path.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _set(cfg: GRPOConfig, path: str, value: Any) -> None:
+    section, name = path.split(".")
+    setattr(getattr(cfg, section), name, value)

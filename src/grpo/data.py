@@ -22,13 +22,13 @@ from torch.utils.data import Dataset
 
 from grpo.batch import PromptBatch
 from grpo.config import ConfigError, DataConfig
+from grpo.tasks import find_task
 
 log = logging.getLogger(__name__)
 
 PROMPT_COLUMNS = ("prompt", "question", "problem", "instruction", "query", "input")
 ANSWER_COLUMNS = ("answer", "solution", "ground_truth", "target")
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-BUNDLED_TASKS = ("tiny_math",)
 
 
 class SimplePromptDataset(Dataset):
@@ -63,16 +63,22 @@ def load_rows(spec: str | None, cfg: DataConfig, split: str | None = None,
     spec = spec or "tiny_math"
     name, _, spec_split = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
     split = spec_split or split or cfg.hf_data_split
-    if name in BUNDLED_TASKS:
-        records = _read_local(bundled_task_file(name, split))
-    elif name == "gsm8k":
-        records = _read_hub("openai/gsm8k", "main", split, None, token)
-    elif name == "ifeval":  # google/IFEval: key, prompt, instruction_id_list, kwargs; one split, "train"
-        records = _read_hub("google/IFEval", None, "train", None, token)
+    task = find_task(name)
+    if task is not None and task.hub_path is None:
+        records = _read_local(bundled_task_file(task.name, split))
+    elif task is not None:  # google/IFEval has one split ("train"); openai/gsm8k needs its config "main"
+        records = _read_hub(task.hub_path, cfg.hf_name or task.hub_config, task.fixed_split or split,
+                            cfg.hf_data_files, token)
+    elif Path(name).is_dir():  # a dataset folder in the hub's layout (a downloaded or saved copy)
+        records = _read_folder(Path(name), cfg.hf_name, split, cfg.hf_data_files, token)
     elif Path(name).suffix in LOCAL_FORMATS or Path(name).exists():
         path = Path(name)
         if not path.is_file():
             raise ConfigError(f"Dataset file {path} does not exist (or is not a file).")
+        if cfg.hf_data_files:
+            raise ConfigError(f"data.hf_data_files = {cfg.hf_data_files!r} picks files inside a dataset folder or "
+                              f"hub repository, but the dataset is the file {path} itself. Drop --hf_data_files, "
+                              "or point --hf_path at the folder that holds the files.")
         records = _read_local(path)
     else:
         records = _read_hub(name, cfg.hf_name, split, cfg.hf_data_files, token)
@@ -162,6 +168,19 @@ def _read_hub(path: str, name: str | None, split: str, data_files: str | None,
         raise ConfigError(f"Could not load dataset '{path}' (config {name!r}, split {split!r}) with the "
                           f"`datasets` library: {type(e).__name__}: {e}") from e
     return ds.to_list()
+
+
+def _read_folder(path: Path, name: str | None, split: str, data_files: str | None,
+                 token: str | None) -> list[dict[str, Any]]:
+    """A local folder laid out as on the hub (`data/train-*.parquet`, `main/test-*.parquet`, `train.jsonl`,
+    or `hf_data_files` inside it); a config name (`hf_name`) picks its sub-folder when there is one."""
+    if name and (path / name).is_dir() and not data_files:
+        path = path / name
+        name = None
+    if data_files and not any(path.glob(data_files)):
+        raise ConfigError(f"data.hf_data_files = {data_files!r} matches no file in {path}; files there: "
+                          f"{', '.join(sorted(p.name for p in path.iterdir())[:10]) or 'none'}.")
+    return _read_hub(str(path), name, split, data_files, token)
 
 
 def _pick(columns: list[str], wanted: str | None, candidates: tuple[str, ...], what: str,

@@ -36,6 +36,7 @@ from grpo.redact import RedactingFilter
 from grpo.rewards import resolve_rewards
 from grpo.rollout import RolloutEngine, build_engine
 from grpo.runlock import lock_run_dir
+from grpo.tasks import missing_reward_columns, task_of_rows
 
 log = logging.getLogger("grpo")
 
@@ -87,7 +88,8 @@ def setup_logging(run_dir: Path | None = None) -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logger = logging.getLogger("grpo")
-    logger.setLevel(logging.INFO)
+    # torchrun starts one process per device; rank 0 speaks for the job, the others only warn.
+    logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     logger.propagate = False
     if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
                for h in logger.handlers):
@@ -114,6 +116,8 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
     for key, value in (("tokenizer_path", tokenizer), ("name_or_path", model), ("ref_model_path", ref_model)):
         if isinstance(value, str):  # a name or path passed in place of an object
             setattr(cfg.model, key, value)
+        elif value is not None:  # an object: config.yaml records where it came from, not the bundled default
+            setattr(cfg.model, key, getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>")
     run_dir = make_run_dir(cfg)
     # Before anything in run_dir is read or written: a second run on a live directory stops here.
     lock = lock_run_dir(run_dir, rt)
@@ -140,14 +144,8 @@ def _build_parts(cfg: GRPOConfig, run_dir: Path, *, model, ref_model, reward_mod
                       tokenizer_given=tokenizer is not None and not isinstance(tokenizer, str))
     token = cfg.hf_token()
 
-    train_rows = (rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows) if train_dataset is not None
-                  else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
-    eval_rows = _eval_rows(cfg, eval_dataset, token)
-    try:
-        funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
-                                ([] if reward_model is not None else cfg.algorithm.reward_funcs))
-    except (ImportError, ValueError, TypeError) as e:  # a name or 'module:function' that does not resolve
-        raise ConfigError(f"algorithm.reward_funcs: {e}") from e
+    train_rows, eval_rows, funcs = load_data_and_rewards(cfg, train_dataset, eval_dataset, reward_funcs,
+                                                         reward_model, token)
 
     device = resolve_device(cfg.model.device)
     compute = resolve_dtype(cfg.model.dtype, device)
@@ -209,6 +207,62 @@ def _build_parts(cfg: GRPOConfig, run_dir: Path, *, model, ref_model, reward_mod
     log.info(precision_summary(compute, ref_dtype, cfg.train.save_dtype, cfg.distributed.strategy == "fsdp2"))
     return RunParts(run_dir, device, policy, ref, tokenizer, engine, formatter, train_rows, eval_rows,
                     funcs, weights, resume_from, compute)
+
+
+def load_data_and_rewards(cfg: GRPOConfig, train_dataset=None, eval_dataset=None, reward_funcs=None,
+                          reward_model=None, token=None) -> tuple[list[dict], list[dict], list[Callable]]:
+    """Training rows, evaluation rows and the reward functions, checked against each other: every column a
+    reward needs is in the data. Needs no model, so a bad combination stops the run before one loads."""
+    source = "train_dataset" if train_dataset is not None else (cfg.data.hf_path or cfg.data.dataset)
+    train_rows = (rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows) if train_dataset is not None
+                  else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
+    has_model = reward_model is not None or cfg.algorithm.reward_model is not None
+    chosen = reward_funcs is not None or "algorithm.reward_funcs" in cfg.explicit_keys
+    try:
+        funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
+                                ([] if reward_model is not None else cfg.algorithm.reward_funcs))
+    except (ValueError, ImportError, TypeError) as e:  # an unknown name or a bad import path: say which
+        raise ConfigError(f"algorithm.reward_funcs: {e}") from e
+    columns = set(train_rows[0]) if train_rows else set()
+    missing = missing_reward_columns(funcs, columns)
+    task = task_of_rows(train_rows)
+    if missing and task is not None and not chosen:
+        # A local copy of a task's data (an IFEval .jsonl) is scored the way the task is.
+        log.info("%s has %s's columns (%s): rewards %s (set algorithm.reward_funcs to choose others).", source,
+                 task.name, ", ".join(task.columns), ", ".join(task.reward_funcs))
+        funcs = resolve_rewards(list(task.reward_funcs))
+        cfg.algorithm.reward_funcs = list(task.reward_funcs)
+        cfg.algorithm.reward_weights = list(task.reward_weights) if task.reward_weights else None
+        if train_dataset is None and "data.eval_dataset" not in cfg.explicit_keys and cfg.data.eval_dataset:
+            cfg.data.eval_dataset = source  # as the task's own preset does: IFEval evaluates on its prompts
+        missing = missing_reward_columns(funcs, columns)
+    if missing:
+        raise ConfigError(_missing_columns_message(source, missing, columns, has_model))
+    return train_rows, _eval_rows(cfg, eval_dataset, token), funcs
+
+
+def _missing_columns_message(source: str, missing: dict[str, list[str]], columns: set[str],
+                             has_model: bool) -> str:
+    needs = "; ".join(f"the reward {name} needs the column{'s' * (len(cols) > 1)} {', '.join(map(repr, cols))}"
+                      for name, cols in missing.items())
+    first = next(iter(missing.values()))[0]
+    return (f"The dataset ({source}) has no {first!r} column: {needs} (the dataset has {', '.join(sorted(columns))})."
+            f" Add the column (SimplePromptDataset(prompts, {first}=[...]), or the field {first!r} in every row; "
+            f"data.answer_field names another column as the answer), "
+            + ("or drop the rewards that need it (reward_funcs=[] keeps the reward model alone)." if has_model else
+               "or score with a reward model (reward_model=... / --reward-model PATH) or rewards that need no "
+               f"{first!r} (reward_funcs=[...], --reward-funcs NAME)."))
+
+
+def planned_steps(cfg: GRPOConfig, num_rows: int) -> int:
+    """Optimizer steps of the run: train.steps, else num_epochs passes over num_rows prompts."""
+    t = cfg.train
+    steps = t.steps or max(1, round(t.num_epochs * -(-num_rows // t.prompts_per_step)))
+    if cfg.distributed.weight_sync_steps > steps:
+        raise ConfigError(f"inference_rollouts (distributed.weight_sync_steps) = {cfg.distributed.weight_sync_steps}"
+                          f" is more than the run's {steps} steps, so the rollout weights would never be updated."
+                          f" Use a value between 1 and {steps}.")
+    return steps
 
 
 def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:

@@ -61,10 +61,11 @@ from grpo.evaluation import EvalResult, evaluate
 from grpo.learner import Learner, mismatch_metrics
 from grpo.loss import apply_truncation_mask
 from grpo.metrics import MetricsLogger, StageTimer, sample_records
+from grpo.profiling import StepProfiler
 from grpo.rewards import score_completions
 from grpo.rollout import build_engine
 from grpo.runlock import holding_run_lock
-from grpo.setup import RunParts, build_run
+from grpo.setup import RunParts, build_run, planned_steps
 
 log = logging.getLogger("grpo")
 
@@ -101,13 +102,13 @@ class GRPOTrainer:
         d = self.cfg.distributed
         self.rt = init_runtime(d.strategy, d.backend, d.timeout_s)  # one process unless torchrun started us
         self.roles = apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
+        if not self.rt.is_main:  # rank 0 speaks for the group, from the first header line on
+            logging.getLogger("grpo").setLevel(logging.WARNING)
         self.parts: RunParts = build_run(self.cfg, model=model, ref_model=ref_model, reward_model=reward_model,
                                          tokenizer=tokenizer, train_dataset=train_dataset,
                                          reward_funcs=reward_funcs, eval_dataset=eval_dataset, rt=self.rt)
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
         self.args, self.processing_class = self.cfg, self.tokenizer  # TRL's names for them
-        if not self.rt.is_main:  # rank 0 speaks for the group
-            logging.getLogger("grpo").setLevel(logging.WARNING)
         self.stop_signal: int | None = None  # the first SIGINT/SIGTERM received
         self.step, self.total_steps = 0, 0
         self.nonfinite_total = 0
@@ -137,7 +138,8 @@ class GRPOTrainer:
         cfg, p, rt = self.cfg, self.parts, self.rt
         g, t, a = cfg.generation, cfg.train, cfg.algorithm
         stream = PromptStream(p.train_rows, seed=t.seed, shuffle=cfg.data.shuffle)
-        total_steps = t.steps or max(1, round(t.num_epochs * stream.steps_per_epoch(t.prompts_per_step)))
+        total_steps = planned_steps(cfg, len(p.train_rows))
+        profiler = StepProfiler(cfg.distributed.profiler == "torch", p.run_dir, total_steps, rt.rank)
         self.total_steps = total_steps
         if rt.sharded and getattr(p.engine, "model", None) is p.policy:
             # FSDP2 leaves no rank with whole weights: colocated rollout samples from a full copy that
@@ -175,6 +177,7 @@ class GRPOTrainer:
                     break
                 step += 1
                 self.step = step
+                profiler.before_step(step)
                 timer = StageTimer()
                 step_start = time.perf_counter()
                 scored, sampling_stats = self._collect(stream, sampling, timer, remote)
@@ -216,6 +219,9 @@ class GRPOTrainer:
                     "time/step": step_seconds, **timer.as_metrics(),
                     **(remote.metrics() if remote is not None else {}),
                 }
+                if "is/ess" not in metrics:  # on-policy: how far the sampler's log-probs are from π_old's
+                    metrics["is/ess"] = sampler_ess(batch.old_logprobs, rollouts.sampling_logprobs,
+                                                    batch.completion_mask)
                 metrics = rt.reduce_metrics(metrics)
                 summary.update(metrics)
                 bar.update(1)
@@ -231,12 +237,14 @@ class GRPOTrainer:
                     summary.update(self._log_eval(logger, step, "during"))
                 if t.save_steps and step % t.save_steps == 0 and step != total_steps:
                     self._save_checkpoint(step, learner, remote.data if remote is not None else stream)
+                profiler.after_step(step)
                 if 0 < t.stop_after_nonfinite_steps <= learner.nonfinite_in_a_row:
                     break
         except Exception as e:
             self._explain_failure(step, e)
             raise
         finally:
+            profiler.close()
             bar.close()
             self._restore_signal_handlers(previous_handlers)
             if remote is not None:
@@ -458,6 +466,20 @@ def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
     return {"completion_len/mean": lengths.mean().item(), "completion_len/max": lengths.max().item(),
             "completion_len/min": lengths.min().item(),
             "truncated_frac": rollouts.truncated.float().mean().item()}
+
+
+def sampler_ess(old_logprobs: torch.Tensor | None, sampling_logprobs: torch.Tensor | None,
+                mask: torch.Tensor) -> float:
+    """Kish effective sample size, as a fraction in (0, 1], of the token weights π_old / π_sampler: 1.0
+    when the sampler's log-probs are the learner's (TorchRL logs this ESS in every mode)."""
+    if old_logprobs is None or sampling_logprobs is None:
+        return float("nan")
+    width = min(old_logprobs.shape[1], sampling_logprobs.shape[1], mask.shape[1])
+    m = mask[:, :width].float()  # [N, T]
+    log_w = (old_logprobs[:, :width].float() - sampling_logprobs[:, :width].float()) * m  # [N, T]
+    w = log_w.clamp(max=20).exp() * m  # [N, T]
+    n = m.sum().clamp(min=1)
+    return (w.sum().square() / (n * w.square().sum().clamp(min=1e-12))).item()
 
 
 def _nanmean(x: torch.Tensor) -> float:

@@ -43,7 +43,8 @@ def test_sync_mode_matches_the_single_process_loop(tmp_path):
     local = train(tmp_path / "local", steps=3)
     remote = train(tmp_path / "sync", steps=3, **{"rollout.mode": "sync"})
     for a, b in zip(local, remote, strict=True):
-        assert b["rollout/staleness"] == 0 and "is/ess" not in b  # on-policy: nothing to correct
+        assert b["rollout/staleness"] == 0 and "is/weight_mean" not in b  # on-policy: nothing to correct
+        assert abs(b["is/ess"] - 1) < 1e-3  # logged in every mode: the sampler's log-probs are the learner's
         for key in ("reward", "loss", "kl", "grad_norm", "completion_len/mean"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
     wa = load_file(str(tmp_path / "local" / "final_model" / "model.safetensors"))

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from grpo.batch import PromptBatch, Rollouts, SamplingParams
-from grpo.config import GRPOConfig
+from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptStream, make_prompt_batch
 from grpo.distributed.runtime import Runtime
 from grpo.lora import ADAPTER_MARK, is_lora
@@ -103,7 +103,14 @@ class RayRollout:
         if self.started_ray:
             # Ray starts workers at niceness 15; rollout is the run's main work, not background work.
             os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(address=d.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+            try:
+                ray.init(address=d.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+            except ConnectionError as e:
+                raise ConfigError(
+                    f"Could not join the Ray cluster at ray_address={d.ray_address} ({e}). Is it running (`ray "
+                    "status`)? Ray >= 2.59 clusters check a token: a process on the head's machine reads it from "
+                    "~/.ray/auth_token (same user, same HOME); elsewhere export RAY_AUTH_TOKEN=$(ray get-auth-token) "
+                    "(run on the head) or RAY_AUTH_TOKEN_PATH=FILE before `ray start --address` and torchrun.") from e
         from grpo.distributed.roles import plan_roles
 
         plan = plan_roles(cfg, torch.cuda.device_count(), rt.world_size, rt.local_rank)

@@ -64,10 +64,13 @@ def validate_roles(cfg: GRPOConfig) -> None:
         "inference_model.devices": d.inference_device_ids,
         "sampler_devices_fraction": None if shared else d.sampler_devices_fraction}.items()
         if v not in (None, 1)}
+    learners = len(d.train_device_ids) if d.train_device_ids is not None else d.train_devices
     if separate and d.rollout_mode == "colocated":
         settings = ", ".join(f"{k}={v}" for k, v in separate.items())
+        launch = (f" With {learners} learner devices, launch one process per device: `torchrun --nproc_per_node "
+                  f"{learners} -m grpo train rollout.mode=async ...` (docs/scaling.md)." if learners != world else "")
         raise ConfigError(f"{settings}: rollout on devices of its own runs in Ray actors; add rollout.mode=sync "
-                          "(on-policy) or rollout.mode=async (overlapped with training).")
+                          f"(on-policy) or rollout.mode=async (overlapped with training).{launch}")
     if d.inference_devices_per_replica != 1 or d.ici_tensor_parallelism not in (-1, 1):
         raise ConfigError("inference_devices_per_replica / ici_tensor_parallelism > 1 ask for tensor-parallel "
                           "rollout replicas; the transformers rollout engine runs one device per replica. Use "
@@ -78,7 +81,6 @@ def validate_roles(cfg: GRPOConfig) -> None:
         if d.train_devices != 1 and d.train_devices != len(d.train_device_ids):
             raise ConfigError(f"train_model.num_devices={d.train_devices} but train_model.devices lists "
                               f"{len(d.train_device_ids)}; give one of the two.")
-    learners = len(d.train_device_ids) if d.train_device_ids is not None else d.train_devices
     if learners != 1 and learners != world:
         raise ConfigError(f"The learner is asked for {learners} devices but runs as {world} process(es): one "
                           f"process per learner device. Launch with `torchrun --nproc_per_node {learners} -m grpo "
@@ -219,6 +221,17 @@ def place_reference(ref, spec: str, policy_device: torch.device):
     return ref.to(torch.device(spec))
 
 
+def running_ray_cluster() -> str | None:
+    """The address of a Ray cluster started on this machine (`ray start --head`, or $RAY_ADDRESS), if any."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    try:
+        from ray._private.utils import read_ray_address  # the file `ray start` writes (under $TMPDIR/ray)
+    except ImportError:
+        return None
+    return read_ray_address()
+
+
 def apply_role_plan(cfg: GRPOConfig, rank: int, world_size: int, local_rank: int) -> RolePlan:
     """Plan the roles on this machine and point this process's CUDA device at its learner GPU."""
     num_gpus = torch.cuda.device_count() if cfg.model.device in ("auto", "cuda") else 0
@@ -226,8 +239,11 @@ def apply_role_plan(cfg: GRPOConfig, rank: int, world_size: int, local_rank: int
     if num_gpus:
         torch.cuda.set_device(int(plan.learner_devices[local_rank].split(":")[1]))
     if world_size > 1 and plan.rollout == "ray" and cfg.distributed.ray_address is None:
-        raise ConfigError("Several learner processes share one Ray cluster: start it first (`ray start --head`) "
-                          "and pass ray_address=auto.")
+        if running_ray_cluster() is None:
+            raise ConfigError("Several learner processes share one Ray cluster: start it first (`ray start "
+                              "--head`) on this machine, then run the same command (ray_address=auto is used); "
+                              "or pass ray_address=HOST:PORT.")
+        cfg.distributed.ray_address = "auto"  # the cluster `ray start --head` made here, shared by every rank
     if rank == 0:
         import logging
 
