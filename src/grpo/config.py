@@ -425,9 +425,6 @@ ALIASES: dict[str, str] = {
 
 # Seed settings with no counterpart, and what to use instead.
 FOREIGN_KEYS = {
-    "inference_model.gpu_memory_utilization": "it is vLLM's share of GPU memory for its KV cache; the rollout "
-    "engine here allocates the cache per generate() call, so lower generation.batch_size (completions per call) "
-    "or generation.max_new_tokens to use less memory.",
     "train.total_dialog_turns": "TorchRL's run length in dialog turns; here the run length is train.steps "
     "(optimizer steps of prompts_per_step × num_generations completions) or train.num_epochs.",
 }
@@ -772,7 +769,7 @@ def validate(cfg: GRPOConfig) -> None:
         if isinstance(value, str) and value.split("://", 1)[0].lower() in CLOUD_SCHEMES and "://" in value:
             raise ConfigError(f"{path} = {value}: cloud storage paths are not supported; copy the "
                               f"{'checkpoint' if path.startswith('model.') else 'files'} locally (e.g. "
-                              f"gcloud storage cp -r {value} ./local) and pass the local path.")
+                              "gsutil -m cp -r / aws s3 cp --recursive) and pass its directory.")
     if t.use_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("train.use_wandb is on but wandb is not installed: pip install 'grpo[wandb]' "
                           "(or drop --use-wandb).")

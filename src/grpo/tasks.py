@@ -84,11 +84,15 @@ def required_columns(fn: Callable) -> tuple[str, ...]:
     return tuple(p.name for p in named if p.default is p.empty)
 
 
+# What the trainer hands every reward function besides the dataset's columns (TRL's contract, docs/trl.md).
+SUPPLIED = frozenset({"completion_ids", "completion_truncated", "trainer_state", "log_metric", "log_extra"})
+
+
 def missing_reward_columns(funcs: list[Callable], columns: set[str]) -> dict[str, list[str]]:
     """{reward name: [columns it needs that the dataset lacks]} for every reward that cannot run."""
     missing = {}
     for fn in funcs:
-        lacking = [c for c in required_columns(fn) if c not in columns]
+        lacking = [c for c in required_columns(fn) if c not in columns and c not in SUPPLIED]
         if lacking:
             missing[getattr(fn, "__name__", type(fn).__name__)] = lacking
     return missing

