@@ -38,7 +38,9 @@ def grpo_command(model: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "grpo", "train", f"model.name_or_path={model}", "--dtype", "float32",
             "--device", "cpu", "--beta", str(BETA), "--prompts-per-step", str(PROMPTS),
             "--num-generations", str(GENERATIONS), "--max-new-tokens", str(NEW_TOKENS),
-            "--steps", str(STEPS), "--eval-dataset", "none", "--eval-before", "false", "--eval-after", "false",
+            "--steps", str(STEPS), "--learning-rate", "1e-6", "algorithm.reward_funcs=[common:text_length]",
+            "algorithm.reward_weights=[1.0]", "--eval-dataset", "none", "--eval-before", "false",
+            "--eval-after", "false",
             "--save-steps", "0", "--logging-steps", "1", "--num-threads", "2", "--output-dir", str(out)]
 
 
@@ -54,6 +56,7 @@ class RssSampler(threading.Thread):
     def __init__(self, pid: int):
         super().__init__(daemon=True)
         self.pid, self.timeline, self.hwm_kb, self.t0 = pid, [], 0, time.perf_counter()
+        self.cpu_s = 0.0
 
     def run(self) -> None:
         while True:
@@ -65,6 +68,11 @@ class RssSampler(threading.Thread):
             if "VmRSS" not in fields:  # a zombie: exited
                 return
             rss = int(fields["VmRSS"].split()[0])
+            try:  # utime + stime (clock ticks): CPU time, less sensitive than wall time to other jobs
+                stat = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                self.cpu_s = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, IndexError):
+                pass
             self.hwm_kb = max(self.hwm_kb, int(fields["VmHWM"].split()[0]))
             self.timeline.append((round(time.perf_counter() - self.t0, 1), rss // 1024))
             time.sleep(0.2)
@@ -74,7 +82,7 @@ def run_one(framework: str, name: str, model: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         cmd = grpo_command(model, out) if framework == "grpo" else trl_command(model, out)
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="2")
+        env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{HERE}", OMP_NUM_THREADS="2")
         log = Path(tmp) / "log.txt"
         start = time.perf_counter()
         with log.open("w") as fh:
@@ -97,7 +105,8 @@ def run_one(framework: str, name: str, model: Path) -> dict:
             step_times, stages = result["step_times"], {}
     return {"framework": framework, "model": name, "params": PARAMS[name], "step_times_s": step_times,
             "stage_times_s": stages, "peak_rss_mb": round(sampler.hwm_kb / 1024), "wall_s": round(wall, 1),
-            "rss_timeline_mb": sampler.timeline[::5], "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+            "cpu_s": round(sampler.cpu_s, 1), "rss_timeline_mb": sampler.timeline[::5],
+            "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
 def main() -> None:
@@ -118,10 +127,11 @@ def main() -> None:
             with RESULTS.open("a") as fh:
                 fh.write(json.dumps(r) + "\n")
             print(f"{framework} {name}: steps {r['step_times_s']} s, peak RSS {r['peak_rss_mb']} MB", flush=True)
-    print("\n| model | framework | step 1 (s) | step 2 (s) | peak RSS (GB) |\n|---|---|---|---|---|")
+    print("\n| model | framework | step 1 (s) | step 2 (s) | process CPU (s) | peak RSS (GB) |\n|---|---|---|---|---|---|")
     for r in results:
         t = r["step_times_s"] + [float("nan")] * 2
-        print(f"| {r['model']} | {r['framework']} | {t[0]:.0f} | {t[1]:.0f} | {r['peak_rss_mb'] / 1024:.2f} |")
+        print(f"| {r['model']} | {r['framework']} | {t[0]:.0f} | {t[1]:.0f} | {r['cpu_s']:.0f} | "
+              f"{r['peak_rss_mb'] / 1024:.2f} |")
 
 
 if __name__ == "__main__":
