@@ -21,6 +21,8 @@ from tests.tiny_run import write_dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from build_real_model import build
 
+pytestmark = pytest.mark.slow
+
 SMALL_QWEN = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
               "num_key_value_heads": 1, "head_dim": 8}
 
