@@ -28,14 +28,16 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
     A plain Hugging Face model runs its decoder here and its LM head in row chunks (`ChunkedTokenLogprobs`,
     logits recomputed chunk by chunk in backward), so no [N, T, vocab] tensor exists: 0.6 GB per copy for
     16 × 64 tokens of a 151,936-token vocabulary. Wrapped models (DDP/FSDP2, peft), heads that rescale
-    their logits, and the entropy bonus's differentiable entropy take the model's own full-logits forward."""
+    their logits, autocast, and the entropy bonus's differentiable entropy take the model's own
+    full-logits forward."""
     width = batch.prompt_width
     t = batch.input_ids.shape[1] - width
     device = next(model.parameters()).device
     inputs = {"input_ids": batch.input_ids.to(device), "attention_mask": batch.attention_mask.to(device),
               "position_ids": batch.position_ids.to(device), "use_cache": False}
     targets = batch.input_ids[:, width:].to(device)  # [N, T]
-    head = None if entropy_grad else plain_lm_head(model)
+    # Under autocast the head's backward would mix dtypes: the model's own forward handles that case.
+    head = None if entropy_grad or torch.is_autocast_enabled(device.type) else plain_lm_head(model)
     if head is not None:
         hidden = model.get_decoder()(**inputs).last_hidden_state[:, width - 1:-1]  # [N, T, d]
         n, d = hidden.shape[0], hidden.shape[-1]
