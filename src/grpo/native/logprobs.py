@@ -102,6 +102,11 @@ def plain_lm_head(model):
 
     if not isinstance(model, PreTrainedModel) or model.get_decoder() is model:
         return None
+    # fully_shard (FSDP2) keeps the class a PreTrainedModel, but its root hooks must run: use its forward.
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return None
     head, cfg = model.get_output_embeddings(), model.config
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         return None
