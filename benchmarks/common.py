@@ -82,6 +82,13 @@ def vowel_reward(prompts, completions, **kwargs) -> list[float]:
     return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
 
 
+def text_length(prompts, completions, **kwargs) -> list[float]:
+    """Characters of each completion / 10 (chat messages or strings): a random real-size model's samples
+    decode to few characters (most ids lie past the small tokenizer), and this still varies in a group."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [len(t) / 10 for t in texts]
+
+
 def step_flops(params: int, layers: int, attn_dim: int, prompt_len: int, completion_lens: list[int],
                groups: int) -> float:
     """FLOPs a GRPO step must do: generation (prefill once per group + one forward per generated token),

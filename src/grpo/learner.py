@@ -18,7 +18,7 @@ from grpo.distributed.runtime import Runtime
 from grpo.loss import LossNorm, grpo_loss
 from grpo.models import autocast, resolve_dtype
 from grpo.native.decoder import NativeDecoder, unsupported_reason
-from grpo.native.logprobs import shared_prompt_logprobs
+from grpo.native.logprobs import ChunkedTokenLogprobs, plain_lm_head, shared_prompt_logprobs
 
 
 class NonFiniteWeightsError(RuntimeError):
@@ -28,19 +28,32 @@ class NonFiniteWeightsError(RuntimeError):
 def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False,
                    entropy_grad: bool = False, compute_dtype: torch.dtype | None = None):
     """log π(completion token | prefix) for every completion position: [N, T] (and entropy [N, T],
-    differentiable when `entropy_grad`, for the entropy bonus)."""
+    differentiable when `entropy_grad`, for the entropy bonus).
+
+    A plain Hugging Face model runs its decoder here and its LM head in row chunks (`ChunkedTokenLogprobs`,
+    logits recomputed chunk by chunk in backward), so no [N, T, vocab] tensor exists: 0.6 GB per copy for
+    16 × 64 tokens of a 151,936-token vocabulary. Wrapped models (DDP/FSDP2, peft), heads that rescale
+    their logits, autocast, and the entropy bonus's differentiable entropy take the model's own
+    full-logits forward."""
     width = batch.prompt_width
     t = batch.input_ids.shape[1] - width
     device = next(model.parameters()).device
+    inputs = {"input_ids": batch.input_ids.to(device), "attention_mask": batch.attention_mask.to(device),
+              "position_ids": batch.position_ids.to(device), "use_cache": False}
+    targets = batch.input_ids[:, width:].to(device)  # [N, T]
+    # Under autocast the head's backward would mix dtypes: the model's own forward handles that case.
+    mixed = compute_dtype not in (None, torch.float32) or torch.is_autocast_enabled(device.type)
+    head = None if entropy_grad or mixed else plain_lm_head(model)
+    if head is not None:
+        hidden = model.get_decoder()(**inputs).last_hidden_state[:, width - 1:-1]  # [N, T, d]
+        n, d = hidden.shape[0], hidden.shape[-1]
+        logp, entropy = ChunkedTokenLogprobs.apply(hidden.reshape(n * t, d), head.weight, targets.reshape(-1),
+                                                   temperature, with_entropy)  # [N·T]
+        return logp.view(n, t), (entropy.view(n, t) if with_entropy else None)
     with autocast(device, compute_dtype):
-        out = model(
-            input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-            position_ids=batch.position_ids.to(device), use_cache=False,
-            logits_to_keep=t + 1,  # the lm head runs only where completion tokens are predicted
-        )
+        out = model(**inputs, logits_to_keep=t + 1)  # the lm head runs only where completion tokens are predicted
     logits = out.logits[:, :-1].float() / temperature  # [N, T, V]
     logp_all = torch.log_softmax(logits, dim=-1)  # [N, T, V]
-    targets = batch.input_ids[:, width:].to(device)  # [N, T]
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # [N, T]
     if not (with_entropy or entropy_grad):
         return logp, None

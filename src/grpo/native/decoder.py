@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo.native.linear import DecodeLinear, linear
+from grpo.native.linear import DecodeLinear, linear, swiglu_down
 
 ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq depends on the config only
@@ -157,7 +157,7 @@ class NativeDecoder:
 
     def mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
         m, w = layer.mlp, self.w
-        return linear(F.silu(linear(x, w(m.gate_proj.weight))) * linear(x, w(m.up_proj.weight)), w(m.down_proj.weight))
+        return swiglu_down(linear(x, w(m.gate_proj.weight)), linear(x, w(m.up_proj.weight)), w(m.down_proj.weight))
 
     def block_tail(self, layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection + residual + MLP; h, attn [S, d]."""

@@ -88,3 +88,28 @@ def shared_prompt_logprobs(decoder: NativeDecoder, batch: TrainBatch, temperatur
     if not with_entropy:
         return grid, None
     return grid, entropy.new_zeros(shape[0] * shape[1]).index_copy(0, packed.target_slot, entropy).view(shape)
+
+
+# Config fields under which a model's forward changes its logits after the LM head's product.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
+                     "mup_width_multiplier")
+
+
+def plain_lm_head(model):
+    """The LM head when `model` is an unwrapped transformers causal LM whose logits are exactly
+    decoder_output @ head.weightᵀ (no bias, no rescaling), else None."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel) or model.get_decoder() is model:
+        return None
+    # fully_shard (FSDP2) keeps the class a PreTrainedModel, but its root hooks must run: use its forward.
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return None
+    head, cfg = model.get_output_embeddings(), model.config
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    if any(getattr(cfg, k, None) not in (None, 1, 1.0) for k in _LOGIT_TRANSFORMS):
+        return None
+    return head

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
+from grpo.native.logprobs import ChunkedTokenLogprobs, plain_lm_head
+
 
 class SequenceClassifierReward:
     """Scores (prompt, completion) pairs with a `*ForSequenceClassification` reward model.
@@ -92,12 +94,23 @@ class CausalLMLikelihoodReward:
                 batch = rows[start : start + self.batch_size]
                 sequences = [prompt_ids + completion_ids for prompt_ids, completion_ids in batch]
                 input_ids, attention_mask = _right_padded(sequences, self.pad_id, self.model.device)
-                logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
+                head = plain_lm_head(self.model)
+                if head is not None:  # decoder, then the head in row chunks: no [B, T, V] logits
+                    hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
+                    hidden = hidden.last_hidden_state  # [B, T, d]
+                else:
+                    logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
                 for row, (prompt_ids, completion_ids) in enumerate(batch):
                     first, end = len(prompt_ids), len(prompt_ids) + len(completion_ids)
-                    # Position t predicts token t+1; upcast only this row's slice to bound fp32 memory.
-                    log_probs = torch.log_softmax(logits[row, first - 1 : end - 1].float(), dim=-1)  # [C, V]
                     targets = input_ids[row, first:end, None]  # [C, 1]
+                    # Position t predicts token t+1.
+                    if head is not None:
+                        log_probs, _ = ChunkedTokenLogprobs.apply(hidden[row, first - 1 : end - 1], head.weight,
+                                                                  targets[:, 0], 1.0, False)  # [C]
+                        scores.append(log_probs.mean().item())
+                        continue
+                    # Upcast only this row's slice to bound fp32 memory.
+                    log_probs = torch.log_softmax(logits[row, first - 1 : end - 1].float(), dim=-1)  # [C, V]
                     scores.append(log_probs.gather(-1, targets).mean().item())
         return scores
 
