@@ -221,10 +221,7 @@ class VLLMEngine:
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Weights pushed by name (Ray actors): into the engine's own model, then into vLLM."""
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                params[name].copy_(tensor)
+        _copy_named(self.model, named_tensors)
         self.sync_weights(self.model)
 
     def sync_weights(self, policy) -> None:
@@ -325,10 +322,8 @@ class VLLMServerEngine:
             return json.loads(response.read().decode())
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                params[name].copy_(tensor)
+        """Weights pushed by name (Ray actors): into the engine's own model, then into vLLM."""
+        _copy_named(self.model, named_tensors)
         self.sync_weights(self.model)
 
     def sync_weights(self, policy) -> None:
@@ -363,3 +358,10 @@ def _server_choice(choice: dict) -> tuple[list[int], list[float], bool]:
     lp = choice["logprobs"]
     ids = [int(t.split(":", 1)[1]) for t in lp["tokens"]]  # "token_id:123" (return_tokens_as_token_ids)
     return ids, [float(x) for x in lp["token_logprobs"]], choice["finish_reason"] == "length"
+
+
+def _copy_named(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            params[name].copy_(tensor)
