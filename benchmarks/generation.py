@@ -16,7 +16,7 @@ import torch
 from common import GENERATIONS, PROMPTS, make_model, make_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo.batch import SamplingParams
+from grpo.records import SamplingParams
 from grpo.rollout.native import NativeEngine
 
 

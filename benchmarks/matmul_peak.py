@@ -3,7 +3,7 @@
     python benchmarks/matmul_peak.py --threads 2      # prints GFLOP/s (best of --repeats)
 
 Both GEMM libraries of a PyTorch CPU build are timed, MKL (`a @ b`) and oneDNN (what grpo's native
-decoder uses, see src/grpo/native/linear.py), and the faster one is the peak: utilisation is then
+decoder uses, see src/grpo/model/linear.py), and the faster one is the peak: utilisation is then
 measured against the best this machine can do, not against the library we happen to call.
 """
 

@@ -21,9 +21,9 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo.batch import SamplingParams
 from grpo.learner import logprob_function
-from grpo.models import bundled_model_path
+from grpo.model.loading import bundled_model_path
+from grpo.records import SamplingParams
 from grpo.rollout import build_engine
 from tests.unit.test_precision import bundled_batch
 

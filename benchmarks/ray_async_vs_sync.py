@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import load_rows
-from grpo.models import bundled_model_path
+from grpo.model.loading import bundled_model_path
 
 
 def constant(prompts, completions, **_):

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo.models import bundled_model_path
+from grpo.model.loading import bundled_model_path
 
 TIMING_KEYS = ("time/", "tokens_per_s")
 

@@ -216,9 +216,9 @@ def dry_run(cfg: GRPOConfig) -> str:
     """The resolved config plus what the run would do, as YAML, from the data alone (no model is loaded)."""
     import yaml
 
-    from grpo.preflight import check_model_paths
     from grpo.rewards import reward_name
-    from grpo.setup import load_data_and_rewards, planned_steps
+    from grpo.run.assemble import load_data_and_rewards, planned_steps
+    from grpo.run.preflight import check_model_paths
 
     check_model_paths(cfg, model_given=False, tokenizer_given=False)
     train_rows, eval_rows, funcs = load_data_and_rewards(cfg, token=cfg.hf_token())
@@ -236,9 +236,9 @@ def dry_run(cfg: GRPOConfig) -> str:
 def cmd_eval(args) -> int:
     from grpo.data import PromptFormatter, load_rows
     from grpo.evaluation import evaluate
-    from grpo.models import load_policy, load_tokenizer, resolve_device, resolve_dtype
-    from grpo.preflight import check_model_paths
+    from grpo.model.loading import load_policy, load_tokenizer, resolve_device, resolve_dtype
     from grpo.rollout import build_engine
+    from grpo.run.preflight import check_model_paths
 
     for flag, value in (("--k", args.k), ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
         if value is not None and value < 1:
@@ -276,7 +276,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from grpo.report import write_report
+    from grpo.run.report import write_report
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
@@ -305,10 +305,10 @@ def _assignments_first(parser: argparse.ArgumentParser, argv: list[str]) -> list
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpo.checkpoint import CheckpointError
     from grpo.learner import NonFiniteWeightsError
     from grpo.rewards import RewardError
-    from grpo.setup import setup_logging
+    from grpo.run.assemble import setup_logging
+    from grpo.run.checkpoint import CheckpointError
     from grpo.train import TrainingHalted
 
     setup_logging()

@@ -20,8 +20,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from grpo.batch import PromptBatch
 from grpo.config import ConfigError, DataConfig
+from grpo.records import PromptBatch
 from grpo.tasks import find_task
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from grpo.batch import SamplingParams
 from grpo.data import PromptFormatter, prompt_text
+from grpo.records import SamplingParams
 from grpo.rewards.ifeval import check_instructions, is_ifeval_row
 from grpo.rewards.math import extract_answer, gsm8k_correctness
 from grpo.rollout import RolloutEngine

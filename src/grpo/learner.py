@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo.batch import TrainBatch
+from grpo.algorithm.loss import LossNorm, grpo_loss
 from grpo.config import GRPOConfig
 from grpo.distributed.runtime import Runtime
-from grpo.loss import LossNorm, grpo_loss
-from grpo.models import autocast, resolve_dtype
-from grpo.native.decoder import NativeDecoder, unsupported_reason
-from grpo.native.logprobs import ChunkedTokenLogprobs, plain_lm_head, shared_prompt_logprobs
+from grpo.model.decoder import NativeDecoder, unsupported_reason
+from grpo.model.loading import autocast, resolve_dtype
+from grpo.model.packed import ChunkedTokenLogprobs, plain_lm_head, shared_prompt_logprobs
+from grpo.records import TrainBatch
 
 
 class NonFiniteWeightsError(RuntimeError):

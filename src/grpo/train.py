@@ -32,9 +32,29 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo import trl_compat
-from grpo.advantages import discounted_token_advantages, group_advantages, group_reward_stats
-from grpo.batch import PromptBatch, Rollouts, SamplingParams, TrainBatch
-from grpo.checkpoint import (
+from grpo.algorithm.advantages import discounted_token_advantages, group_advantages, group_reward_stats
+from grpo.algorithm.filters import (
+    ScoredRollouts,
+    concat_rounds,
+    informative_prompts,
+    overlong_penalty,
+    select_groups,
+    truncate_prompts,
+)
+from grpo.algorithm.loss import apply_truncation_mask
+from grpo.config import GRPOConfig
+from grpo.data import PromptStream, make_prompt_batch
+from grpo.distributed import init_runtime
+from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
+from grpo.distributed.roles import apply_role_plan
+from grpo.distributed.runtime import SilentLogger
+from grpo.evaluation import EvalResult, evaluate
+from grpo.learner import Learner, mismatch_metrics
+from grpo.records import PromptBatch, Rollouts, SamplingParams, TrainBatch
+from grpo.rewards import score_completions
+from grpo.rollout import build_engine
+from grpo.run.assemble import RunParts, build_run, planned_steps
+from grpo.run.checkpoint import (
     list_checkpoints,
     load_training_state,
     prune_checkpoints,
@@ -43,29 +63,9 @@ from grpo.checkpoint import (
     seed_everything,
     set_rng_state,
 )
-from grpo.config import GRPOConfig
-from grpo.dapo import (
-    ScoredRollouts,
-    concat_rounds,
-    informative_prompts,
-    overlong_penalty,
-    select_groups,
-    truncate_prompts,
-)
-from grpo.data import PromptStream, make_prompt_batch
-from grpo.distributed import init_runtime
-from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
-from grpo.distributed.roles import apply_role_plan
-from grpo.distributed.runtime import SilentLogger
-from grpo.evaluation import EvalResult, evaluate
-from grpo.learner import Learner, mismatch_metrics
-from grpo.loss import apply_truncation_mask
-from grpo.metrics import MetricsLogger, StageTimer, sample_records
-from grpo.profiling import StepProfiler
-from grpo.rewards import score_completions
-from grpo.rollout import build_engine
-from grpo.runlock import holding_run_lock
-from grpo.setup import RunParts, build_run, planned_steps
+from grpo.run.metrics import MetricsLogger, StageTimer, sample_records
+from grpo.run.profiling import StepProfiler
+from grpo.run.runlock import holding_run_lock
 
 log = logging.getLogger("grpo")
 
@@ -151,7 +151,7 @@ class GRPOTrainer:
         start_step = self._resume(learner, stream)
         remote = None  # Ray rollout actors (rollout.mode=sync|async); None: sample here, colocated
         if cfg.distributed.rollout_mode != "colocated":
-            from grpo.distributed.ray_rollout import RayRollout
+            from grpo.rollout.ray import RayRollout
 
             remote = RayRollout(cfg, p, stream, sampling, rt, learner, version=start_step,
                                 chunk_prompts=_chunk(g.batch_size, g.num_generations))
@@ -316,7 +316,7 @@ class GRPOTrainer:
         log.info("New best %s = %.4g at step %d; saved %s", name, value, step, path)
 
     def _write_report(self) -> None:
-        from grpo.report import write_report
+        from grpo.run.report import write_report
 
         try:
             log.info("Report: %s", write_report(self.parts.run_dir))

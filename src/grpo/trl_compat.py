@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from grpo.batch import PromptBatch, Rollouts
 from grpo.config import ConfigError
+from grpo.records import PromptBatch, Rollouts
 
 log = logging.getLogger("grpo")
 

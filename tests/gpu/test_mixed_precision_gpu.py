@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import load_config
 from grpo.learner import Learner, logprob_function, token_logprobs
-from grpo.models import bundled_model_path
+from grpo.model.loading import bundled_model_path
 from tests.unit.test_precision import bundled_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

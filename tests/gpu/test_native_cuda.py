@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from grpo.batch import SamplingParams
 from grpo.learner import token_logprobs
-from grpo.native.decoder import GroupLayout, NativeDecoder
-from grpo.native.logprobs import shared_prompt_logprobs
+from grpo.model.decoder import GroupLayout, NativeDecoder
+from grpo.model.packed import shared_prompt_logprobs
+from grpo.records import SamplingParams
 from grpo.rollout.native import NativeEngine
 from tests.conftest import IdTokenizer
 from tests.unit.test_native import random_model, shared_prompt_batch

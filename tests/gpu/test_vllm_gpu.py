@@ -11,8 +11,8 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'grpo[vllm]')")
 
-from grpo.batch import SamplingParams
 from grpo.config import GenerationConfig
+from grpo.records import SamplingParams
 from grpo.rollout import build_engine, resolve_auto
 from tests.integration.test_vllm import QUESTIONS, _greedy, _learner_logprobs, _same_rollouts
 
@@ -21,7 +21,7 @@ from tests.integration.test_vllm import QUESTIONS, _greedy, _learner_logprobs, _
 def parts():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo.setup import resolve_path
+    from grpo.run.assemble import resolve_path
 
     path = resolve_path("tiny-math-lm")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -14,7 +14,7 @@ import zlib
 import torch
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.batch import Rollouts
+from grpo.records import Rollouts
 
 BASE = {"batch_size": 4, "num_generations": 4, "max_new_tokens": 12, "gradient_accumulation_steps": 2,
         "learning_rate": 1e-5, "warmup_steps": 0, "logging_steps": 1, "progress_bar": False, "seed": 7,

@@ -12,9 +12,9 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.batch import TrainBatch
 from grpo.learner import token_logprobs
-from grpo.native.logprobs import CHUNK_ELEMENTS
+from grpo.model.packed import CHUNK_ELEMENTS
+from grpo.records import TrainBatch
 from grpo.rewards.model import CausalLMLikelihoodReward
 from tests.tiny_run import write_dataset
 
@@ -101,7 +101,7 @@ def _batch(tokenizer, n: int = 4, t: int = 12, vocab: int = 4096) -> TrainBatch:
 
 def test_chunked_head_matches_full_log_softmax_values_and_gradients(tmp_path, monkeypatch):
     vocab = 4096
-    monkeypatch.setattr("grpo.native.logprobs.CHUNK_ELEMENTS", 5 * vocab)  # 5 rows a chunk: 10 chunks
+    monkeypatch.setattr("grpo.model.packed.CHUNK_ELEMENTS", 5 * vocab)  # 5 rows a chunk: 10 chunks
     model = AutoModelForCausalLM.from_pretrained(small_qwen(tmp_path / "m", vocab=vocab))
     batch = _batch(AutoTokenizer.from_pretrained(tmp_path / "m"), vocab=vocab)
     width = batch.prompt_width

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpo.checkpoint as ckpt
+import grpo.run.checkpoint as ckpt
 from grpo import GRPOConfig, GRPOTrainer, cli
-from grpo.checkpoint import CheckpointError, save_model_dir
 from grpo.config import ConfigError, load_config
-from grpo.models import prepare_tokenizer
+from grpo.model.loading import prepare_tokenizer
 from grpo.rewards import RewardError
-from grpo.runlock import RunLock
+from grpo.run.checkpoint import CheckpointError, save_model_dir
+from grpo.run.runlock import RunLock
 from tests import tiny_run
 
 pytestmark = pytest.mark.slow
@@ -323,7 +323,7 @@ CASES = {
 
 
 def _write_report_of(run: Path):
-    from grpo.report import write_report
+    from grpo.run.report import write_report
 
     write_report(run)
 
@@ -397,7 +397,7 @@ def test_a_pickle_payload_is_refused_without_advising_weights_only_false(base, t
 
 
 def test_report_reads_logs_with_damaged_lines_and_a_damaged_config(tmp_path):
-    from grpo.report import write_report
+    from grpo.run.report import write_report
 
     (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "reward": 0.25}\n\xff\xfe\n[3]\n{"step": "x", "reward": 1}\n'
                                              b'{"step": 2, "reward": 0.5}\n{"step": 3, "rew')  # still being written

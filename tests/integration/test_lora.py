@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.learner import token_logprobs
-from grpo.models import bundled_model_path
+from grpo.model.loading import bundled_model_path
 from grpo.train import build_train_batch
 
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def test_lora_resume_continues_exactly(tmp_path):
 
 def test_reference_logprobs_are_the_base_models(tmp_path):
     t = trainer(tmp_path / "ref", steps=1)
-    from grpo.batch import PromptBatch, Rollouts
+    from grpo.records import PromptBatch, Rollouts
 
     prompts = PromptBatch(prompts=["a", "b"], prompt_token_ids=[[5, 6, 7], [8, 9]])
     rollouts = Rollouts(prompt_index=torch.tensor([0, 0, 1, 1]), completion_ids=torch.randint(3, 50, (4, 5)),

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.cli import main
 from grpo.learner import NonFiniteWeightsError
-from grpo.models import bundled_model_path
+from grpo.model.loading import bundled_model_path
 from tests import tiny_run
 from tests.tiny_run import letter_score
 

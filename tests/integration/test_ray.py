@@ -58,7 +58,7 @@ def test_async_mode_bounds_staleness_and_survives_a_killed_actor(tmp_path):
     def kill_an_actor_once(prompts, completions, **_):
         calls["n"] += 1
         if calls["n"] == 2:  # mid-run, while the actor samples the next batch
-            from grpo.distributed.ray_rollout import ACTOR_PREFIX
+            from grpo.rollout.ray import ACTOR_PREFIX
 
             names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                      if a["name"].startswith(ACTOR_PREFIX)]
@@ -80,7 +80,7 @@ def test_batches_older_than_max_staleness_are_dropped_and_counted(tmp_path, monk
     # Validated configs never sample further ahead than max_staleness allows, so the safety net that
     # drops over-stale batches is reached by letting the rollout run three batches ahead (as a slow
     # weight push or a replaced actor could) while max_staleness stays 1.
-    from grpo.distributed import ray_rollout
+    from grpo.rollout import ray as ray_rollout
 
     original = ray_rollout.RayRollout.__init__
 

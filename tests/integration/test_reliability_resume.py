@@ -113,19 +113,19 @@ TERM_AT = None  # set per test: the reward (by import path) that sends the first
 def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(assets, tmp_path, monkeypatch, capsys):
     import yaml
 
-    import grpo.checkpoint
+    import grpo.run.checkpoint
     from grpo import cli
 
     out, data = tmp_path / "run", tiny_run.write_dataset(tmp_path / "data.jsonl", 6)
     monkeypatch.setattr(__import__(__name__, fromlist=["_"]), "TERM_AT", SignalAt(3, signal.SIGTERM))
-    real_point = grpo.checkpoint._fault_point
+    real_point = grpo.run.checkpoint._fault_point
 
     def second_signal_inside_the_stop_save(path, point):
         if path.name == "checkpoint-3" and point == "state":  # weights and state written, no manifest yet
             signal.raise_signal(signal.SIGTERM)
         real_point(path, point)
 
-    monkeypatch.setattr(grpo.checkpoint, "_fault_point", second_signal_inside_the_stop_save)
+    monkeypatch.setattr(grpo.run.checkpoint, "_fault_point", second_signal_inside_the_stop_save)
     settings = tiny_run.config(assets["model"], data, out, steps=6, save_steps=2,
                                reward_funcs=[f"{__name__}:TERM_AT", "gsm8k_format"])
     config = tmp_path / "c.yaml"
@@ -142,4 +142,4 @@ def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(assets
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "grpo train: stopped at once, without saving; --resume latest continues from the last checkpoint.")
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # no .tmp left behind
-    assert grpo.checkpoint.verify_checkpoint(out / "checkpoint-2") is None
+    assert grpo.run.checkpoint.verify_checkpoint(out / "checkpoint-2") is None

@@ -1,4 +1,4 @@
-"""One writer per run directory (grpo/runlock.py): a second run is refused at once, naming the first, and the
+"""One writer per run directory (grpo/run/runlock.py): a second run is refused at once, naming the first, and the
 first finishes untouched; the kernel drops the lock when its holder dies, even by SIGKILL; with several
 processes every rank stops when rank 0 could not lock."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import ConfigError
-from grpo.runlock import LOCK_FILE, NoLock, RunLock, lock_run_dir
+from grpo.run.runlock import LOCK_FILE, NoLock, RunLock, lock_run_dir
 from tests import tiny_run
 
 pytestmark = pytest.mark.slow

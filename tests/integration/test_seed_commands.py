@@ -431,11 +431,11 @@ def test_quick_start_as_written(files, tmp_path):
 
 
 def test_quick_start_without_answers_or_reward_model_stops_before_loading(files, tmp_path, monkeypatch):
-    import grpo.setup
+    import grpo.run.assemble
     from grpo import GRPOConfig, GRPOTrainer, SimplePromptDataset
     from grpo.config import ConfigError
 
-    monkeypatch.setattr(grpo.setup, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(grpo.run.assemble, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
     config = GRPOConfig(batch_size=4, num_epochs=3, output_dir=str(tmp_path / "o"), **QUICK)
     with pytest.raises(ConfigError, match=r"no 'answer' column.*gsm8k_correctness") as e:
         GRPOTrainer(model=str(files / "model"), config=config, train_dataset=SimplePromptDataset(["a", "b"]))

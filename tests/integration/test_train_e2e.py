@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo import GRPOConfig, GRPOTrainer, SimplePromptDataset
 from grpo.cli import main as cli
-from grpo.models import bundled_model_path
+from grpo.model.loading import bundled_model_path
 
 pytestmark = pytest.mark.slow
 

@@ -18,11 +18,11 @@ import torch
 trl = pytest.importorskip("trl")
 
 from grpo import GRPOConfig
-from grpo.advantages import group_advantages
-from grpo.batch import PromptBatch, Rollouts
+from grpo.algorithm.advantages import group_advantages
+from grpo.algorithm.loss import LossNorm, grpo_loss
 from grpo.learner import token_logprobs
-from grpo.loss import LossNorm, grpo_loss
-from grpo.models import resolve_path
+from grpo.model.loading import resolve_path
+from grpo.records import PromptBatch, Rollouts
 from grpo.rewards import score_completions
 from grpo.train import build_train_batch
 

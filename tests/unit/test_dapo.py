@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo.batch import PromptBatch, Rollouts
-from grpo.dapo import (
+from grpo.algorithm.filters import (
     ScoredRollouts,
     concat_rounds,
     informative_prompts,
@@ -14,7 +13,8 @@ from grpo.dapo import (
     select_groups,
     truncate_prompts,
 )
-from grpo.loss import LossNorm, grpo_loss
+from grpo.algorithm.loss import LossNorm, grpo_loss
+from grpo.records import PromptBatch, Rollouts
 from grpo.rewards import RewardScores
 
 

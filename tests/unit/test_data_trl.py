@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from grpo.config import ConfigError, DataConfig
 from grpo.data import PromptFormatter, make_prompt_batch, rows_from_dataset
-from grpo.models import bundled_model_path
+from grpo.model.loading import bundled_model_path
 
 CHAT = [{"role": "user", "content": "What is 2 + 3?"}]
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.batch import Rollouts
 from grpo.config import DataConfig, load_config
 from grpo.data import PromptFormatter, load_rows
 from grpo.evaluation import evaluate
+from grpo.records import Rollouts
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.rewards.ifeval import _use_offline_nltk_if_needed, check_instructions, torchrl_ifeval
 

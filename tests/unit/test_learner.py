@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from grpo.batch import TrainBatch
 from grpo.config import GRPOConfig
 from grpo.learner import Learner, lr_lambda, token_logprobs
+from grpo.records import TrainBatch
 from tests.conftest import tiny_llama
 
 

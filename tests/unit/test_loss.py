@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo.loss import (
+from grpo.algorithm.loss import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo.loss import POLICY_LOSSES, LossNorm, grpo_loss
+from grpo.algorithm.loss import POLICY_LOSSES, LossNorm, grpo_loss
 
 LN2 = math.log(2.0)
 

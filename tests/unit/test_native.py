@@ -5,10 +5,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpo.learner import token_logprobs
-from grpo.native import decoder as decoder_module
-from grpo.native import logprobs as native_logprobs
-from grpo.native.decoder import GroupLayout, NativeDecoder, unsupported_reason
-from grpo.native.logprobs import ChunkedTokenLogprobs, shared_prompt_logprobs
+from grpo.model import decoder as decoder_module
+from grpo.model import packed as native_logprobs
+from grpo.model.decoder import GroupLayout, NativeDecoder, unsupported_reason
+from grpo.model.packed import ChunkedTokenLogprobs, shared_prompt_logprobs
 from tests.unit.test_learner import random_batch
 
 ARCHS = {

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo.native import linear as native_linear
-from grpo.native.linear import DecodeLinear, linear
+from grpo.model import linear as native_linear
+from grpo.model.linear import DecodeLinear, linear
 
 needs_onednn = pytest.mark.skipif(not native_linear.ONEDNN, reason="this PyTorch build has no oneDNN")
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from grpo.batch import SamplingParams
+from grpo.records import SamplingParams
 from grpo.rollout import build_engine
-from grpo.rollout.hf_generate import TransformersEngine, filter_logits
 from grpo.rollout.native import NativeEngine, sample_tokens
+from grpo.rollout.transformers import TransformersEngine, filter_logits
 
 
 def _distribution(model, ids, temperature, top_k, top_p):

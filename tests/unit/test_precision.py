@@ -111,8 +111,8 @@ def test_float32_mode_has_no_scaler_and_no_casts():
 def bundled_batch():
     from transformers import AutoTokenizer
 
-    from grpo.batch import TrainBatch
-    from grpo.models import bundled_model_path
+    from grpo.model.loading import bundled_model_path
+    from grpo.records import TrainBatch
 
     tok = AutoTokenizer.from_pretrained(bundled_model_path())
     g = torch.Generator().manual_seed(0)
@@ -137,7 +137,7 @@ def test_bf16_forward_matches_transformers_own_bf16_forward():
     from transformers import AutoModelForCausalLM
 
     from grpo.learner import logprob_function, token_logprobs
-    from grpo.models import bundled_model_path
+    from grpo.model.loading import bundled_model_path
 
     batch = bundled_batch()
     own = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.bfloat16).eval()
@@ -155,7 +155,7 @@ def test_bf16_forward_matches_transformers_own_bf16_forward():
 
 def test_bf16_rollout_log_probs_are_not_reused_as_pi_old():
     """The loop reuses sampling log-probs as π_old only when bitwise the learner's (train._logprobs_match_policy)."""
-    from grpo.batch import SamplingParams
+    from grpo.records import SamplingParams
     from grpo.rollout import build_engine
     from grpo.train import _logprobs_match_policy
     from tests.conftest import IdTokenizer

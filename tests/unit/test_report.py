@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from grpo.cli import main as cli
-from grpo.report import write_report
+from grpo.run.report import write_report
 
 
 def fake_run(run_dir: Path) -> Path:

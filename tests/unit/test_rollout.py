@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from grpo.batch import SamplingParams
-from grpo.rollout.hf_generate import TransformersEngine, filter_logits
+from grpo.records import SamplingParams
+from grpo.rollout.transformers import TransformersEngine, filter_logits
 
 
 def test_filter_logits_worked_example():

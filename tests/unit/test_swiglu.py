@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo.native.linear import linear, swiglu_down
+from grpo.model.linear import linear, swiglu_down
 
 
 def saved_bytes(fn) -> tuple[torch.Tensor, int]:

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from grpo.checkpoint import save_model_dir
 from grpo.distributed.runtime import Runtime
-from grpo.lora import adapter_state, is_lora, merged_model
+from grpo.model.lora import adapter_state, is_lora, merged_model
+from grpo.run.checkpoint import save_model_dir
 
 ADAPTER_SUBDIR = "adapter"
 ADAPTER_STATE_KEY = "adapter_weights"

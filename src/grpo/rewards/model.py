@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from grpo.native.logprobs import ChunkedTokenLogprobs, plain_lm_head
+from grpo.model.packed import ChunkedTokenLogprobs, plain_lm_head
 
 
 class SequenceClassifierReward:

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from grpo.batch import Rollouts, SamplingParams
+from grpo.records import Rollouts, SamplingParams
 
 log = logging.getLogger("grpo")
 
@@ -30,9 +30,9 @@ def build_engine(name: str, model, tokenizer, compile_decode: bool = False,
     sample in `compute_dtype` (None: the weights' own dtype) from float32 master weights. `vllm` on
     vLLM (in-process, or a server when generation.vllm_server_url is set); `auto`: vllm on CUDA when it is
     installed, else native (docs/performance.md has the measurements behind the choice)."""
-    from grpo.native.decoder import unsupported_reason
-    from grpo.rollout.hf_generate import TransformersEngine
+    from grpo.model.decoder import unsupported_reason
     from grpo.rollout.native import NativeEngine
+    from grpo.rollout.transformers import TransformersEngine
 
     engines = {"native": NativeEngine, "transformers": TransformersEngine, "vllm": None, "auto": None}
     if name not in engines:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from grpo.batch import Rollouts, SamplingParams
+from grpo.records import Rollouts, SamplingParams
 
 
 class ChunkedEngine:

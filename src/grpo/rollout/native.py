@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from grpo.batch import Rollouts, SamplingParams
-from grpo.native.decoder import GroupLayout, NativeDecoder, unsupported_reason
+from grpo.model.decoder import GroupLayout, NativeDecoder, unsupported_reason
+from grpo.records import Rollouts, SamplingParams
 from grpo.rollout.common import ChunkedEngine
-from grpo.rollout.hf_generate import filter_logits
+from grpo.rollout.transformers import filter_logits
 
 _COMPACT_FRACTION = 8  # drop finished rows once ≥ 1/8 of the active batch has finished
 

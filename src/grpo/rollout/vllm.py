@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.batch import Rollouts, SamplingParams
+from grpo.records import Rollouts, SamplingParams
 
 log = logging.getLogger("grpo")
 
@@ -76,7 +76,7 @@ def _import_vllm():
 def hf_state(policy, merge_lora: bool = True) -> dict[str, torch.Tensor]:
     """The policy's weights under Hugging Face names (what vLLM's loader reads); LoRA adapters merged, or
     (merge_lora=False) left out: the frozen base weights alone."""
-    from grpo.lora import ADAPTER_MARK, is_lora, merged_model
+    from grpo.model.lora import ADAPTER_MARK, is_lora, merged_model
 
     if is_lora(policy) and not merge_lora:
         base = policy.get_base_model()
@@ -181,7 +181,7 @@ class VLLMEngine:
 
     def __init__(self, model, tokenizer, gen=None, seed: int = 0):
         from grpo.config import ConfigError, GenerationConfig
-        from grpo.lora import is_lora
+        from grpo.model.lora import is_lora
 
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from grpo.checkpoint import CheckpointError
 from grpo.config import ConfigError
+from grpo.run.checkpoint import CheckpointError
 
 log = logging.getLogger("grpo")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo.native.linear import DecodeLinear, linear, swiglu_down
+from grpo.model.linear import DecodeLinear, linear, swiglu_down
 
 ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq depends on the config only
@@ -93,7 +93,7 @@ class NativeDecoder:
         self.gradient_checkpointing = False
         # Mixed precision: float32 master weights are cast to compute_dtype as they are read (the cast
         # is differentiable, so gradients reach the masters in float32); autocast would not reach
-        # native/linear.py's oneDNN calls. None: compute in the weights' own dtype.
+        # model/linear.py's oneDNN calls. None: compute in the weights' own dtype.
         self.compute_dtype = compute_dtype
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -196,7 +196,7 @@ class NativeDecoder:
         """Weights for decoding, prepared once per generate call. fuse=True (the CPU path) concatenates
         q|k|v into one matmul and folds the attention scale into the q rows (RoPE is linear, so scaling
         before it is the same); onednn (default: fuse) puts every projection on oneDNN with its following
-        elementwise op fused (see native/linear.py). On a CPU a decode step is bound by per-call
+        elementwise op fused (see model/linear.py). On a CPU a decode step is bound by per-call
         overhead and small-GEMM efficiency, not arithmetic."""
         onednn = fuse if onednn is None else onednn
         layers = []

@@ -15,14 +15,14 @@ from typing import Any
 
 import yaml
 
-from grpo.checkpoint import (
+from grpo.config import BUNDLED_MODEL, ConfigError, GRPOConfig
+from grpo.run.checkpoint import (
     CHECKPOINT_RE,
     find_resume_dir,
     list_checkpoints,
     read_saved_config,
     remove_partial_saves,
 )
-from grpo.config import BUNDLED_MODEL, ConfigError, GRPOConfig
 
 log = logging.getLogger("grpo")
 

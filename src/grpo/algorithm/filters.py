@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo.batch import PromptBatch, Rollouts
+from grpo.records import PromptBatch, Rollouts
 from grpo.rewards import RewardScores
 
 __all__ = ["ScoredRollouts", "concat_rounds", "informative_prompts", "overlong_penalty", "select_groups"]

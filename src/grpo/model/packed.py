@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from grpo.batch import TrainBatch
-from grpo.native.decoder import NativeDecoder, SharedPromptPack, pack_shared_prompts
-from grpo.native.linear import linear
+from grpo.model.decoder import NativeDecoder, SharedPromptPack, pack_shared_prompts
+from grpo.model.linear import linear
+from grpo.records import TrainBatch
 
 CHUNK_ELEMENTS = 1 << 22  # logits elements per chunk (16 MB in float32)
 

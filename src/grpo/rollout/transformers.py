@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from grpo.batch import Rollouts, SamplingParams
-from grpo.models import autocast
+from grpo.model.loading import autocast
+from grpo.records import Rollouts, SamplingParams
 from grpo.rollout.common import ChunkedEngine
 
 

@@ -19,7 +19,7 @@ import torch
 
 from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptFormatter, load_rows, rows_from_dataset
-from grpo.models import (
+from grpo.model.loading import (
     float32_masters,
     load_causal_lm,
     load_policy,
@@ -31,11 +31,11 @@ from grpo.models import (
     resolve_dtype,
     resolve_path,
 )
-from grpo.preflight import check_model_paths, plan_resume
 from grpo.redact import RedactingFilter
 from grpo.rewards import resolve_rewards
 from grpo.rollout import RolloutEngine, build_engine
-from grpo.runlock import lock_run_dir
+from grpo.run.preflight import check_model_paths, plan_resume
+from grpo.run.runlock import lock_run_dir
 from grpo.tasks import missing_reward_columns, task_of_rows
 
 log = logging.getLogger("grpo")
@@ -158,7 +158,7 @@ def _build_parts(cfg: GRPOConfig, run_dir: Path, *, model, ref_model, reward_mod
     else:
         policy = float32_masters(model.to(device).train())
     if cfg.lora.enabled:
-        from grpo.lora import apply_lora
+        from grpo.model.lora import apply_lora
 
         policy = apply_lora(policy, cfg.lora)
         if compute != torch.float32:  # the frozen base is never stepped: hold it in the compute dtype
@@ -168,7 +168,7 @@ def _build_parts(cfg: GRPOConfig, run_dir: Path, *, model, ref_model, reward_mod
     ref = None
     if cfg.algorithm.beta > 0:
         if cfg.lora.enabled:  # the base weights with the adapters off: no second copy
-            from grpo.lora import ReferenceWithoutAdapters
+            from grpo.model.lora import ReferenceWithoutAdapters
 
             ref = ReferenceWithoutAdapters(policy)
         elif ref_model is None or isinstance(ref_model, str):

@@ -24,11 +24,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from grpo.batch import PromptBatch, Rollouts, SamplingParams
 from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptStream, make_prompt_batch
 from grpo.distributed.runtime import Runtime
-from grpo.lora import ADAPTER_MARK, is_lora
+from grpo.model.lora import ADAPTER_MARK, is_lora
+from grpo.records import PromptBatch, Rollouts, SamplingParams
 from grpo.rollout.common import concat_rollouts
 
 log = logging.getLogger("grpo")
@@ -43,7 +43,7 @@ class RolloutWorker:
         from transformers import AutoModelForCausalLM
 
         from grpo.config import LoraSettings
-        from grpo.lora import apply_lora
+        from grpo.model.lora import apply_lora
         from grpo.rollout import build_engine
 
         torch.set_num_threads(num_threads)

@@ -1,0 +1,1 @@
+"""Pure tensor math of GRPO: advantages, losses, filters. Imports nothing from config, models or I/O."""
