@@ -35,6 +35,7 @@ demo: setup
 
 test: setup setup-vllm
 	$(BIN)/ruff check src tests scripts benchmarks
+	$(BIN)/ruff format --check src tests scripts benchmarks
 	$(BIN)/python -m pytest -q
 	$(VLLM_BIN)/python -m pytest -q tests/integration/test_vllm.py tests/unit/test_vllm_unit.py
 
@@ -44,4 +45,5 @@ test-vllm: setup-vllm
 	$(VLLM_BIN)/python -m pytest -q tests/integration/test_vllm.py tests/unit/test_vllm_unit.py
 
 lint: setup
-	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff check src tests scripts benchmarks
+	$(BIN)/ruff format --check src tests scripts benchmarks

@@ -21,9 +21,17 @@ WORKLOADS = {  # name: (prompt tokens, new tokens)
     "c": (128, 128),
 }
 # A Qwen2-style decoder (GQA, q/k/v bias, tied embeddings) of 4.9M parameters on a 640-token vocabulary.
-MODEL_CONFIG = {"vocab_size": 640, "hidden_size": 256, "intermediate_size": 976, "num_hidden_layers": 5,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-                "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
+MODEL_CONFIG = {
+    "vocab_size": 640,
+    "hidden_size": 256,
+    "intermediate_size": 976,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+}
 
 
 def param_count(c: dict = MODEL_CONFIG) -> int:
@@ -45,8 +53,9 @@ def make_model() -> Path:
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(TOKENIZER_SOURCE)
     tok.chat_template = None  # plain-text prompts on both sides: no template differences
-    cfg = Qwen2Config(**MODEL_CONFIG, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      bos_token_id=None)
+    cfg = Qwen2Config(
+        **MODEL_CONFIG, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None
+    )
     model = Qwen2ForCausalLM(cfg)
     MODEL_DIR.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(MODEL_DIR)
@@ -89,8 +98,9 @@ def text_length(prompts, completions, **kwargs) -> list[float]:
     return [len(t) / 10 for t in texts]
 
 
-def step_flops(params: int, layers: int, attn_dim: int, prompt_len: int, completion_lens: list[int],
-               groups: int) -> float:
+def step_flops(
+    params: int, layers: int, attn_dim: int, prompt_len: int, completion_lens: list[int], groups: int
+) -> float:
     """FLOPs a GRPO step must do: generation (prefill once per group + one forward per generated token),
     the reference forward and the policy forward+backward (6N per token), with attention.
 
@@ -98,6 +108,7 @@ def step_flops(params: int, layers: int, attn_dim: int, prompt_len: int, complet
     4·d_attn·(context) per token per layer forward (QKᵀ and PV); backward ×2. Every prompt is counted
     once per group, the least work the step needs, for TRL and grpo alike.
     """
+
     def attention(prefix: int, n: int) -> float:  # tokens at positions prefix … prefix+n−1, causal
         return 4.0 * attn_dim * layers * (n * prefix + n * (n + 1) / 2)
 

@@ -40,9 +40,17 @@ def main() -> None:
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_k=0, top_p=1.0)
 
     def hf() -> int:
-        out = model.generate(**batch, do_sample=True, num_return_sequences=GENERATIONS, top_k=0, top_p=1.0,
-                             temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                             pad_token_id=tok.pad_token_id)
+        out = model.generate(
+            **batch,
+            do_sample=True,
+            num_return_sequences=GENERATIONS,
+            top_k=0,
+            top_p=1.0,
+            temperature=1.0,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            pad_token_id=tok.pad_token_id,
+        )
         return (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
 
     def native() -> int:
@@ -57,8 +65,10 @@ def main() -> None:
                 tokens = fn()
                 runs[name].append(tokens / (time.perf_counter() - start))
     rows = PROMPTS * GENERATIONS
-    print(f"\nGeneration, {PROMPTS}×{GENERATIONS} rows, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
-          f"tokens, {args.threads} thread(s); median of {args.repeats}\n")
+    print(
+        f"\nGeneration, {PROMPTS}×{GENERATIONS} rows, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
+        f"tokens, {args.threads} thread(s); median of {args.repeats}\n"
+    )
     print("| engine | tokens/s | ms per decode step | speed-up |\n|---|---|---|---|")
     base = statistics.median(runs["transformers generate"])
     for name, values in runs.items():

@@ -58,10 +58,15 @@ def main() -> None:
     fuse = dev == "cpu"
     native16 = build_engine("native", masters, tok, compute_dtype=bf16)
     native32 = build_engine("native", masters, tok)
-    out["decode_weights_fp32_s"] = timed(lambda: native32.decoder.decode_weights(fuse=fuse), args.repeats, dev)
-    out["decode_weights_bf16_cast_s"] = timed(lambda: native16.decoder.decode_weights(fuse=fuse), args.repeats, dev)
-    out["plain_cast_all_params_s"] = timed(lambda: [p.detach().to(bf16) for p in masters.parameters()],
-                                           args.repeats, dev)
+    out["decode_weights_fp32_s"] = timed(
+        lambda: native32.decoder.decode_weights(fuse=fuse), args.repeats, dev
+    )
+    out["decode_weights_bf16_cast_s"] = timed(
+        lambda: native16.decoder.decode_weights(fuse=fuse), args.repeats, dev
+    )
+    out["plain_cast_all_params_s"] = timed(
+        lambda: [p.detach().to(bf16) for p in masters.parameters()], args.repeats, dev
+    )
     prompts = [tok(f"What is {i} + {i + 3}?")["input_ids"] for i in range(4)]
     sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
     out["rollout_4x4x16_bf16_s"] = timed(lambda: native16.generate(prompts, 4, sampling), args.repeats, dev)
@@ -74,13 +79,17 @@ def main() -> None:
         def run():
             logp, _ = fn(batch, 1.0)
             logp.sum().backward()
+
         return run
 
     for engine, native in (("native", True), ("transformers", False)):
         out[f"train_{engine}_fp32_s"] = timed(step(logprob_function(masters, native)), args.repeats, dev)
         out[f"train_{engine}_masters_bf16_compute_s"] = timed(
-            step(logprob_function(masters, native, compute_dtype=bf16)), args.repeats, dev)
-        out[f"train_{engine}_bf16_working_copy_s"] = timed(step(logprob_function(copy16, native)), args.repeats, dev)
+            step(logprob_function(masters, native, compute_dtype=bf16)), args.repeats, dev
+        )
+        out[f"train_{engine}_bf16_working_copy_s"] = timed(
+            step(logprob_function(copy16, native)), args.repeats, dev
+        )
     out["torch"] = torch.__version__
     out["device"] = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(json.dumps(out, indent=1))

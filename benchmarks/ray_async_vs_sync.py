@@ -44,23 +44,48 @@ def random_model(directory: Path) -> str:
 
 
 def run(mode: str, model: str, out: Path, args) -> dict:
-    cfg = GRPOConfig(**{"model.name_or_path": model, "rollout.mode": mode, "max_staleness": 1, "steps": args.steps,
-                        "batch_size": 8, "num_generations": 8, "max_new_tokens": args.new_tokens,
-                        "gradient_accumulation_steps": 2, "learning_rate": 1e-5, "warmup_steps": 0, "beta": 0.04,
-                        "temperature": 1.0, "top_k": 0, "top_p": 1.0, "logging_steps": 1, "progress_bar": False,
-                        "eval_dataset": None, "num_threads": 1, "tensorboard": False, "save_steps": 0,
-                        "output_dir": str(out / mode), "seed": 3})
+    cfg = GRPOConfig(
+        **{
+            "model.name_or_path": model,
+            "rollout.mode": mode,
+            "max_staleness": 1,
+            "steps": args.steps,
+            "batch_size": 8,
+            "num_generations": 8,
+            "max_new_tokens": args.new_tokens,
+            "gradient_accumulation_steps": 2,
+            "learning_rate": 1e-5,
+            "warmup_steps": 0,
+            "beta": 0.04,
+            "temperature": 1.0,
+            "top_k": 0,
+            "top_p": 1.0,
+            "logging_steps": 1,
+            "progress_bar": False,
+            "eval_dataset": None,
+            "num_threads": 1,
+            "tensorboard": False,
+            "save_steps": 0,
+            "output_dir": str(out / mode),
+            "seed": 3,
+        }
+    )
     rows = load_rows("tiny_math", cfg.data)[:200]
     start = time.perf_counter()
     GRPOTrainer(config=cfg, train_dataset=rows, reward_funcs=[constant]).train()
     wall = time.perf_counter() - start
     lines = [json.loads(x) for x in (out / mode / "metrics.jsonl").read_text().splitlines()]
     steady = [x["time/step"] for x in lines[1:]]
-    return {"mode": mode, "steps_per_s": 1 / statistics.mean(steady), "step_s": statistics.mean(steady),
-            "rollout_wait_s": statistics.mean(x.get("time/rollout", 0.0) for x in lines[1:]),
-            "update_s": statistics.mean(x["time/update"] + x.get("time/reference", 0.0) for x in lines[1:]),
-            "tokens_per_step": statistics.mean(x["completion_len/mean"] * 64 for x in lines[1:]),
-            "staleness_max": max(x["rollout/staleness"] for x in lines), "wall_s": wall}
+    return {
+        "mode": mode,
+        "steps_per_s": 1 / statistics.mean(steady),
+        "step_s": statistics.mean(steady),
+        "rollout_wait_s": statistics.mean(x.get("time/rollout", 0.0) for x in lines[1:]),
+        "update_s": statistics.mean(x["time/update"] + x.get("time/reference", 0.0) for x in lines[1:]),
+        "tokens_per_step": statistics.mean(x["completion_len/mean"] * 64 for x in lines[1:]),
+        "staleness_max": max(x["rollout/staleness"] for x in lines),
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -80,12 +105,16 @@ def main() -> None:
     print("| mode | steps/s | s/step | rollout wait s/step | update s/step | tokens/step | max staleness |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['mode']} | {r['steps_per_s']:.4f} | {r['step_s']:.2f} | {r['rollout_wait_s']:.2f} | "
-              f"{r['update_s']:.2f} | {r['tokens_per_step']:.0f} | {r['staleness_max']:.0f} |")
+        print(
+            f"| {r['mode']} | {r['steps_per_s']:.4f} | {r['step_s']:.2f} | {r['rollout_wait_s']:.2f} | "
+            f"{r['update_s']:.2f} | {r['tokens_per_step']:.0f} | {r['staleness_max']:.0f} |"
+        )
     print(f"async / sync steps per second: {results[1]['steps_per_s'] / results[0]['steps_per_s']:.2f}x")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "ray_async_vs_sync.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    (out / "ray_async_vs_sync.json").write_text(
+        json.dumps({"args": vars(args), "results": results}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -35,19 +35,66 @@ TRL_PYTHON = HERE / ".venv-trl" / "bin" / "python"
 
 
 def grpo_command(model: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "grpo", "train", f"model.name_or_path={model}", "--dtype", "float32",
-            "--device", "cpu", "--beta", str(BETA), "--prompts-per-step", str(PROMPTS),
-            "--num-generations", str(GENERATIONS), "--max-new-tokens", str(NEW_TOKENS),
-            "--steps", str(STEPS), "--learning-rate", "1e-6", "algorithm.reward_funcs=[common:text_length]",
-            "algorithm.reward_weights=[1.0]", "--eval-dataset", "none", "--eval-before", "false",
-            "--eval-after", "false",
-            "--save-steps", "0", "--logging-steps", "1", "--num-threads", "2", "--output-dir", str(out)]
+    return [
+        sys.executable,
+        "-m",
+        "grpo",
+        "train",
+        f"model.name_or_path={model}",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--beta",
+        str(BETA),
+        "--prompts-per-step",
+        str(PROMPTS),
+        "--num-generations",
+        str(GENERATIONS),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--steps",
+        str(STEPS),
+        "--learning-rate",
+        "1e-6",
+        "algorithm.reward_funcs=[common:text_length]",
+        "algorithm.reward_weights=[1.0]",
+        "--eval-dataset",
+        "none",
+        "--eval-before",
+        "false",
+        "--eval-after",
+        "false",
+        "--save-steps",
+        "0",
+        "--logging-steps",
+        "1",
+        "--num-threads",
+        "2",
+        "--output-dir",
+        str(out),
+    ]
 
 
 def trl_command(model: Path, out: Path) -> list[str]:
-    return [str(TRL_PYTHON), str(HERE / "trl_real_step.py"), "--model", str(model), "--prompts", str(PROMPTS),
-            "--generations", str(GENERATIONS), "--new-tokens", str(NEW_TOKENS), "--beta", str(BETA),
-            "--steps", str(STEPS), "--out", str(out)]
+    return [
+        str(TRL_PYTHON),
+        str(HERE / "trl_real_step.py"),
+        "--model",
+        str(model),
+        "--prompts",
+        str(PROMPTS),
+        "--generations",
+        str(GENERATIONS),
+        "--new-tokens",
+        str(NEW_TOKENS),
+        "--beta",
+        str(BETA),
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+    ]
 
 
 class RssSampler(threading.Thread):
@@ -103,16 +150,28 @@ def run_one(framework: str, name: str, model: Path) -> dict:
         else:
             result = json.loads(next(line for line in text.splitlines() if line.startswith("RESULT "))[7:])
             step_times, stages = result["step_times"], {}
-    return {"framework": framework, "model": name, "params": PARAMS[name], "step_times_s": step_times,
-            "stage_times_s": stages, "peak_rss_mb": round(sampler.hwm_kb / 1024), "wall_s": round(wall, 1),
-            "cpu_s": round(sampler.cpu_s, 1), "rss_timeline_mb": sampler.timeline[::5],
-            "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    return {
+        "framework": framework,
+        "model": name,
+        "params": PARAMS[name],
+        "step_times_s": step_times,
+        "stage_times_s": stages,
+        "peak_rss_mb": round(sampler.hwm_kb / 1024),
+        "wall_s": round(wall, 1),
+        "cpu_s": round(sampler.cpu_s, 1),
+        "rss_timeline_mb": sampler.timeline[::5],
+        "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="qwen2.5-0.5b", help=f"comma list or 'all' ({', '.join(ARCHITECTURES)})")
-    ap.add_argument("--frameworks", default="grpo,trl", help="comma list: grpo, trl (run alternately per model)")
+    ap.add_argument(
+        "--models", default="qwen2.5-0.5b", help=f"comma list or 'all' ({', '.join(ARCHITECTURES)})"
+    )
+    ap.add_argument(
+        "--frameworks", default="grpo,trl", help="comma list: grpo, trl (run alternately per model)"
+    )
     ap.add_argument("--label", default="", help="stored with each result (e.g. the commit)")
     args = ap.parse_args()
     names = list(ARCHITECTURES) if args.models == "all" else args.models.split(",")
@@ -126,12 +185,18 @@ def main() -> None:
             RESULTS.parent.mkdir(exist_ok=True)
             with RESULTS.open("a") as fh:
                 fh.write(json.dumps(r) + "\n")
-            print(f"{framework} {name}: steps {r['step_times_s']} s, peak RSS {r['peak_rss_mb']} MB", flush=True)
-    print("\n| model | framework | step 1 (s) | step 2 (s) | process CPU (s) | peak RSS (GB) |\n|---|---|---|---|---|---|")
+            print(
+                f"{framework} {name}: steps {r['step_times_s']} s, peak RSS {r['peak_rss_mb']} MB", flush=True
+            )
+    print(
+        "\n| model | framework | step 1 (s) | step 2 (s) | process CPU (s) | peak RSS (GB) |\n|---|---|---|---|---|---|"
+    )
     for r in results:
         t = r["step_times_s"] + [float("nan")] * 2
-        print(f"| {r['model']} | {r['framework']} | {t[0]:.0f} | {t[1]:.0f} | {r['cpu_s']:.0f} | "
-              f"{r['peak_rss_mb'] / 1024:.2f} |")
+        print(
+            f"| {r['model']} | {r['framework']} | {t[0]:.0f} | {t[1]:.0f} | {r['cpu_s']:.0f} | "
+            f"{r['peak_rss_mb'] / 1024:.2f} |"
+        )
 
 
 if __name__ == "__main__":

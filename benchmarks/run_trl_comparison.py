@@ -45,8 +45,12 @@ def main() -> None:
     ap.add_argument("--skip-trl", action="store_true", help="only grpo (e.g. while iterating)")
     args = ap.parse_args()
     make_model()
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "OMP_NUM_THREADS": str(args.threads),
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(HERE.parent / "src"),
+        "OMP_NUM_THREADS": str(args.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     peak_cmd = [sys.executable, "matmul_peak.py", "--threads", str(args.threads)]
     peaks = [float(subprocess.run(peak_cmd, check=False, capture_output=True, text=True, cwd=HERE).stdout)]
     loads = [load()]
@@ -57,23 +61,35 @@ def main() -> None:
             if not args.skip_trl:
                 sides.insert(0, ("trl", [args.trl_python, "trl_step.py"]))
             for name, cmd in sides:
-                r = run(cmd + ["--workload", w, "--steps", str(args.steps), "--threads", str(args.threads)], env)
+                r = run(
+                    cmd + ["--workload", w, "--steps", str(args.steps), "--threads", str(args.threads)], env
+                )
                 results.setdefault((w, name), []).append(r)
-                print(f"# {w} {name}: {r['median_s']:.2f} s/step, steps {[round(t, 2) for t in r['step_times']]}, "
-                      f"load {load()}", file=sys.stderr, flush=True)
+                print(
+                    f"# {w} {name}: {r['median_s']:.2f} s/step, steps {[round(t, 2) for t in r['step_times']]}, "
+                    f"load {load()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         loads.append(load())
-    peaks.append(float(subprocess.run(peak_cmd, check=False, capture_output=True, text=True, cwd=HERE).stdout))
+    peaks.append(
+        float(subprocess.run(peak_cmd, check=False, capture_output=True, text=True, cwd=HERE).stdout)
+    )
     peak = max(peaks)
 
     c = MODEL_CONFIG
     params = param_count()
     head_dim = c["hidden_size"] // c["num_attention_heads"]
-    print(f"\n{PROMPTS} prompts × {GENERATIONS} completions, β = 0.04, {args.threads} thread(s); median over "
-          f"{args.repeats} interleaved runs of {args.steps} steps (first step of each run dropped). "
-          f"Matmul peak {peak:.0f} GFLOP/s (measured {', '.join(f'{p:.0f}' for p in peaks)}); "
-          f"load average during runs {', '.join(loads)}.\n")
-    print("| workload | TRL s/step | grpo s/step | speed-up | TRL tok/s | grpo tok/s | TRL peak RSS | "
-          "grpo peak RSS | TRL % peak | grpo % peak |")
+    print(
+        f"\n{PROMPTS} prompts × {GENERATIONS} completions, β = 0.04, {args.threads} thread(s); median over "
+        f"{args.repeats} interleaved runs of {args.steps} steps (first step of each run dropped). "
+        f"Matmul peak {peak:.0f} GFLOP/s (measured {', '.join(f'{p:.0f}' for p in peaks)}); "
+        f"load average during runs {', '.join(loads)}.\n"
+    )
+    print(
+        "| workload | TRL s/step | grpo s/step | speed-up | TRL tok/s | grpo tok/s | TRL peak RSS | "
+        "grpo peak RSS | TRL % peak | grpo % peak |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for w in args.workloads:
         prompt_len, new = WORKLOADS[w]
@@ -86,18 +102,35 @@ def main() -> None:
             secs = statistics.median(r["median_s"] for r in runs)
             toks = statistics.median(r["completion_tokens"] for r in runs)
             lens = [toks / (PROMPTS * GENERATIONS)] * (PROMPTS * GENERATIONS)
-            flops = step_flops(params, c["num_hidden_layers"], c["num_attention_heads"] * head_dim, prompt_len,
-                               lens, PROMPTS)
-            row[name] = (secs, toks / secs, max(r["peak_rss_mb"] for r in runs), 100 * flops / secs / (peak * 1e9))
+            flops = step_flops(
+                params, c["num_hidden_layers"], c["num_attention_heads"] * head_dim, prompt_len, lens, PROMPTS
+            )
+            row[name] = (
+                secs,
+                toks / secs,
+                max(r["peak_rss_mb"] for r in runs),
+                100 * flops / secs / (peak * 1e9),
+            )
         t, g = row["trl"], row["grpo"]
         fmt = lambda x, f: "–" if x is None else f.format(x)
-        print(f"| ({w}) {prompt_len}+{new} | {fmt(t and t[0], '{:.2f}')} | {g[0]:.2f} | "
-              f"{fmt(t and t[0] / g[0], '{:.2f}×')} | {fmt(t and t[1], '{:,.0f}')} | {g[1]:,.0f} | "
-              f"{fmt(t and t[2], '{:,.0f} MB')} | {g[2]:,.0f} MB | {fmt(t and t[3], '{:.0f}%')} | {g[3]:.0f}% |")
-    stages = {w: {k: statistics.median(r["stages"][k] for r in results[(w, "grpo")]) for k in
-                  results[(w, "grpo")][0]["stages"]} for w in args.workloads}
-    print("\ngrpo stage medians (s): " + "; ".join(
-        f"({w}) " + ", ".join(f"{k[5:]} {v:.2f}" for k, v in s.items()) for w, s in stages.items()))
+        print(
+            f"| ({w}) {prompt_len}+{new} | {fmt(t and t[0], '{:.2f}')} | {g[0]:.2f} | "
+            f"{fmt(t and t[0] / g[0], '{:.2f}×')} | {fmt(t and t[1], '{:,.0f}')} | {g[1]:,.0f} | "
+            f"{fmt(t and t[2], '{:,.0f} MB')} | {g[2]:,.0f} MB | {fmt(t and t[3], '{:.0f}%')} | {g[3]:.0f}% |"
+        )
+    stages = {
+        w: {
+            k: statistics.median(r["stages"][k] for r in results[(w, "grpo")])
+            for k in results[(w, "grpo")][0]["stages"]
+        }
+        for w in args.workloads
+    }
+    print(
+        "\ngrpo stage medians (s): "
+        + "; ".join(
+            f"({w}) " + ", ".join(f"{k[5:]} {v:.2f}" for k, v in s.items()) for w, s in stages.items()
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -53,22 +53,58 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.model)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    rows = [json.loads(line) for line in DATA.read_text().splitlines()[:args.prompts * args.steps]]
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}], }
-                              for r in rows])
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()[: args.prompts * args.steps]]
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": r["question"]}],
+            }
+            for r in rows
+        ]
+    )
     cfg = GRPOConfig(
-        output_dir=args.out, per_device_train_batch_size=args.prompts * args.generations,
-        num_generations=args.generations, gradient_accumulation_steps=1, max_completion_length=args.new_tokens,
-        beta=args.beta, temperature=1.0, top_p=1.0, top_k=0, learning_rate=1e-6, max_steps=args.steps,
-        use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
-        shuffle_dataset=False, seed=0, dataloader_num_workers=0)
+        output_dir=args.out,
+        per_device_train_batch_size=args.prompts * args.generations,
+        num_generations=args.generations,
+        gradient_accumulation_steps=1,
+        max_completion_length=args.new_tokens,
+        beta=args.beta,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=1e-6,
+        max_steps=args.steps,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        shuffle_dataset=False,
+        seed=0,
+        dataloader_num_workers=0,
+    )
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=text_length, args=cfg, train_dataset=data,
-                          processing_class=tok, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=text_length,
+        args=cfg,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[timer],
+    )
     trainer.train()
-    print("RESULT " + json.dumps({"framework": f"trl {trl.__version__}", "step_times": timer.times,
-                                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}),
-          flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "framework": f"trl {trl.__version__}",
+                "step_times": timer.times,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """One TRL GRPOTrainer run on a benchmark workload; prints RESULT {json}. Runs in benchmarks/.venv-trl.
 
-    benchmarks/.venv-trl/bin/python benchmarks/trl_step.py --workload b --steps 4
+benchmarks/.venv-trl/bin/python benchmarks/trl_step.py --workload b --steps 4
 """
 
 from __future__ import annotations
@@ -66,21 +66,49 @@ def main() -> None:
     rows = dataset_rows(tok, args.workload, args.steps)
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=PROMPTS * GENERATIONS, num_generations=GENERATIONS,
-            gradient_accumulation_steps=1, max_completion_length=new_tokens, beta=BETA, temperature=TEMPERATURE,
-            top_p=1.0, top_k=0, learning_rate=LEARNING_RATE, max_steps=args.steps, use_cpu=True, bf16=False,
-            report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, shuffle_dataset=False,
-            seed=0, dataloader_num_workers=0)
+            output_dir=out,
+            per_device_train_batch_size=PROMPTS * GENERATIONS,
+            num_generations=GENERATIONS,
+            gradient_accumulation_steps=1,
+            max_completion_length=new_tokens,
+            beta=BETA,
+            temperature=TEMPERATURE,
+            top_p=1.0,
+            top_k=0,
+            learning_rate=LEARNING_RATE,
+            max_steps=args.steps,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            shuffle_dataset=False,
+            seed=0,
+            dataloader_num_workers=0,
+        )
         timer, tokens = StepTimer(), CompletionTokens()
-        trainer = GRPOTrainer(model=model, reward_funcs=vowel_reward, args=cfg,
-                              train_dataset=Dataset.from_list(rows), processing_class=tok,
-                              callbacks=[timer, tokens])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=vowel_reward,
+            args=cfg,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tok,
+            callbacks=[timer, tokens],
+        )
         trainer.train()
     times = timer.times[1:]  # the first step warms up allocators and caches
     gen = tokens.per_step[1:] if len(tokens.per_step) > 1 else tokens.per_step
-    emit({"framework": f"trl {trl.__version__}", "workload": args.workload, "step_times": timer.times,
-          "median_s": statistics.median(times), "completion_tokens": statistics.median(gen),
-          "peak_rss_mb": peak_rss_mb()})
+    emit(
+        {
+            "framework": f"trl {trl.__version__}",
+            "workload": args.workload,
+            "step_times": timer.times,
+            "median_s": statistics.median(times),
+            "completion_tokens": statistics.median(gen),
+            "peak_rss_mb": peak_rss_mb(),
+        }
+    )
 
 
 if __name__ == "__main__":

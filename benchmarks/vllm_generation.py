@@ -47,13 +47,29 @@ def main() -> None:
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_k=0, top_p=1.0)
     import vllm
 
-    vllm_params = vllm.SamplingParams(n=GENERATIONS, max_tokens=args.new_tokens, temperature=1.0, top_k=0,
-                                      top_p=1.0, logprobs=1, ignore_eos=True, detokenize=False)
+    vllm_params = vllm.SamplingParams(
+        n=GENERATIONS,
+        max_tokens=args.new_tokens,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        logprobs=1,
+        ignore_eos=True,
+        detokenize=False,
+    )
 
     def hf() -> int:
-        out = model.generate(**batch, do_sample=True, num_return_sequences=GENERATIONS, top_k=0, top_p=1.0,
-                             temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                             pad_token_id=tok.pad_token_id)
+        out = model.generate(
+            **batch,
+            do_sample=True,
+            num_return_sequences=GENERATIONS,
+            top_k=0,
+            top_p=1.0,
+            temperature=1.0,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            pad_token_id=tok.pad_token_id,
+        )
         return (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
 
     def native() -> int:
@@ -61,7 +77,9 @@ def main() -> None:
 
     def with_vllm() -> int:
         threads = torch.get_num_threads()
-        outs = vllm_engine.llm.generate([{"prompt_token_ids": p} for p in prompts], vllm_params, use_tqdm=False)
+        outs = vllm_engine.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], vllm_params, use_tqdm=False
+        )
         torch.set_num_threads(threads)
         vllm_engine.llm.reset_prefix_cache()  # as after a weight sync in training: no prompt reuse across calls
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -77,15 +95,19 @@ def main() -> None:
                 tokens = fn()
                 assert tokens == PROMPTS * GENERATIONS * args.new_tokens, (name, tokens)
                 runs[name].append(tokens / (time.perf_counter() - start))
-    print(f"\nGeneration, {PROMPTS}×{GENERATIONS} rows, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
-          f"tokens, {args.threads} thread(s); median of {args.repeats} interleaved runs; vLLM start-up "
-          f"{startup:.1f} s (not in the table)\n")
+    print(
+        f"\nGeneration, {PROMPTS}×{GENERATIONS} rows, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
+        f"tokens, {args.threads} thread(s); median of {args.repeats} interleaved runs; vLLM start-up "
+        f"{startup:.1f} s (not in the table)\n"
+    )
     print("| engine | tokens/s | runs (tokens/s) | vs transformers | vs native |\n|---|---|---|---|---|")
     base, native_median = (statistics.median(runs[k]) for k in ("transformers generate", "grpo native"))
     for name, values in runs.items():
         med = statistics.median(values)
-        print(f"| {name} | {med:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | {med / base:.2f}× | "
-              f"{med / native_median:.2f}× |")
+        print(
+            f"| {name} | {med:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | {med / base:.2f}× | "
+            f"{med / native_median:.2f}× |"
+        )
     vllm_engine.close()
 
 

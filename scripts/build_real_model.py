@@ -36,26 +36,62 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 ARCHITECTURES: dict[str, dict] = {
     "qwen2.5-0.5b": {
-        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
-        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True, "use_sliding_window": False, "max_window_layers": 24,
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "max_window_layers": 24,
         "hidden_act": "silu",
     },
     "qwen3-0.6b": {
-        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
-        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True, "attention_bias": False, "use_sliding_window": False,
-        "max_window_layers": 28, "hidden_act": "silu",
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+        "hidden_act": "silu",
     },
     "llama-3.2-1b": {
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
-        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-        "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     },
 }
 PARAMS = {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920, "llama-3.2-1b": 1_235_814_400}
@@ -71,8 +107,13 @@ def make_config(name: str, tokenizer, **overrides):
         spec["rope_parameters"] = {"rope_theta": spec.pop("rope_theta"), **spec.pop("rope_scaling")}
     elif "rope_theta" in spec:
         spec["rope_parameters"] = {"rope_type": "default", "rope_theta": spec.pop("rope_theta")}
-    return AutoConfig.for_model(kind, **spec, pad_token_id=tokenizer.pad_token_id,
-                                eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    return AutoConfig.for_model(
+        kind,
+        **spec,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
 
 
 def build(name: str, out: Path | str | None = None, seed: int = 0, **overrides) -> Path:

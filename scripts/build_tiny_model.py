@@ -66,6 +66,7 @@ def load_jsonl(path: Path) -> list[dict]:
 
 # --- (1) tokenizer ----------------------------------------------------------------------------------
 
+
 def build_tokenizer(rows: list[dict], vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     # Digits first (each digit its own token, so "128" and "12" share pieces), then GPT-2 style byte-level
@@ -109,6 +110,7 @@ def chat_prompt(tokenizer: PreTrainedTokenizerFast, question: str) -> str:
 
 # --- (2) model --------------------------------------------------------------------------------------
 
+
 def build_model(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -133,8 +135,10 @@ def build_model(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) ->
 
 # --- (3) supervised fine-tuning ---------------------------------------------------------------------
 
-def encode_examples(tokenizer: PreTrainedTokenizerFast, rows: list[dict],
-                    completions: list[str]) -> list[tuple[list[int], int]]:
+
+def encode_examples(
+    tokenizer: PreTrainedTokenizerFast, rows: list[dict], completions: list[str]
+) -> list[tuple[list[int], int]]:
     """(token ids of prompt + completion + eos, prompt length). Prompt and completion are tokenized
     separately, exactly as at generation time, so the model learns the token boundaries it sees in rollouts."""
     prompts = tokenizer([chat_prompt(tokenizer, r["question"]) for r in rows], add_special_tokens=False)
@@ -191,8 +195,11 @@ def sft(model, tokenizer, examples, eval_rows, args, steps: int, lr_fn, phase: s
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if (step + 1) % 50 == 0 or step == 0:
-            print(f"{phase} step {step + 1:5d}/{steps}  loss {loss.item():.4f}  lr {lr_fn(step):.2e}  "
-                  f"{time.time() - start:6.0f}s", flush=True)
+            print(
+                f"{phase} step {step + 1:5d}/{steps}  loss {loss.item():.4f}  lr {lr_fn(step):.2e}  "
+                f"{time.time() - start:6.0f}s",
+                flush=True,
+            )
         if step + 1 in snapshots:
             out = args.snapshot_dir / f"{phase}{step + 1}"
             metrics = evaluate(model, tokenizer, eval_rows, args)
@@ -203,6 +210,7 @@ def sft(model, tokenizer, examples, eval_rows, args, steps: int, lr_fn, phase: s
 
 # --- (4) evaluation ---------------------------------------------------------------------------------
 
+
 def extract_answer(text: str) -> int | None:
     """The number after the last `####`, as GSM8K graders do."""
     matches = ANSWER_RE.findall(text)
@@ -210,19 +218,24 @@ def extract_answer(text: str) -> int | None:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, questions: list[str], num_samples: int, max_new_tokens: int,
-             batch_size: int) -> list[tuple[list[int], str]]:
+def generate(
+    model, tokenizer, questions: list[str], num_samples: int, max_new_tokens: int, batch_size: int
+) -> list[tuple[list[int], str]]:
     """(completion ids, completion text) for each question x sample; greedy when num_samples == 1."""
     model.eval()
     results = []
     for i in range(0, len(questions), batch_size):
         prompts = [chat_prompt(tokenizer, q) for q in questions[i : i + batch_size]]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if num_samples > 1 else {
-            "do_sample": False}
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, num_return_sequences=num_samples,
-                             **sampling)
-        for row in out[:, enc.input_ids.shape[1]:].tolist():
+        sampling = (
+            {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+            if num_samples > 1
+            else {"do_sample": False}
+        )
+        out = model.generate(
+            **enc, max_new_tokens=max_new_tokens, num_return_sequences=num_samples, **sampling
+        )
+        for row in out[:, enc.input_ids.shape[1] :].tolist():
             ids = row[: row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row
             results.append((ids, tokenizer.decode(ids, skip_special_tokens=True)))
     return results
@@ -234,8 +247,10 @@ def evaluate(model, tokenizer, rows: list[dict], args: argparse.Namespace) -> di
     greedy = generate(model, tokenizer, questions, 1, args.max_new_tokens, args.eval_batch_size)
     correct = [extract_answer(text) == t for (_, text), t in zip(greedy, targets)]
     # Well formatted: stopped with eos right after a final "#### <number>" line.
-    formatted = [ids[-1:] == [tokenizer.eos_token_id] and re.search(r"#### \d+$", text) is not None
-                 for ids, text in greedy]
+    formatted = [
+        ids[-1:] == [tokenizer.eos_token_id] and re.search(r"#### \d+$", text) is not None
+        for ids, text in greedy
+    ]
 
     k, n_pass = args.pass_k, args.pass_k_problems
     torch.manual_seed(args.seed)
@@ -246,14 +261,16 @@ def evaluate(model, tokenizer, rows: list[dict], args: argparse.Namespace) -> di
     # "Shows work": writes at least one equation line before the final answer.
     worked = [text.count("\n") > 0 for _, text in greedy]
     n_worked = sum(worked)
-    prompt_lens = [len(tokenizer(chat_prompt(tokenizer, q), add_special_tokens=False).input_ids)
-                   for q in questions]
+    prompt_lens = [
+        len(tokenizer(chat_prompt(tokenizer, q), add_special_tokens=False).input_ids) for q in questions
+    ]
     return {
         "greedy_accuracy": sum(correct) / len(rows),
         "format_rate": sum(formatted) / len(rows),
         "shows_work_rate": n_worked / len(rows),
         "accuracy_when_showing_work": sum(c for c, w in zip(correct, worked) if w) / max(1, n_worked),
-        "accuracy_when_terse": sum(c for c, w in zip(correct, worked) if not w) / max(1, len(rows) - n_worked),
+        "accuracy_when_terse": sum(c for c, w in zip(correct, worked) if not w)
+        / max(1, len(rows) - n_worked),
         f"pass@{k}": sum(pass_k) / n_pass,
         "sample_accuracy": sum(sample_correct) / len(sampled),
         "mean_completion_tokens": sum(len(ids) for ids, _ in greedy) / len(greedy),
@@ -267,12 +284,15 @@ def format_metrics(m: dict[str, float]) -> str:
 
 # --- (5) save ---------------------------------------------------------------------------------------
 
+
 def save(model, tokenizer, out: Path, metrics: dict[str, float], args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     build_info = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    (out / "build_info.json").write_text(json.dumps({"args": build_info, "metrics": metrics}, indent=2) + "\n")
+    (out / "build_info.json").write_text(
+        json.dumps({"args": build_info, "metrics": metrics}, indent=2) + "\n"
+    )
 
 
 def main() -> None:
@@ -280,14 +300,30 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--steps", type=int, default=1500, help="phase-1 SFT steps on worked solutions")
-    parser.add_argument("--schedule-steps", type=int, default=1500,
-                        help="length of the phase-1 learning-rate schedule (cosine to 10%% of --lr)")
-    parser.add_argument("--terse-steps", type=int, default=100,
-                        help="phase-2 SFT steps on a mix of worked and bare-answer targets")
-    parser.add_argument("--terse-fraction", type=float, default=0.45,
-                        help="share of phase-2 targets that give the bare answer without working")
-    parser.add_argument("--init-from", type=Path, default=None,
-                        help="start from this saved model + tokenizer instead of building new ones")
+    parser.add_argument(
+        "--schedule-steps",
+        type=int,
+        default=1500,
+        help="length of the phase-1 learning-rate schedule (cosine to 10%% of --lr)",
+    )
+    parser.add_argument(
+        "--terse-steps",
+        type=int,
+        default=100,
+        help="phase-2 SFT steps on a mix of worked and bare-answer targets",
+    )
+    parser.add_argument(
+        "--terse-fraction",
+        type=float,
+        default=0.45,
+        help="share of phase-2 targets that give the bare answer without working",
+    )
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from this saved model + tokenizer instead of building new ones",
+    )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=50)
@@ -298,10 +334,18 @@ def main() -> None:
     parser.add_argument("--eval-batch-size", type=int, default=250)
     parser.add_argument("--pass-k", type=int, default=8)
     parser.add_argument("--pass-k-problems", type=int, default=200)
-    parser.add_argument("--snapshots", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
-                        help="comma-separated SFT steps at which to also save + evaluate a checkpoint")
-    parser.add_argument("--terse-snapshots", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
-                        help="the same for the phase-2 (terse-mix) steps")
+    parser.add_argument(
+        "--snapshots",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[],
+        help="comma-separated SFT steps at which to also save + evaluate a checkpoint",
+    )
+    parser.add_argument(
+        "--terse-snapshots",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[],
+        help="the same for the phase-2 (terse-mix) steps",
+    )
     parser.add_argument("--snapshot-dir", type=Path, default=ROOT / "work_tmp/candidates")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -323,8 +367,9 @@ def main() -> None:
     worked = encode_examples(tokenizer, train_rows, [r["answer"] for r in train_rows])
     sft(model, tokenizer, worked, test_rows, args, args.steps, lambda step: lr_at(step, args), "worked")
     if args.terse_steps:
-        mixed = encode_examples(tokenizer, train_rows,
-                                terse_completions(train_rows, args.terse_fraction, args.seed + 1))
+        mixed = encode_examples(
+            tokenizer, train_rows, terse_completions(train_rows, args.terse_fraction, args.seed + 1)
+        )
         floor = args.lr * 0.1
         sft(model, tokenizer, mixed, test_rows, args, args.terse_steps, lambda step: floor, "terse-mix")
     metrics = evaluate(model, tokenizer, test_rows, args)

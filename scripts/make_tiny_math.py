@@ -26,20 +26,82 @@ import random
 from pathlib import Path
 
 NAMES = {
-    "he": ["Tom", "Sam", "Leo", "Max", "Ben", "Omar", "Ravi", "Jack", "Liam", "Noah", "Ivan", "Kenji", "Luis",
-           "Ethan", "Hugo", "Amir", "Owen", "Felix", "Diego", "Theo"],
-    "she": ["Anna", "Mia", "Lily", "Emma", "Zoe", "Sara", "Nina", "Ava", "Priya", "Maya", "Chloe", "Rosa",
-            "Grace", "Yuki", "Lena", "Ella", "Fatima", "Ruby", "Ines", "Hana"],
+    "he": [
+        "Tom",
+        "Sam",
+        "Leo",
+        "Max",
+        "Ben",
+        "Omar",
+        "Ravi",
+        "Jack",
+        "Liam",
+        "Noah",
+        "Ivan",
+        "Kenji",
+        "Luis",
+        "Ethan",
+        "Hugo",
+        "Amir",
+        "Owen",
+        "Felix",
+        "Diego",
+        "Theo",
+    ],
+    "she": [
+        "Anna",
+        "Mia",
+        "Lily",
+        "Emma",
+        "Zoe",
+        "Sara",
+        "Nina",
+        "Ava",
+        "Priya",
+        "Maya",
+        "Chloe",
+        "Rosa",
+        "Grace",
+        "Yuki",
+        "Lena",
+        "Ella",
+        "Fatima",
+        "Ruby",
+        "Ines",
+        "Hana",
+    ],
 }
 POSSESSIVE = {"he": "his", "she": "her"}
 OBJECT = {"he": "him", "she": "her"}
 # (plural noun, container noun). Food items can also be eaten.
-ITEMS = [("apples", "baskets"), ("marbles", "jars"), ("stickers", "sheets"), ("pencils", "boxes"),
-         ("books", "shelves"), ("coins", "purses"), ("shells", "buckets"), ("cards", "packs"),
-         ("stamps", "albums"), ("balloons", "bunches"), ("crayons", "boxes"), ("beads", "bags"),
-         ("toy cars", "crates"), ("flowers", "vases"), ("rocks", "bags"), ("buttons", "tins")]
-FOODS = [("cookies", "jars"), ("eggs", "cartons"), ("muffins", "trays"), ("candies", "bags"),
-         ("oranges", "crates"), ("grapes", "bowls"), ("cupcakes", "boxes"), ("plums", "baskets")]
+ITEMS = [
+    ("apples", "baskets"),
+    ("marbles", "jars"),
+    ("stickers", "sheets"),
+    ("pencils", "boxes"),
+    ("books", "shelves"),
+    ("coins", "purses"),
+    ("shells", "buckets"),
+    ("cards", "packs"),
+    ("stamps", "albums"),
+    ("balloons", "bunches"),
+    ("crayons", "boxes"),
+    ("beads", "bags"),
+    ("toy cars", "crates"),
+    ("flowers", "vases"),
+    ("rocks", "bags"),
+    ("buttons", "tins"),
+]
+FOODS = [
+    ("cookies", "jars"),
+    ("eggs", "cartons"),
+    ("muffins", "trays"),
+    ("candies", "bags"),
+    ("oranges", "crates"),
+    ("grapes", "bowls"),
+    ("cupcakes", "boxes"),
+    ("plums", "baskets"),
+]
 
 DISTRACTOR_RATE = 0.4
 MAX_VALUE = 99  # cap on every intermediate result: two-digit arithmetic only
@@ -55,7 +117,9 @@ class Story:
         # The friend has the other pronoun so that "he"/"she" always points at the main character;
         # `other` is a third person who only appears in the final "together" question.
         self.friend = rng.choice(NAMES["she" if self.pronoun == "he" else "he"])
-        self.other = rng.choice([n for names in NAMES.values() for n in names if n not in (self.name, self.friend)])
+        self.other = rng.choice(
+            [n for names in NAMES.values() for n in names if n not in (self.name, self.friend)]
+        )
         self.is_food = rng.random() < 0.35
         self.item, self.container = rng.choice(FOODS if self.is_food else ITEMS)
         self.value = 0
@@ -81,6 +145,7 @@ class Story:
 
 
 # --- setup sentences: each introduces the starting quantity with exactly one equation -----------------
+
 
 def setup_containers(s: Story) -> None:
     n, per = s.rng.randint(2, 9), s.rng.randint(2, 9)
@@ -108,19 +173,26 @@ def setup_spent(s: Story) -> None:
 
 def setup_times_friend(s: Story) -> None:
     a, k = s.rng.randint(2, 12), s.rng.randint(2, 4)
-    s.record(f"{s.friend} has {a} {s.item}. {s.name} has {k} times as many {s.item} as {s.friend}.",
-             a, "*", k, a * k)
+    s.record(
+        f"{s.friend} has {a} {s.item}. {s.name} has {k} times as many {s.item} as {s.friend}.",
+        a,
+        "*",
+        k,
+        a * k,
+    )
 
 
 def setup_compare(s: Story) -> None:
     a, b = s.rng.randint(5, 40), s.rng.randint(1, 20)
     if s.rng.random() < 0.5:
-        s.record(f"{s.friend} has {a} {s.item}. {s.name} has {b} more {s.item} than {s.friend}.",
-                 a, "+", b, a + b)
+        s.record(
+            f"{s.friend} has {a} {s.item}. {s.name} has {b} more {s.item} than {s.friend}.", a, "+", b, a + b
+        )
     else:
         b = min(b, a - 1)
-        s.record(f"{s.friend} has {a} {s.item}. {s.name} has {b} fewer {s.item} than {s.friend}.",
-                 a, "-", b, a - b)
+        s.record(
+            f"{s.friend} has {a} {s.item}. {s.name} has {b} fewer {s.item} than {s.friend}.", a, "-", b, a - b
+        )
 
 
 SETUPS = [setup_containers, setup_two_piles, setup_gift, setup_spent, setup_times_friend, setup_compare]
@@ -128,12 +200,19 @@ SETUPS = [setup_containers, setup_two_piles, setup_gift, setup_spent, setup_time
 
 # --- follow-up operations on the running quantity; each returns False when it does not fit ------------
 
+
 def op_add(s: Story) -> bool:
     b = s.rng.randint(1, 20)
     if s.value + b > MAX_VALUE:
         return False
-    sentence = s.rng.choice([f"Then {s.pronoun} buys {b} more.", f"{s.subj} finds {b} more {s.item}.",
-                             f"{s.friend} gives {s.obj} {b} more.", f"Later {s.pronoun} gets {b} more."])
+    sentence = s.rng.choice(
+        [
+            f"Then {s.pronoun} buys {b} more.",
+            f"{s.subj} finds {b} more {s.item}.",
+            f"{s.friend} gives {s.obj} {b} more.",
+            f"Later {s.pronoun} gets {b} more.",
+        ]
+    )
     s.record(sentence, s.value, "+", b, s.value + b)
     return True
 
@@ -143,8 +222,13 @@ def op_sub(s: Story) -> bool:
         return False
     b = s.rng.randint(1, min(s.value - 1, 20))
     verbs = ["eats", "gives away", "drops"] if s.is_food else ["gives away", "loses", "sells"]
-    sentence = s.rng.choice([f"Then {s.pronoun} {s.rng.choice(verbs)} {b}.",
-                             f"{s.subj} gives {b} to {s.friend}.", f"After that {s.pronoun} uses {b} of them."])
+    sentence = s.rng.choice(
+        [
+            f"Then {s.pronoun} {s.rng.choice(verbs)} {b}.",
+            f"{s.subj} gives {b} to {s.friend}.",
+            f"After that {s.pronoun} uses {b} of them.",
+        ]
+    )
     s.record(sentence, s.value, "-", b, s.value - b)
     return True
 
@@ -154,8 +238,11 @@ def op_mul(s: Story) -> bool:
     if s.value * k > MAX_VALUE:
         return False
     word = {2: "doubles", 3: "triples"}.get(k)
-    sentence = (f"Then {s.pronoun} {word} {s.pos} pile." if word and s.rng.random() < 0.6
-                else f"{s.subj} ends up with {k} times as many {s.item}.")
+    sentence = (
+        f"Then {s.pronoun} {word} {s.pos} pile."
+        if word and s.rng.random() < 0.6
+        else f"{s.subj} ends up with {k} times as many {s.item}."
+    )
     s.record(sentence, s.value, "*", k, s.value * k)
     return True
 
@@ -172,9 +259,16 @@ FOLLOW_UPS = [op_add, op_sub, op_mul, op_half]
 
 # --- final questions: most ask for the running total, some add one last (division or total) step ----
 
+
 def ask_total(s: Story) -> bool:
-    s.sentences.append(s.rng.choice([f"How many {s.item} does {s.pronoun} have now?",
-                                     f"How many {s.item} does {s.name} have in the end?"]))
+    s.sentences.append(
+        s.rng.choice(
+            [
+                f"How many {s.item} does {s.pronoun} have now?",
+                f"How many {s.item} does {s.name} have in the end?",
+            ]
+        )
+    )
     return True
 
 
@@ -183,8 +277,10 @@ def ask_share(s: Story) -> bool:
     if not divisors or s.value == 0:
         return False
     k = s.rng.choice(divisors)
-    s.sentences.append(f"{s.subj} puts them into {k} {s.container} equally. "
-                       f"How many {s.item} are in each of the {s.container}?")
+    s.sentences.append(
+        f"{s.subj} puts them into {k} {s.container} equally. "
+        f"How many {s.item} are in each of the {s.container}?"
+    )
     s.steps.append(f"{s.value}/{k}={s.value // k}")
     s.value //= k
     return True
@@ -202,12 +298,19 @@ def ask_with_friend(s: Story) -> bool:
 
 # --- distractors: a sentence with a number that the solution must ignore (as in GSM-IC) ---------------
 
+
 def add_distractor(s: Story) -> None:
     n = s.rng.randint(2, 20)
     other_item = s.rng.choice([item for item, _ in ITEMS + FOODS if item != s.item])
-    sentence = s.rng.choice([f"{s.name} is {n} years old.", f"{s.friend} is {n} years old.",
-                             f"{s.name} also has {n} {other_item}.", f"{s.friend} has {n} {other_item}.",
-                             f"The shop is {n} minutes away."])
+    sentence = s.rng.choice(
+        [
+            f"{s.name} is {n} years old.",
+            f"{s.friend} is {n} years old.",
+            f"{s.name} also has {n} {other_item}.",
+            f"{s.friend} has {n} {other_item}.",
+            f"The shop is {n} minutes away.",
+        ]
+    )
     s.sentences.insert(s.rng.randint(0, len(s.sentences) - 1), sentence)  # anywhere before the question
 
 
@@ -254,8 +357,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--train-size", type=int, default=12000)
     parser.add_argument("--test-size", type=int, default=500)
-    parser.add_argument("--out-dir", type=Path,
-                        default=Path(__file__).resolve().parents[1] / "src/grpo/assets/tiny_math")
+    parser.add_argument(
+        "--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "src/grpo/assets/tiny_math"
+    )
     args = parser.parse_args()
     train, test = generate(args.seed, args.train_size, args.test_size)
     write_jsonl(args.out_dir / "train.jsonl", train)

@@ -12,9 +12,19 @@ torch.set_num_threads(1)
 
 def tiny_llama(vocab_size: int = 48, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=True,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -30,7 +40,10 @@ class IdTokenizer:
     eos_token_id = 1
 
     def batch_decode(self, ids, skip_special_tokens=True):
-        return [" ".join(str(int(i)) for i in row if not (skip_special_tokens and int(i) in (0, 1))) for row in ids]
+        return [
+            " ".join(str(int(i)) for i in row if not (skip_special_tokens and int(i) in (0, 1)))
+            for row in ids
+        ]
 
 
 @pytest.fixture

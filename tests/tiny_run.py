@@ -17,10 +17,22 @@ from grpo.model.loading import bundled_model_path
 TIMING_KEYS = ("time/", "tokens_per_s")
 
 SETTINGS = {
-    "batch_size": 2, "num_generations": 2, "max_new_tokens": 6, "gradient_accumulation_steps": 1,
-    "learning_rate": 3e-3, "warmup_steps": 1, "lr_scheduler": "linear", "logging_steps": 1,
-    "progress_bar": False, "eval_dataset": None, "num_threads": 1, "beta": 0.04, "tensorboard": False,
-    "seed": 11, "save_steps": 1, "reward_funcs": ["tests.tiny_run:letter_score", "gsm8k_format"],
+    "batch_size": 2,
+    "num_generations": 2,
+    "max_new_tokens": 6,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 3e-3,
+    "warmup_steps": 1,
+    "lr_scheduler": "linear",
+    "logging_steps": 1,
+    "progress_bar": False,
+    "eval_dataset": None,
+    "num_threads": 1,
+    "beta": 0.04,
+    "tensorboard": False,
+    "seed": 11,
+    "save_steps": 1,
+    "reward_funcs": ["tests.tiny_run:letter_score", "gsm8k_format"],
     "max_prompt_length": 96,
 }
 
@@ -32,9 +44,19 @@ def letter_score(prompts, completions, **_):
 
 def make_model_dir(path: Path) -> Path:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=640, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=640,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(Path(bundled_model_path()) / name, path / name)
@@ -42,14 +64,25 @@ def make_model_dir(path: Path) -> Path:
 
 
 def write_dataset(path: Path, n: int) -> Path:
-    rows = [{"question": f"Sam has {i + 2} apples and buys {i + 3} more. How many now?",
-             "answer": f"#### {2 * i + 5}"} for i in range(n)]
+    rows = [
+        {
+            "question": f"Sam has {i + 2} apples and buys {i + 3} more. How many now?",
+            "answer": f"#### {2 * i + 5}",
+        }
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
 
 
 def config(model_dir: Path, data: Path, output_dir: Path, **overrides) -> dict:
-    return {**SETTINGS, "model": str(model_dir), "dataset": str(data), "output_dir": str(output_dir), **overrides}
+    return {
+        **SETTINGS,
+        "model": str(model_dir),
+        "dataset": str(data),
+        "output_dir": str(output_dir),
+        **overrides,
+    }
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -1,11 +1,11 @@
 """`grpo train` and `grpo eval`: parse → config → run. Every config key is a flag.
 
-    grpo train                                    # bundled tiny model + task, CPU, a few minutes
-    grpo train --config gsm8k model=Qwen/Qwen2.5-0.5B-Instruct --steps 200
-    grpo train optimizer.lr=2e-5 train.steps=50   # Hydra-style overrides (TorchRL names work)
-    grpo train --multirun optimizer.lr=1e-4,1e-5  # one run per value, in a sweep directory
-    grpo eval --json                              # bundled model on the bundled held-out split
-    grpo report runs/2025-01-01_12-00-00          # HTML page + PNG plots of a run
+grpo train                                    # bundled tiny model + task, CPU, a few minutes
+grpo train --config gsm8k model=Qwen/Qwen2.5-0.5B-Instruct --steps 200
+grpo train optimizer.lr=2e-5 train.steps=50   # Hydra-style overrides (TorchRL names work)
+grpo train --multirun optimizer.lr=1e-4,1e-5  # one run per value, in a sweep directory
+grpo eval --json                              # bundled model on the bundled held-out split
+grpo report runs/2025-01-01_12-00-00          # HTML page + PNG plots of a run
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ _BARE_FLAG_VALUES = {"train.resume": "latest"}
 def _aliases_by_path() -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for alias, target in ALIASES.items():
-        for path in (target if isinstance(target, tuple) else (target,)):
+        for path in target if isinstance(target, tuple) else (target,):
             out.setdefault(path, []).append(alias)
     return out
 
@@ -68,8 +68,10 @@ def _shown(path: str, value) -> str:
 def _default_text(path: str, built_in, preset: dict) -> str:
     """The default a run without the flag uses, and where it comes from (the default preset or the code)."""
     if path in preset and preset[path] != built_in:
-        return (f"default: {_shown(path, preset[path])} from the {DEFAULT_PRESET} preset; "
-                f"{_shown(path, built_in)} with --config NAME/FILE that leaves it unset")
+        return (
+            f"default: {_shown(path, preset[path])} from the {DEFAULT_PRESET} preset; "
+            f"{_shown(path, built_in)} with --config NAME/FILE that leaves it unset"
+        )
     return f"default: {_shown(path, built_in)}"
 
 
@@ -94,22 +96,41 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             alias_text = f" Also: {', '.join('--' + a.replace('_', '-') for a in extra)}." if extra else ""
             is_bool = hints[f.name] is bool
             const = "true" if is_bool else _BARE_FLAG_VALUES.get(path)
-            group.add_argument(*names, dest=path, action=_Override, metavar="" if is_bool else "VALUE",
-                               nargs="?" if const is not None else None, const=const,
-                               help=f"{f.metadata['help']}{alias_text} ({_default_text(path, default, preset)})"
-                               .replace("%", "%%"))
+            group.add_argument(
+                *names,
+                dest=path,
+                action=_Override,
+                metavar="" if is_bool else "VALUE",
+                nargs="?" if const is not None else None,
+                const=const,
+                help=f"{f.metadata['help']}{alias_text} ({_default_text(path, default, preset)})".replace(
+                    "%", "%%"
+                ),
+            )
             taken.update(names)
             underscore = f"--{f.name}"  # MaxText's spelling (--use_pathways) of a unique leaf name
             if "_" in f.name and len(names) > 1 and underscore not in taken:
-                group.add_argument(underscore, dest=path, action=_Override, help=argparse.SUPPRESS,
-                                   nargs="?" if const is not None else None, const=const)
+                group.add_argument(
+                    underscore,
+                    dest=path,
+                    action=_Override,
+                    help=argparse.SUPPRESS,
+                    nargs="?" if const is not None else None,
+                    const=const,
+                )
                 taken.add(underscore)
     for alias, target in ALIASES.items():
         for spelling in {f"--{alias}", f"--{alias.replace('_', '-')}"} - taken:
             first = target if isinstance(target, str) else target[0]
-            is_bool = section_hints(first.split('.')[0])[first.split('.')[1]] is bool
-            parser.add_argument(spelling, dest=alias, action=_Override, help=argparse.SUPPRESS,
-                                nargs="?" if is_bool else None, const="true" if is_bool else None)
+            is_bool = section_hints(first.split(".")[0])[first.split(".")[1]] is bool
+            parser.add_argument(
+                spelling,
+                dest=alias,
+                action=_Override,
+                help=argparse.SUPPRESS,
+                nargs="?" if is_bool else None,
+                const="true" if is_bool else None,
+            )
             taken.add(spelling)
 
 
@@ -122,21 +143,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="grpo", description="GRPO post-training for causal language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="Train with GRPO.", allow_abbrev=False,
-                           description=f"Train with GRPO. Presets: {', '.join(preset_names())}. Settings "
-                           "apply in order: built-in defaults, --config (default: the tiny_math preset), then "
-                           "key=value / --key value overrides; a value you give wins over the preset's, also "
-                           "over a competing key it set (--num-epochs replaces the preset's train.steps).")
-    train.add_argument("--config", "--config-name", "--config_file", "--config-file", dest="config",
-                       default=DEFAULT_PRESET, help=f"A shipped preset name or a YAML file (default: {DEFAULT_PRESET}).")
-    train.add_argument("--multirun", action="store_true",
-                       help="Sweep: key=a,b,c runs once per value (cartesian product over keys), in "
-                       "multirun/RUN_NAME/N (RUN_NAME: --run-name, default a timestamp).")
+    train = sub.add_parser(
+        "train",
+        help="Train with GRPO.",
+        allow_abbrev=False,
+        description=f"Train with GRPO. Presets: {', '.join(preset_names())}. Settings "
+        "apply in order: built-in defaults, --config (default: the tiny_math preset), then "
+        "key=value / --key value overrides; a value you give wins over the preset's, also "
+        "over a competing key it set (--num-epochs replaces the preset's train.steps).",
+    )
+    train.add_argument(
+        "--config",
+        "--config-name",
+        "--config_file",
+        "--config-file",
+        dest="config",
+        default=DEFAULT_PRESET,
+        help=f"A shipped preset name or a YAML file (default: {DEFAULT_PRESET}).",
+    )
+    train.add_argument(
+        "--multirun",
+        action="store_true",
+        help="Sweep: key=a,b,c runs once per value (cartesian product over keys), in "
+        "multirun/RUN_NAME/N (RUN_NAME: --run-name, default a timestamp).",
+    )
     train.add_argument("--print-config", action="store_true", help="Print the resolved config and exit.")
-    train.add_argument("--dry-run", action="store_true",
-                       help="Resolve the config, read the datasets, check the rewards against them and print the "
-                       "config and the run's plan (rows, steps, sizes) as YAML; loads no model.")
-    train.add_argument("assignments", nargs="*", metavar="key=value", help="Overrides, e.g. optimizer.lr=2e-5.")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Resolve the config, read the datasets, check the rewards against them and print the "
+        "config and the run's plan (rows, steps, sizes) as YAML; loads no model.",
+    )
+    train.add_argument(
+        "assignments", nargs="*", metavar="key=value", help="Overrides, e.g. optimizer.lr=2e-5."
+    )
     _add_config_flags(train)
     train.set_defaults(overrides=[])
 
@@ -147,9 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--k", type=int, default=1, help="Samples per prompt; k > 1 reports pass@k and maj@k.")
     ev.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature when k > 1.")
     ev.add_argument("--limit", type=int, default=None, help="Evaluate the first N rows only.")
-    ev.add_argument("--max-new-tokens", type=int, default=None, help="Completion cap (default: the config's).")
-    ev.add_argument("--hf-access-token", "--hf_access_token", dest="hf_token", default=None,
-                    help="Hub token for gated models (default: $HF_TOKEN).")
+    ev.add_argument(
+        "--max-new-tokens", type=int, default=None, help="Completion cap (default: the config's)."
+    )
+    ev.add_argument(
+        "--hf-access-token",
+        "--hf_access_token",
+        dest="hf_token",
+        default=None,
+        help="Hub token for gated models (default: $HF_TOKEN).",
+    )
     ev.add_argument("--dump", default=None, help="Write every completion and its score to this JSONL file.")
     ev.add_argument("--json", action="store_true", help="Print one JSON object (accuracy, n, ...) only.")
 
@@ -165,7 +212,11 @@ def _overrides(args) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"'{item}' is not key=value (e.g. optimizer.lr=2e-5).")
-        if key.replace("-", "_") in ("config", "config_file", "config_name"):  # MaxText/Hydra spelling of --config
+        if key.replace("-", "_") in (
+            "config",
+            "config_file",
+            "config_name",
+        ):  # MaxText/Hydra spelling of --config
             args.config = value
             continue
         pairs.append((key.lstrip("+"), value))
@@ -194,8 +245,11 @@ def cmd_train(args) -> int:
     sweep_dir = None
     if args.multirun:  # TorchRL/Hydra: multirun/<name>/<N>; the name is --run-name when given
         first = load_config(args.config, runs[0])
-        sweep_dir = (Path(first.train.output_dir) if "train.output_dir" in first.explicit_keys else
-                     Path("multirun") / (first.train.run_name or datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
+        sweep_dir = (
+            Path(first.train.output_dir)
+            if "train.output_dir" in first.explicit_keys
+            else Path("multirun") / (first.train.run_name or datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+        )
     for i, run in enumerate(runs):
         if sweep_dir is not None:
             run = {**run, "train.output_dir": str(sweep_dir / str(i))}
@@ -222,14 +276,17 @@ def dry_run(cfg: GRPOConfig) -> str:
 
     check_model_paths(cfg, model_given=False, tokenizer_given=False)
     train_rows, eval_rows, funcs = load_data_and_rewards(cfg, token=cfg.hf_token())
-    plan = {"train_rows": len(train_rows), "eval_rows": len(eval_rows),
-            "columns": sorted(train_rows[0]) if train_rows else [],
-            "rewards": [reward_name(f) for f in funcs] + (["reward_model"] if cfg.algorithm.reward_model else []),
-            "steps": planned_steps(cfg, len(train_rows)),
-            "steps_per_epoch": -(-len(train_rows) // cfg.train.prompts_per_step),
-            "completions_per_step": cfg.completions_per_step,
-            "micro_batch_size": cfg.resolved_micro_batch_size,
-            "explicit": sorted(cfg.explicit_keys)}
+    plan = {
+        "train_rows": len(train_rows),
+        "eval_rows": len(eval_rows),
+        "columns": sorted(train_rows[0]) if train_rows else [],
+        "rewards": [reward_name(f) for f in funcs] + (["reward_model"] if cfg.algorithm.reward_model else []),
+        "steps": planned_steps(cfg, len(train_rows)),
+        "steps_per_epoch": -(-len(train_rows) // cfg.train.prompts_per_step),
+        "completions_per_step": cfg.completions_per_step,
+        "micro_batch_size": cfg.resolved_micro_batch_size,
+        "explicit": sorted(cfg.explicit_keys),
+    }
     return cfg.to_yaml() + yaml.safe_dump({"plan": plan}, sort_keys=False)
 
 
@@ -246,7 +303,9 @@ def cmd_eval(args) -> int:
     if not 0 < args.temperature < float("inf"):
         raise ConfigError(f"--temperature must be a finite number > 0, got {args.temperature}.")
     if args.dump and not Path(args.dump).resolve().parent.is_dir():  # found out now, not after the evaluation
-        raise ConfigError(f"--dump {args.dump}: the directory {Path(args.dump).resolve().parent} does not exist.")
+        raise ConfigError(
+            f"--dump {args.dump}: the directory {Path(args.dump).resolve().parent} does not exist."
+        )
     overrides = {"model.hf_token": args.hf_token} if args.hf_token else {}
     if args.model:
         overrides["model.name_or_path"] = args.model
@@ -254,16 +313,28 @@ def cmd_eval(args) -> int:
     check_model_paths(cfg, model_given=False, tokenizer_given=False)  # a missing directory, not a "repo id"
     device = resolve_device(cfg.model.device)
     tokenizer = load_tokenizer(cfg)
-    rows = load_rows(args.dataset or cfg.data.eval_dataset or "tiny_math:test", cfg.data, split="test",
-                     token=cfg.hf_token())
-    rows = rows[:args.limit] if args.limit else rows
+    rows = load_rows(
+        args.dataset or cfg.data.eval_dataset or "tiny_math:test",
+        cfg.data,
+        split="test",
+        token=cfg.hf_token(),
+    )
+    rows = rows[: args.limit] if args.limit else rows
     model = load_policy(cfg, device)
     formatter = PromptFormatter(tokenizer, cfg.data)
-    engine = build_engine(cfg.generation.engine, model, tokenizer, compute_dtype=resolve_dtype(cfg.model.dtype, device))
-    result = evaluate(engine, formatter, rows, k=args.k,
-                      temperature=args.temperature, batch_size=cfg.train.eval_batch_size,
-                      max_new_tokens=args.max_new_tokens or cfg.train.eval_max_new_tokens
-                      or cfg.effective_max_new_tokens, stop_strings=cfg.generation.stop_strings)
+    engine = build_engine(
+        cfg.generation.engine, model, tokenizer, compute_dtype=resolve_dtype(cfg.model.dtype, device)
+    )
+    result = evaluate(
+        engine,
+        formatter,
+        rows,
+        k=args.k,
+        temperature=args.temperature,
+        batch_size=cfg.train.eval_batch_size,
+        max_new_tokens=args.max_new_tokens or cfg.train.eval_max_new_tokens or cfg.effective_max_new_tokens,
+        stop_strings=cfg.generation.stop_strings,
+    )
     if args.dump:
         with open(args.dump, "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(record) + "\n" for record in result.records)
@@ -295,8 +366,9 @@ def _assignments_first(parser: argparse.ArgumentParser, argv: list[str]) -> list
     if not argv or argv[0] != "train":
         return argv
     train = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("train"))
-    takes_value = {opt for action in train._actions if action.nargs not in (0, "?")
-                   for opt in action.option_strings}
+    takes_value = {
+        opt for action in train._actions if action.nargs not in (0, "?") for opt in action.option_strings
+    }
     flags, assignments = [argv[0]], []
     for i, word in enumerate(argv[1:], start=1):
         is_value = argv[i - 1] in takes_value  # e.g. `--dataset a=b.jsonl`: the flag's own value
@@ -325,16 +397,26 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as e:  # a file or directory removed, replaced or unwritable under a live command
         where = f" ({e.filename})" if e.filename else ""
-        hint = (" If the run directory was moved or changed while training, restore it, then resume with "
-                "--resume latest." if args.command == "train" else "")
-        print(f"grpo {args.command}: error: {redact(e.strerror or str(e))}{redact(where)}.{hint}", file=sys.stderr)
+        hint = (
+            " If the run directory was moved or changed while training, restore it, then resume with "
+            "--resume latest."
+            if args.command == "train"
+            else ""
+        )
+        print(
+            f"grpo {args.command}: error: {redact(e.strerror or str(e))}{redact(where)}.{hint}",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         if args.command != "train":  # nothing to resume: eval and report write only at their end
             print(f"grpo {args.command}: interrupted.", file=sys.stderr)
             return 130
-        print(f"grpo {args.command}: stopped at once, without saving; --resume latest continues from the last "
-              "checkpoint.", file=sys.stderr)
+        print(
+            f"grpo {args.command}: stopped at once, without saving; --resume latest continues from the last "
+            "checkpoint.",
+            file=sys.stderr,
+        )
         return 130
     except Exception:  # noqa: BLE001 (a library message may echo its arguments, a token among them)
         print(redact(traceback.format_exc()), file=sys.stderr)

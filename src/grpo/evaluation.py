@@ -42,43 +42,69 @@ class EvalResult:
         return {**out, **self.extra}
 
 
-def evaluate(engine: RolloutEngine, formatter: PromptFormatter, rows: list[dict[str, Any]], *,
-             max_new_tokens: int, batch_size: int = 256, k: int = 1, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, stop_strings: list[str] | None = None) -> EvalResult:
+def evaluate(
+    engine: RolloutEngine,
+    formatter: PromptFormatter,
+    rows: list[dict[str, Any]],
+    *,
+    max_new_tokens: int,
+    batch_size: int = 256,
+    k: int = 1,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_strings: list[str] | None = None,
+) -> EvalResult:
     if not rows:
         raise ValueError("Evaluation needs at least one row.")
     ifeval = is_ifeval_row(rows[0])
     if not ifeval and "answer" not in rows[0]:
-        raise ValueError("Evaluation needs an answer column (answer/solution) to check completions against, "
-                         "or IFEval rows (instruction_id_list, kwargs).")
+        raise ValueError(
+            "Evaluation needs an answer column (answer/solution) to check completions against, "
+            "or IFEval rows (instruction_id_list, kwargs)."
+        )
     greedy = k == 1
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, greedy=greedy, stop_strings=stop_strings or [])
+    sampling = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        greedy=greedy,
+        stop_strings=stop_strings or [],
+    )
     correct: list[list[float]] = []
     votes: list[bool] = []
     records: list[dict[str, Any]] = []
     ifeval_checks: list[list] = []
     tokenizer = formatter.tokenizer
     for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
+        chunk = rows[start : start + batch_size]
         ids = formatter.encode([r["prompt"] for r in chunk])
         rollouts = engine.generate(ids, k, sampling)
         texts = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
         prompts = [prompt_text(r["prompt"]) for r in chunk for _ in range(k)]
         for i, row in enumerate(chunk):
-            row_texts = texts[i * k:(i + 1) * k]
+            row_texts = texts[i * k : (i + 1) * k]
             record = {"prompt": prompts[i * k], "completions": row_texts}
             if ifeval:
-                checks = [check_instructions(t, row["instruction_id_list"], row.get("kwargs"), prompts[i * k])
-                          for t in row_texts]
+                checks = [
+                    check_instructions(t, row["instruction_id_list"], row.get("kwargs"), prompts[i * k])
+                    for t in row_texts
+                ]
                 row_scores = [float(c.prompt_strict) for c in checks]
                 ifeval_checks.append(checks)
-                record.update(instruction_id_list=row["instruction_id_list"],
-                              strict=[c.instruction_strict for c in checks],
-                              loose=[c.instruction_loose for c in checks])
+                record.update(
+                    instruction_id_list=row["instruction_id_list"],
+                    strict=[c.instruction_strict for c in checks],
+                    loose=[c.instruction_loose for c in checks],
+                )
             else:
-                row_scores = [float(s or 0.0) for s in gsm8k_correctness(prompts[i * k:(i + 1) * k], row_texts,
-                                                                           answer=[row["answer"]] * k)]
+                row_scores = [
+                    float(s or 0.0)
+                    for s in gsm8k_correctness(
+                        prompts[i * k : (i + 1) * k], row_texts, answer=[row["answer"]] * k
+                    )
+                ]
                 votes.append(_majority_correct(row_texts, row_scores))
                 record["answer"] = row["answer"]
             record["correct"] = row_scores
@@ -115,10 +141,12 @@ def _ifeval_accuracies(checks: list[list]) -> dict[str, float]:
     flat = [c for row in checks for c in row]
     strict = [x for c in flat for x in c.instruction_strict]
     loose = [x for c in flat for x in c.instruction_loose]
-    return {"prompt_level_strict_acc": sum(c.prompt_strict for c in flat) / len(flat),
-            "prompt_level_loose_acc": sum(c.prompt_loose for c in flat) / len(flat),
-            "inst_level_strict_acc": sum(strict) / max(len(strict), 1),
-            "inst_level_loose_acc": sum(loose) / max(len(loose), 1)}
+    return {
+        "prompt_level_strict_acc": sum(c.prompt_strict for c in flat) / len(flat),
+        "prompt_level_loose_acc": sum(c.prompt_loose for c in flat) / len(flat),
+        "inst_level_strict_acc": sum(strict) / max(len(strict), 1),
+        "inst_level_loose_acc": sum(loose) / max(len(loose), 1),
+    }
 
 
 def _majority_correct(texts: list[str], scores: list[float]) -> bool:

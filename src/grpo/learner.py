@@ -25,8 +25,14 @@ class NonFiniteWeightsError(RuntimeError):
     """The policy's weights hold NaN/inf after an optimizer step: training cannot go on from here."""
 
 
-def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False,
-                   entropy_grad: bool = False, compute_dtype: torch.dtype | None = None):
+def token_logprobs(
+    model,
+    batch: TrainBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    compute_dtype: torch.dtype | None = None,
+):
     """log π(completion token | prefix) for every completion position: [N, T] (and entropy [N, T],
     differentiable when `entropy_grad`, for the entropy bonus).
 
@@ -38,20 +44,27 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
     width = batch.prompt_width
     t = batch.input_ids.shape[1] - width
     device = next(model.parameters()).device
-    inputs = {"input_ids": batch.input_ids.to(device), "attention_mask": batch.attention_mask.to(device),
-              "position_ids": batch.position_ids.to(device), "use_cache": False}
+    inputs = {
+        "input_ids": batch.input_ids.to(device),
+        "attention_mask": batch.attention_mask.to(device),
+        "position_ids": batch.position_ids.to(device),
+        "use_cache": False,
+    }
     targets = batch.input_ids[:, width:].to(device)  # [N, T]
     # Under autocast the head's backward would mix dtypes: the model's own forward handles that case.
     mixed = compute_dtype not in (None, torch.float32) or torch.is_autocast_enabled(device.type)
     head = None if entropy_grad or mixed else plain_lm_head(model)
     if head is not None:
-        hidden = model.get_decoder()(**inputs).last_hidden_state[:, width - 1:-1]  # [N, T, d]
+        hidden = model.get_decoder()(**inputs).last_hidden_state[:, width - 1 : -1]  # [N, T, d]
         n, d = hidden.shape[0], hidden.shape[-1]
-        logp, entropy = ChunkedTokenLogprobs.apply(hidden.reshape(n * t, d), head.weight, targets.reshape(-1),
-                                                   temperature, with_entropy)  # [N·T]
+        logp, entropy = ChunkedTokenLogprobs.apply(
+            hidden.reshape(n * t, d), head.weight, targets.reshape(-1), temperature, with_entropy
+        )  # [N·T]
         return logp.view(n, t), (entropy.view(n, t) if with_entropy else None)
     with autocast(device, compute_dtype):
-        out = model(**inputs, logits_to_keep=t + 1)  # the lm head runs only where completion tokens are predicted
+        out = model(
+            **inputs, logits_to_keep=t + 1
+        )  # the lm head runs only where completion tokens are predicted
     logits = out.logits[:, :-1].float() / temperature  # [N, T, V]
     logp_all = torch.log_softmax(logits, dim=-1)  # [N, T, V]
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # [N, T]
@@ -62,8 +75,9 @@ def token_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: b
     return logp, entropy
 
 
-def logprob_function(model, native: bool, gradient_checkpointing: bool = False,
-                     compute_dtype: torch.dtype | None = None):
+def logprob_function(
+    model, native: bool, gradient_checkpointing: bool = False, compute_dtype: torch.dtype | None = None
+):
     """`fn(batch, temperature, with_entropy)` for this model: the native shared-prompt forward when asked
     for and the architecture is supported, else the transformers forward; both compute in
     `compute_dtype` (None: the weights' dtype)."""
@@ -71,9 +85,11 @@ def logprob_function(model, native: bool, gradient_checkpointing: bool = False,
         decoder = NativeDecoder(model, compute_dtype)
         decoder.gradient_checkpointing = gradient_checkpointing
         return lambda batch, temperature, with_entropy=False: shared_prompt_logprobs(
-            decoder, batch, temperature, with_entropy)
+            decoder, batch, temperature, with_entropy
+        )
     return lambda batch, temperature, with_entropy=False: token_logprobs(
-        model, batch, temperature, with_entropy, compute_dtype=compute_dtype)
+        model, batch, temperature, with_entropy, compute_dtype=compute_dtype
+    )
 
 
 def trim(batch: TrainBatch) -> TrainBatch:
@@ -83,10 +99,14 @@ def trim(batch: TrainBatch) -> TrainBatch:
     cols = slice(0, max(longest, 1))
     pick = lambda x: None if x is None else x[:, cols]
     return TrainBatch(
-        input_ids=batch.input_ids[:, :keep], attention_mask=batch.attention_mask[:, :keep],
-        prompt_width=batch.prompt_width, completion_mask=batch.completion_mask[:, cols],
-        advantages=batch.advantages[:, cols], group_ids=batch.group_ids,
-        ref_logprobs=pick(batch.ref_logprobs), old_logprobs=pick(batch.old_logprobs),
+        input_ids=batch.input_ids[:, :keep],
+        attention_mask=batch.attention_mask[:, :keep],
+        prompt_width=batch.prompt_width,
+        completion_mask=batch.completion_mask[:, cols],
+        advantages=batch.advantages[:, cols],
+        group_ids=batch.group_ids,
+        ref_logprobs=pick(batch.ref_logprobs),
+        old_logprobs=pick(batch.old_logprobs),
         behaviour_logprobs=pick(batch.behaviour_logprobs),
     )
 
@@ -123,15 +143,24 @@ class StepStats:
     amp: dict[str, float] = field(default_factory=dict)  # float16 loss scaling: scale, overflow
 
     def as_dict(self) -> dict[str, float]:
-        return {"loss": self.loss, "kl": self.kl, "ratio_mean": self.ratio_mean,
-                "clip/low_frac": self.clip_low_frac, "clip/high_frac": self.clip_high_frac,
-                "entropy": self.entropy, "grad_norm": self.grad_norm,
-                "skipped_nonfinite": float(self.skipped), **self.importance, **self.amp}
+        return {
+            "loss": self.loss,
+            "kl": self.kl,
+            "ratio_mean": self.ratio_mean,
+            "clip/low_frac": self.clip_low_frac,
+            "clip/high_frac": self.clip_high_frac,
+            "entropy": self.entropy,
+            "grad_norm": self.grad_norm,
+            "skipped_nonfinite": float(self.skipped),
+            **self.importance,
+            **self.amp,
+        }
 
 
 class Learner:
-    def __init__(self, policy, ref_model, cfg: GRPOConfig, total_optimizer_steps: int,
-                 runtime: Runtime | None = None):
+    def __init__(
+        self, policy, ref_model, cfg: GRPOConfig, total_optimizer_steps: int, runtime: Runtime | None = None
+    ):
         self.policy, self.ref_model, self.cfg = policy, ref_model, cfg
         # Several processes: `model` is the DDP/FSDP2-wrapped policy that forward/backward go through,
         # and every count below is made global with the runtime's all-reduces.
@@ -143,13 +172,18 @@ class Learner:
         self.model = self.rt.wrap(policy, param_dtype=self.compute_dtype)
         forward_dtype = None if self.rt.sharded else self.compute_dtype
         # float16's 5 exponent bits underflow small gradients: scale the loss (Micikevicius et al. 2018).
-        self.scaler = (torch.amp.GradScaler(device.type) if self.compute_dtype == torch.float16 else None)
+        self.scaler = torch.amp.GradScaler(device.type) if self.compute_dtype == torch.float16 else None
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=o.learning_rate,
-            betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon, weight_decay=o.weight_decay)
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=o.learning_rate,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_epsilon,
+            weight_decay=o.weight_decay,
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(o.warmup_steps, total_optimizer_steps, o.lr_scheduler))
+            self.optimizer, lr_lambda(o.warmup_steps, total_optimizer_steps, o.lr_scheduler)
+        )
         self.micro_batch_size = cfg.resolved_micro_batch_size
         self.nonfinite_in_a_row = 0
         self._overflowed = False
@@ -157,8 +191,9 @@ class Learner:
         # wrapper's forward, so several processes train through the transformers forward.
         native = cfg.generation.engine != "transformers" and not self.rt.active
         self._forward_dtype = forward_dtype
-        self._policy_logprob_fn = logprob_function(self.model, native, cfg.model.gradient_checkpointing,
-                                                   forward_dtype)
+        self._policy_logprob_fn = logprob_function(
+            self.model, native, cfg.model.gradient_checkpointing, forward_dtype
+        )
         self._ref_logprob_fn = None if ref_model is None else logprob_function(ref_model, native)
 
     @torch.no_grad()
@@ -168,15 +203,17 @@ class Learner:
         for rows in micro_batches(len(batch), self.micro_batch_size):
             mb = trim(batch.rows(rows))
             logp, _ = self._ref_logprob_fn(mb, self.cfg.generation.temperature)
-            out[rows, :logp.shape[1]] = logp.float().cpu()
+            out[rows, : logp.shape[1]] = logp.float().cpu()
         return out  # [N, T]
 
     def train_step(self, batch: TrainBatch) -> StepStats:
         a = self.cfg.algorithm
         rt = self.rt
-        norm = LossNorm(num_sequences=int(rt.sum(len(batch))),
-                        num_tokens=int(rt.sum(batch.completion_mask.sum().item())),
-                        max_completion_length=self.cfg.effective_max_new_tokens)
+        norm = LossNorm(
+            num_sequences=int(rt.sum(len(batch))),
+            num_tokens=int(rt.sum(batch.completion_mask.sum().item())),
+            max_completion_length=self.cfg.effective_max_new_tokens,
+        )
         # π_old may arrive as the engine's sampling log-probs (exact engine); else the first pass records it.
         old_given = batch.old_logprobs is not None
         if not old_given:
@@ -190,37 +227,63 @@ class Learner:
                 mb = trim(batch.rows(rows))
                 rt.set_grad_sync(self.model, k == len(slices) - 1)  # all-reduce once, after the last
                 if a.entropy_coef != 0:  # the bonus needs entropy with a gradient: the transformers forward
-                    logp, entropy = token_logprobs(self.model, mb, self.cfg.generation.temperature,
-                                                   with_entropy=first_pass, entropy_grad=True,
-                                                   compute_dtype=self._forward_dtype)
+                    logp, entropy = token_logprobs(
+                        self.model,
+                        mb,
+                        self.cfg.generation.temperature,
+                        with_entropy=first_pass,
+                        entropy_grad=True,
+                        compute_dtype=self._forward_dtype,
+                    )
                 else:
-                    logp, entropy = self._policy_logprob_fn(mb, self.cfg.generation.temperature,
-                                                         with_entropy=first_pass)
+                    logp, entropy = self._policy_logprob_fn(
+                        mb, self.cfg.generation.temperature, with_entropy=first_pass
+                    )
                 device = logp.device
                 if first_pass and not old_given:
                     # No update has happened yet in this step: the current policy *is* π_old.
                     old = logp.detach()
-                    batch.old_logprobs[rows, :old.shape[1]] = old.float().cpu()
+                    batch.old_logprobs[rows, : old.shape[1]] = old.float().cpu()
                     if mb.behaviour_logprobs is not None:
                         mb.advantages = self._importance_weighted(batch, rows, mb, old.float().cpu(), totals)
                 else:
                     old = mb.old_logprobs.to(device)
                 mask = mb.completion_mask.to(device)
                 out = grpo_loss(
-                    logp, old, None if mb.ref_logprobs is None else mb.ref_logprobs.to(device),
-                    mb.advantages.to(device), mask, variant=a.loss_variant, clip_low=a.epsilon_low,
-                    clip_high=a.epsilon_high, beta=a.beta, kl_estimator=a.kl_estimator,
-                    aggregation=a.loss_aggregation, norm=norm, entropy=entropy,
-                    entropy_coef=a.entropy_coef, kl_bias_correction=a.use_bias_correction_kl,
-                    variant_options={"temperature_pos": a.sapo_temperature_pos,
-                                     "temperature_neg": a.sapo_temperature_neg})
+                    logp,
+                    old,
+                    None if mb.ref_logprobs is None else mb.ref_logprobs.to(device),
+                    mb.advantages.to(device),
+                    mask,
+                    variant=a.loss_variant,
+                    clip_low=a.epsilon_low,
+                    clip_high=a.epsilon_high,
+                    beta=a.beta,
+                    kl_estimator=a.kl_estimator,
+                    aggregation=a.loss_aggregation,
+                    norm=norm,
+                    entropy=entropy,
+                    entropy_coef=a.entropy_coef,
+                    kl_bias_correction=a.use_bias_correction_kl,
+                    variant_options={
+                        "temperature_pos": a.sapo_temperature_pos,
+                        "temperature_neg": a.sapo_temperature_neg,
+                    },
+                )
                 scaled = out.loss * rt.loss_scale
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 loss_finite = loss_finite and math.isfinite(out.loss.item())
                 if first_pass:
-                    _add(totals, loss=out.loss.item(), kl=out.kl_sum.item(), ratio=out.ratio_sum.item(),
-                         clip_low=out.clipped_low_sum.item(), clip_high=out.clipped_high_sum.item(),
-                         entropy=(entropy.detach() * mask).sum().item(), tokens=out.num_tokens.item())
+                    _add(
+                        totals,
+                        loss=out.loss.item(),
+                        kl=out.kl_sum.item(),
+                        ratio=out.ratio_sum.item(),
+                        clip_low=out.clipped_low_sum.item(),
+                        clip_high=out.clipped_high_sum.item(),
+                        entropy=(entropy.detach() * mask).sum().item(),
+                        tokens=out.num_tokens.item(),
+                    )
             grad_norm, step_skipped = self._optimizer_step(loss_finite)
             skipped = skipped or step_skipped
             overflow = overflow or self._overflowed
@@ -229,17 +292,24 @@ class Learner:
             summed = rt.sum_tensor(torch.tensor([totals[k] for k in keys], dtype=torch.float64))
             totals = dict(zip(keys, summed.tolist(), strict=True))
         tokens = max(totals.get("tokens", 0.0), 1.0)
-        return StepStats(loss=totals.get("loss", 0.0), kl=totals.get("kl", 0.0) / tokens,
-                         ratio_mean=totals.get("ratio", 0.0) / tokens,
-                         clip_low_frac=totals.get("clip_low", 0.0) / tokens,
-                         clip_high_frac=totals.get("clip_high", 0.0) / tokens,
-                         entropy=totals.get("entropy", 0.0) / tokens, grad_norm=grad_norm, skipped=skipped,
-                         importance=_importance_stats(totals),
-                         amp={} if self.scaler is None else {"amp/loss_scale": float(self.scaler.get_scale()),
-                                                             "amp/overflow": float(overflow)})
+        return StepStats(
+            loss=totals.get("loss", 0.0),
+            kl=totals.get("kl", 0.0) / tokens,
+            ratio_mean=totals.get("ratio", 0.0) / tokens,
+            clip_low_frac=totals.get("clip_low", 0.0) / tokens,
+            clip_high_frac=totals.get("clip_high", 0.0) / tokens,
+            entropy=totals.get("entropy", 0.0) / tokens,
+            grad_norm=grad_norm,
+            skipped=skipped,
+            importance=_importance_stats(totals),
+            amp={}
+            if self.scaler is None
+            else {"amp/loss_scale": float(self.scaler.get_scale()), "amp/overflow": float(overflow)},
+        )
 
-    def _importance_weighted(self, batch: TrainBatch, rows: slice, mb: TrainBatch, old: torch.Tensor,
-                             totals: dict[str, float]) -> torch.Tensor:
+    def _importance_weighted(
+        self, batch: TrainBatch, rows: slice, mb: TrainBatch, old: torch.Tensor, totals: dict[str, float]
+    ) -> torch.Tensor:
         """Rollouts from another policy (an older one in async mode; vLLM's numerics): weight each token's
         advantage by π_old / π_behaviour (`importance_weights`: per token or per sequence, truncated or
         masked at importance_cap), so the surrogate still estimates the gradient at π_old. The weighted
@@ -251,9 +321,14 @@ class Learner:
         log_ratio = (old - mb.behaviour_logprobs) * mask  # [B, T]
         w, over = importance_weights(log_ratio, mask, d.importance_correction, d.importance_cap)  # [B, T] ×2
         weighted = mb.advantages * w  # [B, T]
-        batch.advantages[rows, :weighted.shape[1]] = weighted
-        _add(totals, is_w=(w * mask).sum().item(), is_w2=(w.square() * mask).sum().item(),
-             is_clipped=(over.float() * mask).sum().item(), is_tokens=mask.sum().item())
+        batch.advantages[rows, : weighted.shape[1]] = weighted
+        _add(
+            totals,
+            is_w=(w * mask).sum().item(),
+            is_w2=(w.square() * mask).sum().item(),
+            is_clipped=(over.float() * mask).sum().item(),
+            is_tokens=mask.sum().item(),
+        )
         return weighted
 
     def _optimizer_step(self, loss_finite: bool = True) -> tuple[float, bool]:
@@ -297,11 +372,14 @@ class Learner:
             raise NonFiniteWeightsError(
                 "The policy's weights became NaN/inf in an optimizer step; stopped before saving them. "
                 "Checkpoints saved earlier are intact. Lower optim.learning_rate, keep "
-                "optim.max_grad_norm set, or train in float32 or bfloat16 (model.dtype).")
+                "optim.max_grad_norm set, or train in float32 or bfloat16 (model.dtype)."
+            )
 
     def state_dict(self) -> dict:
-        state = {"optimizer": self.rt.optimizer_state(self.model, self.optimizer),
-                 "scheduler": self.scheduler.state_dict()}
+        state = {
+            "optimizer": self.rt.optimizer_state(self.model, self.optimizer),
+            "scheduler": self.scheduler.state_dict(),
+        }
         if self.scaler is not None:
             state["grad_scaler"] = self.scaler.state_dict()
         return state
@@ -313,8 +391,9 @@ class Learner:
             self.scaler.load_state_dict(state["grad_scaler"])
 
 
-def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str,
-                       cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def importance_weights(
+    log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Importance weights w = π_old / π_behaviour from log_ratio = log π_old − log π_behaviour [B, T] (0 off
     the mask), and where the raw weight exceeded `cap` [B, T] bool.
 
@@ -335,8 +414,9 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str,
     return w * mask, over & (mask > 0)
 
 
-def mismatch_metrics(sampling_logprobs: torch.Tensor, policy_logprobs: torch.Tensor,
-                     mask: torch.Tensor) -> dict[str, float]:
+def mismatch_metrics(
+    sampling_logprobs: torch.Tensor, policy_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """How far the sampler's log-probs [N, T] are from the learner's π_old [N, T] on the masked tokens:
     mean and max |Δ| and the k3 estimate of KL(π_sampler ‖ π_old), E[exp(Δ) − Δ − 1] with
     Δ = log π_old − log π_sampler (tokens drawn from the sampler, so the estimate is unbiased)."""
@@ -345,8 +425,11 @@ def mismatch_metrics(sampling_logprobs: torch.Tensor, policy_logprobs: torch.Ten
         return {}
     delta = (policy_logprobs - sampling_logprobs) * mask  # [N, T]
     k3 = (torch.expm1(delta) - delta) * mask  # [N, T]; expm1: no rounding below 0 for tiny Δ
-    return {"mismatch/logp_abs_mean": (delta.abs().sum() / n).item(), "mismatch/logp_abs_max": delta.abs().max().item(),
-            "mismatch/kl": (k3.sum() / n).item()}
+    return {
+        "mismatch/logp_abs_mean": (delta.abs().sum() / n).item(),
+        "mismatch/logp_abs_max": delta.abs().max().item(),
+        "mismatch/kl": (k3.sum() / n).item(),
+    }
 
 
 def _importance_stats(totals: dict[str, float]) -> dict[str, float]:
@@ -354,8 +437,11 @@ def _importance_stats(totals: dict[str, float]) -> dict[str, float]:
     n = totals.get("is_tokens", 0.0)
     if not n:
         return {}
-    return {"is/ess": totals["is_w"] ** 2 / (n * max(totals["is_w2"], 1e-12)), "is/weight_mean": totals["is_w"] / n,
-            "is/clipped_frac": totals["is_clipped"] / n}
+    return {
+        "is/ess": totals["is_w"] ** 2 / (n * max(totals["is_w2"], 1e-12)),
+        "is/weight_mean": totals["is_w"] / n,
+        "is/clipped_frac": totals["is_clipped"] / n,
+    }
 
 
 def _add(totals: dict[str, float], **values: float) -> None:

@@ -76,9 +76,13 @@ class TrainBatch:
         """A micro-batch: the same record restricted to some rows."""
         pick = lambda t: None if t is None else t[index]
         return TrainBatch(
-            input_ids=self.input_ids[index], attention_mask=self.attention_mask[index],
-            prompt_width=self.prompt_width, completion_mask=self.completion_mask[index],
-            advantages=self.advantages[index], group_ids=self.group_ids[index],
-            ref_logprobs=pick(self.ref_logprobs), old_logprobs=pick(self.old_logprobs),
+            input_ids=self.input_ids[index],
+            attention_mask=self.attention_mask[index],
+            prompt_width=self.prompt_width,
+            completion_mask=self.completion_mask[index],
+            advantages=self.advantages[index],
+            group_ids=self.group_ids[index],
+            ref_logprobs=pick(self.ref_logprobs),
+            old_logprobs=pick(self.old_logprobs),
             behaviour_logprobs=pick(self.behaviour_logprobs),
         )

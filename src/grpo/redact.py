@@ -35,7 +35,7 @@ def remember_from_argv(argv: list[str]) -> None:
     for i, arg in enumerate(argv):
         key, sep, value = arg.partition("=")
         if is_secret(key):
-            remember([value] if sep else argv[i + 1:i + 2])
+            remember([value] if sep else argv[i + 1 : i + 2])
 
 
 def secrets() -> list[str]:

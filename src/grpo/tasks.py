@@ -14,10 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-GSM8K_SYSTEM_PROMPT = ("Solve the math problem step by step. End with the final answer on its own line as "
-                       "'#### <number>'.")
-IFEVAL_SYSTEM_PROMPT = ("Think about the instructions inside <think></think>, then give your full response inside "
-                        "<answer></answer>.")
+GSM8K_SYSTEM_PROMPT = (
+    "Solve the math problem step by step. End with the final answer on its own line as '#### <number>'."
+)
+IFEVAL_SYSTEM_PROMPT = (
+    "Think about the instructions inside <think></think>, then give your full response inside "
+    "<answer></answer>."
+)
 
 
 @dataclass(frozen=True)
@@ -33,19 +36,52 @@ class Task:
     columns: tuple[str, ...]  # what its rows carry for the rewards and the evaluation
 
     def settings(self) -> dict[str, Any]:
-        return {"algorithm.reward_funcs": list(self.reward_funcs),
-                "algorithm.reward_weights": list(self.reward_weights) if self.reward_weights else None,
-                "data.eval_dataset": self.eval_dataset, "data.system_prompt": self.system_prompt}
+        return {
+            "algorithm.reward_funcs": list(self.reward_funcs),
+            "algorithm.reward_weights": list(self.reward_weights) if self.reward_weights else None,
+            "data.eval_dataset": self.eval_dataset,
+            "data.system_prompt": self.system_prompt,
+        }
 
 
-TASKS: dict[str, Task] = {t.name: t for t in (
-    Task("tiny_math", None, None, None, ("gsm8k_correctness", "gsm8k_format"), (1.0, 0.1), "tiny_math:test",
-         None, ("answer",)),
-    Task("gsm8k", "openai/gsm8k", "main", None, ("gsm8k_correctness", "gsm8k_format"), (1.0, 0.2),
-         "gsm8k:test", GSM8K_SYSTEM_PROMPT, ("answer",)),
-    Task("ifeval", "google/IFEval", None, "train", ("torchrl_ifeval",), None, "ifeval", IFEVAL_SYSTEM_PROMPT,
-         ("instruction_id_list", "kwargs")),
-)}
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task(
+            "tiny_math",
+            None,
+            None,
+            None,
+            ("gsm8k_correctness", "gsm8k_format"),
+            (1.0, 0.1),
+            "tiny_math:test",
+            None,
+            ("answer",),
+        ),
+        Task(
+            "gsm8k",
+            "openai/gsm8k",
+            "main",
+            None,
+            ("gsm8k_correctness", "gsm8k_format"),
+            (1.0, 0.2),
+            "gsm8k:test",
+            GSM8K_SYSTEM_PROMPT,
+            ("answer",),
+        ),
+        Task(
+            "ifeval",
+            "google/IFEval",
+            None,
+            "train",
+            ("torchrl_ifeval",),
+            None,
+            "ifeval",
+            IFEVAL_SYSTEM_PROMPT,
+            ("instruction_id_list", "kwargs"),
+        ),
+    )
+}
 HUB_TASKS = {t.hub_path.lower(): t for t in TASKS.values() if t.hub_path}
 
 

@@ -32,46 +32,93 @@ log = logging.getLogger("grpo")
 # TRL 1.16.0's defaults for the settings both libraries have (trl/trainer/grpo_config.py and transformers'
 # TrainingArguments), as our dotted keys.
 TRL_DEFAULTS: dict[str, Any] = {
-    "optim.learning_rate": 1e-6, "optim.weight_decay": 0.0, "optim.adam_beta1": 0.9, "optim.adam_beta2": 0.999,
-    "optim.adam_epsilon": 1e-8, "optim.lr_scheduler": "linear", "optim.warmup_steps": 0, "optim.max_grad_norm": 1.0,
-    "algorithm.beta": 0.0, "algorithm.epsilon_low": 0.2, "algorithm.epsilon_high": 0.2,
-    "algorithm.loss_variant": "grpo", "algorithm.loss_aggregation": "token_mean", "algorithm.advantage_scale": "group",
-    "algorithm.num_iterations": 1, "algorithm.mask_truncated_completions": False,
-    "algorithm.use_bias_correction_kl": True, "algorithm.entropy_coef": 0.0,
-    "algorithm.sapo_temperature_pos": 1.0, "algorithm.sapo_temperature_neg": 1.05,
-    "generation.num_generations": 8, "generation.max_new_tokens": 512, "generation.temperature": 1.0,
-    "generation.top_k": 0, "generation.top_p": 1.0,
-    "train.num_epochs": 3.0, "train.logging_steps": 10, "train.save_steps": 500, "train.seed": 42,
-    "data.shuffle": True, "data.chat_template_for_text": False,
+    "optim.learning_rate": 1e-6,
+    "optim.weight_decay": 0.0,
+    "optim.adam_beta1": 0.9,
+    "optim.adam_beta2": 0.999,
+    "optim.adam_epsilon": 1e-8,
+    "optim.lr_scheduler": "linear",
+    "optim.warmup_steps": 0,
+    "optim.max_grad_norm": 1.0,
+    "algorithm.beta": 0.0,
+    "algorithm.epsilon_low": 0.2,
+    "algorithm.epsilon_high": 0.2,
+    "algorithm.loss_variant": "grpo",
+    "algorithm.loss_aggregation": "token_mean",
+    "algorithm.advantage_scale": "group",
+    "algorithm.num_iterations": 1,
+    "algorithm.mask_truncated_completions": False,
+    "algorithm.use_bias_correction_kl": True,
+    "algorithm.entropy_coef": 0.0,
+    "algorithm.sapo_temperature_pos": 1.0,
+    "algorithm.sapo_temperature_neg": 1.05,
+    "generation.num_generations": 8,
+    "generation.max_new_tokens": 512,
+    "generation.temperature": 1.0,
+    "generation.top_k": 0,
+    "generation.top_p": 1.0,
+    "train.num_epochs": 3.0,
+    "train.logging_steps": 10,
+    "train.save_steps": 500,
+    "train.seed": 42,
+    "data.shuffle": True,
+    "data.chat_template_for_text": False,
     "model.gradient_checkpointing": True,
 }
 
 # TRL names with the same meaning here: TRL name -> our key.
 SAME: dict[str, str] = {
-    "learning_rate": "optim.learning_rate", "weight_decay": "optim.weight_decay", "adam_beta1": "optim.adam_beta1",
-    "adam_beta2": "optim.adam_beta2", "adam_epsilon": "optim.adam_epsilon", "warmup_steps": "optim.warmup_steps",
-    "max_grad_norm": "optim.max_grad_norm", "beta": "algorithm.beta", "num_iterations": "algorithm.num_iterations",
+    "learning_rate": "optim.learning_rate",
+    "weight_decay": "optim.weight_decay",
+    "adam_beta1": "optim.adam_beta1",
+    "adam_beta2": "optim.adam_beta2",
+    "adam_epsilon": "optim.adam_epsilon",
+    "warmup_steps": "optim.warmup_steps",
+    "max_grad_norm": "optim.max_grad_norm",
+    "beta": "algorithm.beta",
+    "num_iterations": "algorithm.num_iterations",
     "mask_truncated_completions": "algorithm.mask_truncated_completions",
-    "reward_weights": "algorithm.reward_weights", "use_bias_correction_kl": "algorithm.use_bias_correction_kl",
+    "reward_weights": "algorithm.reward_weights",
+    "use_bias_correction_kl": "algorithm.use_bias_correction_kl",
     "sapo_temperature_pos": "algorithm.sapo_temperature_pos",
-    "sapo_temperature_neg": "algorithm.sapo_temperature_neg", "num_generations": "generation.num_generations",
-    "max_completion_length": "generation.max_new_tokens", "max_prompt_length": "data.max_prompt_length",
-    "temperature": "generation.temperature", "top_p": "generation.top_p", "num_train_epochs": "train.num_epochs",
-    "logging_steps": "train.logging_steps", "save_steps": "train.save_steps",
-    "save_total_limit": "train.save_total_limit", "seed": "train.seed", "output_dir": "train.output_dir",
-    "chat_template_kwargs": "data.chat_template_kwargs", "shuffle_dataset": "data.shuffle",
-    "gradient_checkpointing": "model.gradient_checkpointing", "activation_checkpointing": "model.gradient_checkpointing",
-    "trust_remote_code": "model.trust_remote_code", "entropy_coef": "algorithm.entropy_coef",
-    "eval_steps": "train.eval_steps", "run_name": "train.wandb_run_name",
-    "min_p": "generation.min_p", "vllm_gpu_memory_utilization": "generation.vllm_gpu_memory_utilization",
+    "sapo_temperature_neg": "algorithm.sapo_temperature_neg",
+    "num_generations": "generation.num_generations",
+    "max_completion_length": "generation.max_new_tokens",
+    "max_prompt_length": "data.max_prompt_length",
+    "temperature": "generation.temperature",
+    "top_p": "generation.top_p",
+    "num_train_epochs": "train.num_epochs",
+    "logging_steps": "train.logging_steps",
+    "save_steps": "train.save_steps",
+    "save_total_limit": "train.save_total_limit",
+    "seed": "train.seed",
+    "output_dir": "train.output_dir",
+    "chat_template_kwargs": "data.chat_template_kwargs",
+    "shuffle_dataset": "data.shuffle",
+    "gradient_checkpointing": "model.gradient_checkpointing",
+    "activation_checkpointing": "model.gradient_checkpointing",
+    "trust_remote_code": "model.trust_remote_code",
+    "entropy_coef": "algorithm.entropy_coef",
+    "eval_steps": "train.eval_steps",
+    "run_name": "train.wandb_run_name",
+    "min_p": "generation.min_p",
+    "vllm_gpu_memory_utilization": "generation.vllm_gpu_memory_utilization",
     "vllm_max_model_length": "generation.vllm_max_model_len",
     "vllm_tensor_parallel_size": "generation.vllm_tensor_parallel_size",
-    "vllm_enable_sleep_mode": "generation.vllm_sleep", "vllm_importance_sampling_cap": "distributed.importance_cap",
+    "vllm_enable_sleep_mode": "generation.vllm_sleep",
+    "vllm_importance_sampling_cap": "distributed.importance_cap",
 }
 
 # TRL's vLLM settings that need more than a rename (see _vllm).
-VLLM = {"use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
-        "vllm_importance_sampling_correction", "vllm_importance_sampling_mode"}
+VLLM = {
+    "use_vllm",
+    "vllm_mode",
+    "vllm_server_base_url",
+    "vllm_server_host",
+    "vllm_server_port",
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+}
 
 # loss_type -> (our loss_variant, our loss_aggregation).
 LOSS_TYPES: dict[str, tuple[str, str]] = {
@@ -102,7 +149,10 @@ NO_EFFECT: dict[str, tuple[tuple | None, str]] = {
     "per_device_eval_batch_size": (None, "evaluation batches follow train.eval_batch_size"),
     "overwrite_output_dir": (None, "a run directory is reused as given"),
     "log_level": (None, "the grpo logger prints at INFO"),
-    "log_completions": (None, "sample completions go to samples.jsonl every logging step (train.log_samples)"),
+    "log_completions": (
+        None,
+        "sample completions go to samples.jsonl every logging step (train.log_samples)",
+    ),
     "num_completions_to_print": (None, "see log_completions"),
     "log_unique_prompts": (None, "see log_completions"),
     "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch AdamW"),
@@ -130,12 +180,29 @@ NO_EFFECT: dict[str, tuple[tuple | None, str]] = {
 }
 
 # Everything TRL-specific: one of these in GRPOConfig(...) makes the whole config TRL-style.
-TRL_ONLY = {"per_device_train_batch_size", "max_completion_length", "loss_type", "scale_rewards",
-            "importance_sampling_level", "steps_per_generation", "generation_batch_size", "num_train_epochs",
-            "max_steps", "lr_scheduler_type", "report_to", "warmup_ratio", "use_bias_correction_kl",
-            "shuffle_dataset", "activation_checkpointing", "use_cpu", *NO_EFFECT, *VLLM} - {"disable_tqdm"}
-TRL_NAMES = TRL_ONLY | set(SAME) | {"epsilon", "epsilon_high", "top_k", "gradient_accumulation_steps",
-                                    "disable_tqdm"}
+TRL_ONLY = {
+    "per_device_train_batch_size",
+    "max_completion_length",
+    "loss_type",
+    "scale_rewards",
+    "importance_sampling_level",
+    "steps_per_generation",
+    "generation_batch_size",
+    "num_train_epochs",
+    "max_steps",
+    "lr_scheduler_type",
+    "report_to",
+    "warmup_ratio",
+    "use_bias_correction_kl",
+    "shuffle_dataset",
+    "activation_checkpointing",
+    "use_cpu",
+    *NO_EFFECT,
+    *VLLM,
+} - {"disable_tqdm"}
+TRL_NAMES = (
+    TRL_ONLY | set(SAME) | {"epsilon", "epsilon_high", "top_k", "gradient_accumulation_steps", "disable_tqdm"}
+)
 
 
 _NO_COUNTERPART = "a vLLM setting with no counterpart here, or one of loss_type='vespo' (not implemented)"
@@ -163,8 +230,10 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
         elif name in NO_EFFECT or name.startswith(("vllm_", "vespo_")):
             allowed, why = NO_EFFECT.get(name, (None, _NO_COUNTERPART))
             if allowed is not None and _plain(value) not in allowed:
-                raise TRLConfigError(f"GRPOConfig({name}={value!r}) is not supported: {why}. Leave it at "
-                                     f"{allowed[0]!r}; docs/trl.md lists every TRL setting.")
+                raise TRLConfigError(
+                    f"GRPOConfig({name}={value!r}) is not supported: {why}. Leave it at "
+                    f"{allowed[0]!r}; docs/trl.md lists every TRL setting."
+                )
             ignored.append(name)
     _loss(trl, out)
     _batch(trl, out)
@@ -191,7 +260,10 @@ def _vllm(trl: dict[str, Any], out: dict[str, Any]) -> None:
         out["generation.engine"] = "vllm"
         if trl.get("vllm_mode", "colocate") == "server":
             host, port = trl.get("vllm_server_host", "0.0.0.0"), trl.get("vllm_server_port", 8000)
-            url = trl.get("vllm_server_base_url") or f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+            url = (
+                trl.get("vllm_server_base_url")
+                or f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+            )
             out["generation.vllm_server_url"] = url
         elif trl.get("vllm_mode", "colocate") != "colocate":
             raise TRLConfigError(f"vllm_mode must be 'colocate' or 'server', got {trl['vllm_mode']!r}.")
@@ -209,22 +281,28 @@ def _plain(value: Any) -> Any:
 def _loss(trl: dict[str, Any], out: dict[str, Any]) -> None:
     loss_type = trl.get("loss_type", "dapo")
     if loss_type not in LOSS_TYPES:
-        raise TRLConfigError(f"loss_type={loss_type!r} is not supported (supported: {', '.join(LOSS_TYPES)}); "
-                             "luspo and vespo are not implemented.")
+        raise TRLConfigError(
+            f"loss_type={loss_type!r} is not supported (supported: {', '.join(LOSS_TYPES)}); "
+            "luspo and vespo are not implemented."
+        )
     variant, aggregation = LOSS_TYPES[loss_type]
     level = trl.get("importance_sampling_level", "token")
     if level == "sequence":
         if variant != "grpo":
-            raise TRLConfigError(f"importance_sampling_level='sequence' with loss_type={loss_type!r} is not "
-                                 "supported: the sequence-level ratio (GSPO) is implemented for the clipped "
-                                 "losses (grpo, dapo, bnpo, dr_grpo) only.")
+            raise TRLConfigError(
+                f"importance_sampling_level='sequence' with loss_type={loss_type!r} is not "
+                "supported: the sequence-level ratio (GSPO) is implemented for the clipped "
+                "losses (grpo, dapo, bnpo, dr_grpo) only."
+            )
         variant = "gspo"
     elif level != "token":
         raise TRLConfigError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}.")
     out["algorithm.loss_variant"], out["algorithm.loss_aggregation"] = variant, aggregation
     if loss_type == "bnpo":
-        log.info("loss_type='bnpo' maps to token_mean, which normalises by the tokens of the whole step; TRL's "
-                 "bnpo normalises each micro-batch by its own tokens (equal with one micro-batch per step).")
+        log.info(
+            "loss_type='bnpo' maps to token_mean, which normalises by the tokens of the whole step; TRL's "
+            "bnpo normalises each micro-batch by its own tokens (equal with one micro-batch per step)."
+        )
     epsilon = trl.get("epsilon", 0.2)
     high = trl.get("epsilon_high")
     high = epsilon if high is None else high
@@ -232,15 +310,19 @@ def _loss(trl: dict[str, Any], out: dict[str, Any]) -> None:
     if variant == "cispo":
         # TRL's cispo caps the ratio at epsilon_high itself (ScaleRL's ε_max, 5.0 recommended); ours at 1 + ε_high.
         if high <= 1:
-            raise TRLConfigError(f"loss_type='cispo' with epsilon_high={high}: TRL caps the importance ratio at "
-                                 "epsilon_high itself, and a cap at or below 1 down-weights every on-policy "
-                                 "token. Set epsilon_high > 1 (MiniMax-M1/ScaleRL use 5.0).")
+            raise TRLConfigError(
+                f"loss_type='cispo' with epsilon_high={high}: TRL caps the importance ratio at "
+                "epsilon_high itself, and a cap at or below 1 down-weights every on-policy "
+                "token. Set epsilon_high > 1 (MiniMax-M1/ScaleRL use 5.0)."
+            )
         high -= 1.0
     out["algorithm.epsilon_high"] = high
     scale = trl.get("scale_rewards", "group")
     scale = {True: "group", False: "none"}.get(scale, scale) if isinstance(scale, bool) else scale
     if scale not in ("group", "batch", "none"):
-        raise TRLConfigError(f"scale_rewards must be 'group', 'batch', 'none' (or True/False), got {scale!r}.")
+        raise TRLConfigError(
+            f"scale_rewards must be 'group', 'batch', 'none' (or True/False), got {scale!r}."
+        )
     out["algorithm.advantage_scale"] = scale
 
 
@@ -253,25 +335,31 @@ def _batch(trl: dict[str, Any], out: dict[str, Any]) -> None:
     per_generation = trl.get("steps_per_generation")
     if trl.get("generation_batch_size") is not None:
         if per_generation is not None:
-            raise TRLConfigError("generation_batch_size and steps_per_generation are mutually exclusive (as in TRL).")
+            raise TRLConfigError(
+                "generation_batch_size and steps_per_generation are mutually exclusive (as in TRL)."
+            )
         per_generation, left = divmod(trl["generation_batch_size"], per_device * world)
         if left:
-            raise TRLConfigError(f"generation_batch_size ({trl['generation_batch_size']}) must be a multiple of "
-                                 f"per_device_train_batch_size × processes = {per_device * world}.")
+            raise TRLConfigError(
+                f"generation_batch_size ({trl['generation_batch_size']}) must be a multiple of "
+                f"per_device_train_batch_size × processes = {per_device * world}."
+            )
     per_generation = accumulation if per_generation is None else per_generation
     if per_generation != accumulation:
         raise TRLConfigError(
             f"steps_per_generation={per_generation} with gradient_accumulation_steps={accumulation} reuses one "
             "generation batch for several optimizer steps, which grpo does not do: each rollout batch here is one "
             "optimizer step (num_iterations passes over it). Set steps_per_generation to gradient_accumulation_steps "
-            "(or leave it unset), and use num_iterations for more updates per rollout.")
+            "(or leave it unset), and use num_iterations for more updates per rollout."
+        )
     completions = per_device * accumulation * world
     generations = trl.get("num_generations", TRL_DEFAULTS["generation.num_generations"])
     if completions % generations:
         raise TRLConfigError(
             f"The generation batch (per_device_train_batch_size × gradient_accumulation_steps × processes = "
             f"{per_device} × {accumulation} × {world} = {completions}) must be divisible by num_generations "
-            f"({generations}), as in TRL.")
+            f"({generations}), as in TRL."
+        )
     out["train.prompts_per_step"] = completions // generations
     out["train.micro_batch_size"] = per_device
     out["train.gradient_accumulation_steps"] = accumulation
@@ -280,8 +368,10 @@ def _batch(trl: dict[str, Any], out: dict[str, Any]) -> None:
 def _schedule(trl: dict[str, Any], out: dict[str, Any]) -> None:
     scheduler = _plain(trl.get("lr_scheduler_type", "linear"))
     if scheduler not in ("constant", "linear", "cosine", "constant_with_warmup"):
-        raise TRLConfigError(f"lr_scheduler_type={scheduler!r} is not supported: use linear, cosine or constant "
-                             "(each after warmup_steps of linear warmup).")
+        raise TRLConfigError(
+            f"lr_scheduler_type={scheduler!r} is not supported: use linear, cosine or constant "
+            "(each after warmup_steps of linear warmup)."
+        )
     out["optim.lr_scheduler"] = "constant" if scheduler == "constant_with_warmup" else scheduler
     if trl.get("warmup_ratio"):
         raise TRLConfigError("warmup_ratio is not supported: give warmup_steps (optimizer steps) instead.")
@@ -292,25 +382,28 @@ def _schedule(trl: dict[str, Any], out: dict[str, Any]) -> None:
     targets = {report_to} if isinstance(report_to, str) else set(report_to or [])
     unknown = targets - {"none", "all", "tensorboard", "wandb"}
     if unknown:
-        raise TRLConfigError(f"report_to={sorted(unknown)} is not supported: metrics go to metrics.jsonl, "
-                             "TensorBoard and (report_to='wandb') Weights & Biases.")
+        raise TRLConfigError(
+            f"report_to={sorted(unknown)} is not supported: metrics go to metrics.jsonl, "
+            "TensorBoard and (report_to='wandb') Weights & Biases."
+        )
     out["train.use_wandb"] = "wandb" in targets
 
 
 _UNSUPPORTED_ARGS = {
     "callbacks": "transformers TrainerCallbacks have no hooks here; metrics go to metrics.jsonl, TensorBoard and "
-                 "W&B every train.logging_steps (docs/trl.md).",
+    "W&B every train.logging_steps (docs/trl.md).",
     "optimizers": "the optimizer is AdamW with the optim.* settings (learning_rate, adam_beta1/2, weight_decay, "
-                  "lr_scheduler).",
+    "lr_scheduler).",
     "reward_processing_classes": "a reward model given by path loads its own tokenizer; pass a "
-                                 "SequenceClassifierReward for anything else (docs/rewards.md).",
+    "SequenceClassifierReward for anything else (docs/rewards.md).",
 }
 
 
 def one_of(name: str, value, trl_name: str, trl_value):
     if value is not None and trl_value is not None:
-        raise TRLConfigError(f"GRPOTrainer got both {name}= and {trl_name}= (the same thing under TRL's name); "
-                          "pass one.")
+        raise TRLConfigError(
+            f"GRPOTrainer got both {name}= and {trl_name}= (the same thing under TRL's name); pass one."
+        )
     return value if value is not None else trl_value
 
 
@@ -332,13 +425,19 @@ def split_reward_models(reward_funcs, reward_model):
     def is_model(spec) -> bool:
         if isinstance(spec, torch.nn.Module):
             return True
-        return (isinstance(spec, str) and ":" not in spec and spec not in REWARD_FUNCTIONS
-                and spec not in REWARD_SCHEMES and ("/" in spec or Path(spec).is_dir()))
+        return (
+            isinstance(spec, str)
+            and ":" not in spec
+            and spec not in REWARD_FUNCTIONS
+            and spec not in REWARD_SCHEMES
+            and ("/" in spec or Path(spec).is_dir())
+        )
 
     models = [f for f in funcs if is_model(f)]
     if len(models) + (reward_model is not None) > 1:
-        raise TRLConfigError("More than one reward model: one is supported (reward_model= or one model among "
-                          "reward_funcs).")
+        raise TRLConfigError(
+            "More than one reward model: one is supported (reward_model= or one model among reward_funcs)."
+        )
     return [f for f in funcs if not is_model(f)], (models[0] if models else reward_model)
 
 
@@ -352,12 +451,19 @@ def refuse_trainer_args(**given) -> None:
 def lora_from_peft(peft_config: Any) -> dict[str, Any]:
     """A peft LoraConfig (TRL's `peft_config=`) → our lora.* keys."""
     if type(peft_config).__name__ != "LoraConfig":
-        raise TRLConfigError(f"peft_config must be a peft.LoraConfig, got {type(peft_config).__name__}: other "
-                             "adapter types are not supported.")
+        raise TRLConfigError(
+            f"peft_config must be a peft.LoraConfig, got {type(peft_config).__name__}: other "
+            "adapter types are not supported."
+        )
     modules = peft_config.target_modules
     modules = [modules] if isinstance(modules, str) else sorted(modules or [])
-    return {"lora.enabled": True, "lora.r": peft_config.r, "lora.alpha": float(peft_config.lora_alpha),
-            "lora.dropout": float(peft_config.lora_dropout), "lora.target_modules": modules}
+    return {
+        "lora.enabled": True,
+        "lora.r": peft_config.r,
+        "lora.alpha": float(peft_config.lora_alpha),
+        "lora.dropout": float(peft_config.lora_dropout),
+        "lora.target_modules": modules,
+    }
 
 
 @dataclass(frozen=True)
@@ -378,8 +484,10 @@ def reward_inputs(prompts: PromptBatch, rollouts: Rollouts, texts: list[str]) ->
     conversational prompt's completion is `[{"role": "assistant", "content": text}]`, plain text stays text."""
     group = rollouts.prompt_index.tolist()  # [N]
     reward_prompts = [prompts.prompts[i] for i in group]
-    completions = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
-                   for prompt, text in zip(reward_prompts, texts, strict=True)]
+    completions = [
+        [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+        for prompt, text in zip(reward_prompts, texts, strict=True)
+    ]
     lengths = rollouts.lengths.tolist()  # [N]
     completion_ids = [ids[:n] for ids, n in zip(rollouts.completion_ids.tolist(), lengths, strict=True)]
     return reward_prompts, completions, {"completion_ids": completion_ids}

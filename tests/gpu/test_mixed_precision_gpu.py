@@ -27,15 +27,24 @@ HERE = Path(__file__).parent
 
 
 def changed_fraction(before: dict, after: dict) -> float:
-    return sum((before[k] != after[k].to(before[k].device, before[k].dtype)).sum().item() for k in before) / \
-        sum(v.numel() for v in before.values())
+    return sum(
+        (before[k] != after[k].to(before[k].device, before[k].dtype)).sum().item() for k in before
+    ) / sum(v.numel() for v in before.values())
 
 
 @pytest.mark.parametrize("engine", ["native", "transformers"])
 def test_bf16_learner_on_cuda_steps_float32_masters_at_lr_1e_6(engine):
     model = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.float32).cuda().train()
-    cfg = GRPOConfig(batch_size=2, num_generations=2, max_new_tokens=12, learning_rate=1e-6, warmup_steps=0,
-                     engine=engine, dtype="auto", device="cuda").validate()
+    cfg = GRPOConfig(
+        batch_size=2,
+        num_generations=2,
+        max_new_tokens=12,
+        learning_rate=1e-6,
+        warmup_steps=0,
+        engine=engine,
+        dtype="auto",
+        device="cuda",
+    ).validate()
     learner = Learner(model, None, cfg, total_optimizer_steps=4)
     assert learner.compute_dtype == torch.bfloat16 and learner.scaler is None  # auto on CUDA = bf16
     before = copy.deepcopy(model.state_dict())
@@ -63,12 +72,28 @@ def test_bf16_forward_on_cuda_matches_transformers_own_bf16_forward():
 def test_fsdp2_mixed_precision_policy_trains_float32_masters(tmp_path, procs):
     if torch.cuda.device_count() < procs:
         pytest.skip(f"needs {procs} GPUs")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE.parents[1]),
-                                                        str(HERE.parent / "integration")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(HERE.parents[1] / "src"), str(HERE.parents[1]), str(HERE.parent / "integration")]
+        ),
+    }
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
-           str(HERE.parent / "integration" / "dist_worker.py"), str(run), "steps=3", "strategy=fsdp2",
-           "model.dtype=bfloat16", "optim.learning_rate=1e-6", "save_steps=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(procs),
+        str(HERE.parent / "integration" / "dist_worker.py"),
+        str(run),
+        "steps=3",
+        "strategy=fsdp2",
+        "model.dtype=bfloat16",
+        "optim.learning_rate=1e-6",
+        "save_steps=1",
+    ]
     done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
     assert "bfloat16 compute (FSDP2 MixedPrecisionPolicy" in (run / "train.log").read_text()
@@ -80,8 +105,17 @@ def test_fsdp2_mixed_precision_policy_trains_float32_masters(tmp_path, procs):
 
 def test_bundled_demo_in_bf16_on_cuda_learns(tmp_path):
     """The `grpo train` demo (80 steps, tiny_math) in bf16 compute: held-out accuracy up ≥ 15 points."""
-    cfg = load_config("tiny_math", {"output_dir": str(tmp_path), "model.dtype": "bfloat16", "model.device": "cuda",
-                                    "eval_steps": 0, "report": False, "progress_bar": False})
+    cfg = load_config(
+        "tiny_math",
+        {
+            "output_dir": str(tmp_path),
+            "model.dtype": "bfloat16",
+            "model.device": "cuda",
+            "eval_steps": 0,
+            "report": False,
+            "progress_bar": False,
+        },
+    )
     summary = GRPOTrainer(config=cfg).train()
     before, after = summary["eval/accuracy_before"], summary["eval/accuracy_after"]
     assert after - before >= 0.15, (before, after)

@@ -36,10 +36,10 @@ def test_bf16_prefill_and_decode_track_transformers(arch):
             assert (logits[i].float() - ref).abs().max() < 0.05 * ref.abs().max()
         for step in range(5):
             cos, sin = dec.rope(layout.prompt_len_per_row + step)
-            caches = [(k[:, :, :step + 1], v[:, :, :step + 1]) for k, v in zip(ck, cv)]
+            caches = [(k[:, :, : step + 1], v[:, :, : step + 1]) for k, v in zip(ck, cv)]
             out = dec.decode_step(rows[:, step], cache, layout, caches, weights, cos, sin).float()
             for r in range(4):
-                full = torch.tensor(prompts[r // 2] + rows[r, :step + 1].tolist(), device="cuda")
+                full = torch.tensor(prompts[r // 2] + rows[r, : step + 1].tolist(), device="cuda")
                 ref = model(full[None]).logits[0, -1].float()
                 assert (out[r] - ref).abs().max() < 0.05 * ref.abs().max(), (step, r)
 
@@ -52,7 +52,9 @@ def test_engine_on_cuda_greedy_matches_uncompiled_and_reports_logprobs(compile_d
     assert not engine.exact_logprobs  # bf16: π_old comes from the learner's own forward
     prompts = [[2, 9, 4], [2, 3, 5, 7]]
     out = engine.generate(prompts, 3, SamplingParams(max_new_tokens=16, greedy=True))
-    ref = NativeEngine(model, IdTokenizer()).generate(prompts, 3, SamplingParams(max_new_tokens=16, greedy=True))
+    ref = NativeEngine(model, IdTokenizer()).generate(
+        prompts, 3, SamplingParams(max_new_tokens=16, greedy=True)
+    )
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.manual_seed(0)
     sampled = engine.generate(prompts, 8, SamplingParams(max_new_tokens=16, temperature=1.0))
@@ -64,7 +66,10 @@ def test_bf16_shared_prompt_gradients_track_unshared():
     batch = shared_prompt_batch()
     mask, adv = batch.completion_mask.cuda(), batch.advantages.cuda()
     grads = []
-    for fn in (lambda: token_logprobs(model, batch, 1.0), lambda: shared_prompt_logprobs(NativeDecoder(model), batch, 1.0)):
+    for fn in (
+        lambda: token_logprobs(model, batch, 1.0),
+        lambda: shared_prompt_logprobs(NativeDecoder(model), batch, 1.0),
+    ):
         model.zero_grad()
         logp, _ = fn()
         (logp * adv * mask).sum().backward()

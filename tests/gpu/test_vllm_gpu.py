@@ -28,8 +28,14 @@ def parts():
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
     gen = GenerationConfig(vllm_gpu_memory_utilization=0.2, vllm_sleep=True)
     engine = build_engine("vllm", model, tokenizer, generation=gen)
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)) for q in QUESTIONS]
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for q in QUESTIONS
+    ]
     yield model, tokenizer, engine, prompts
     engine.close()
 
@@ -64,4 +70,6 @@ def test_per_request_seeds_follow_torch(parts):
     b = engine.generate(prompts, 4, sampling)
     assert torch.equal(a.completion_ids, b.completion_ids)
     learner = _learner_logprobs(model, tokenizer, prompts, a, 1.0)
-    assert (learner.cpu() - a.sampling_logprobs).abs().max() < 1e-2  # float32 weights; TF32 kernels may differ
+    assert (
+        learner.cpu() - a.sampling_logprobs
+    ).abs().max() < 1e-2  # float32 weights; TF32 kernels may differ

@@ -16,10 +16,23 @@ import torch
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.records import Rollouts
 
-BASE = {"batch_size": 4, "num_generations": 4, "max_new_tokens": 12, "gradient_accumulation_steps": 2,
-        "learning_rate": 1e-5, "warmup_steps": 0, "logging_steps": 1, "progress_bar": False, "seed": 7,
-        "eval_dataset": None, "num_threads": 1, "beta": 0.04, "tensorboard": False,
-        "loss_aggregation": "token_mean", "save_steps": 0}
+BASE = {
+    "batch_size": 4,
+    "num_generations": 4,
+    "max_new_tokens": 12,
+    "gradient_accumulation_steps": 2,
+    "learning_rate": 1e-5,
+    "warmup_steps": 0,
+    "logging_steps": 1,
+    "progress_bar": False,
+    "seed": 7,
+    "eval_dataset": None,
+    "num_threads": 1,
+    "beta": 0.04,
+    "tensorboard": False,
+    "loss_aggregation": "token_mean",
+    "save_steps": 0,
+}
 
 
 def shortness(prompts, completions, **_):
@@ -48,9 +61,13 @@ class ScriptedEngine:
                 rows.append(tokens)
                 masks.append((torch.arange(t) < length).float())
         mask = torch.stack(masks)
-        return Rollouts(prompt_index=torch.arange(len(prompt_token_ids)).repeat_interleave(n),
-                        completion_ids=torch.stack(rows), completion_mask=mask,
-                        sampling_logprobs=torch.zeros_like(mask), truncated=mask[:, -1] > 0)
+        return Rollouts(
+            prompt_index=torch.arange(len(prompt_token_ids)).repeat_interleave(n),
+            completion_ids=torch.stack(rows),
+            completion_mask=mask,
+            sampling_logprobs=torch.zeros_like(mask),
+            truncated=mask[:, -1] > 0,
+        )
 
 
 def run(output_dir: str, overrides: dict) -> dict:

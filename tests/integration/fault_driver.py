@@ -88,8 +88,11 @@ def matches_reference(run: Path, reference: Path) -> set[str]:
     for _, path in list_checkpoints(run):
         ref = reference / path.name
         try:
-            same = ((path / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
-                    and _equal(*(torch.load(d / "training_state.pt", weights_only=True) for d in (path, ref))))
+            same = (path / "model.safetensors").read_bytes() == (
+                ref / "model.safetensors"
+            ).read_bytes() and _equal(
+                *(torch.load(d / "training_state.pt", weights_only=True) for d in (path, ref))
+            )
         except Exception:  # noqa: BLE001 (a damaged file: simply not a match)
             same = False
         if same:
@@ -128,7 +131,9 @@ def main(workdir: Path, seed: int) -> None:
     reference_s = time.monotonic() - start
 
     kills, events, seen_lines, step_at = [], [], 0, 0
-    plan = [("save", p) for p in SAVE_POINTS] + [("random", None)] * 6 + [("save", rng.choice(SAVE_POINTS))] * 2
+    plan = (
+        [("save", p) for p in SAVE_POINTS] + [("random", None)] * 6 + [("save", rng.choice(SAVE_POINTS))] * 2
+    )
     rng.shuffle(plan)
     damage_after = {3, 8}  # kill numbers after which the newest checkpoint is damaged
     for number, (kind, point) in enumerate(plan):
@@ -144,8 +149,17 @@ def main(workdir: Path, seed: int) -> None:
         loaded, seen_lines = resumed_from(run / "train.log", seen_lines)
         newest = max((s for s, _ in list_checkpoints(run)), default=0)
         step_at = max(step_at, newest)
-        events.append({"kill": number, "kind": kind, "point": point, "status": status, "resumed_from": loaded,
-                       "intact_before": sorted(good_before), "newest_after": newest})
+        events.append(
+            {
+                "kill": number,
+                "kind": kind,
+                "point": point,
+                "status": status,
+                "resumed_from": loaded,
+                "intact_before": sorted(good_before),
+                "newest_after": newest,
+            }
+        )
         if status == -signal.SIGKILL:
             kills.append(number)
         if number in damage_after:
@@ -153,11 +167,22 @@ def main(workdir: Path, seed: int) -> None:
     good_before = matches_reference(run, reference)
     final_status = wait(train_in_child(model, data, run, {}))
     loaded, _ = resumed_from(run / "train.log", seen_lines)
-    events.append({"kill": None, "kind": "final", "status": final_status, "resumed_from": loaded,
-                   "intact_before": sorted(good_before)})
-    report = {"kills": len(kills), "events": events, "seconds": time.monotonic() - start,
-              "reference_seconds": reference_s, "fallback_warnings":
-              (run / "train.log").read_text().count("is unusable:")}
+    events.append(
+        {
+            "kill": None,
+            "kind": "final",
+            "status": final_status,
+            "resumed_from": loaded,
+            "intact_before": sorted(good_before),
+        }
+    )
+    report = {
+        "kills": len(kills),
+        "events": events,
+        "seconds": time.monotonic() - start,
+        "reference_seconds": reference_s,
+        "fallback_warnings": (run / "train.log").read_text().count("is unusable:"),
+    }
     (workdir / "report.json").write_text(json.dumps(report, indent=1))
 
 

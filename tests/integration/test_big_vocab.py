@@ -23,8 +23,14 @@ from build_real_model import build
 
 pytestmark = pytest.mark.slow
 
-SMALL_QWEN = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "num_key_value_heads": 1, "head_dim": 8}
+SMALL_QWEN = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 8,
+}
 
 
 class VocabRows(TorchDispatchMode):
@@ -48,11 +54,27 @@ def small_qwen(path: Path, vocab: int) -> Path:
 
 def train(model_dir: Path, tmp: Path, **overrides):
     data = write_dataset(tmp / "data.jsonl", 8)
-    cfg = GRPOConfig(model=str(model_dir), dataset=str(data), eval_dataset=str(data), eval_max_samples=4,
-                     eval_before=True, eval_after=True, output_dir=str(tmp / "run"), batch_size=2,
-                     num_generations=4, max_new_tokens=32, steps=2, beta=0.04, learning_rate=1e-3,
-                     logging_steps=1, progress_bar=False, num_threads=1, seed=3, tensorboard=False,
-                     **overrides)
+    cfg = GRPOConfig(
+        model=str(model_dir),
+        dataset=str(data),
+        eval_dataset=str(data),
+        eval_max_samples=4,
+        eval_before=True,
+        eval_after=True,
+        output_dir=str(tmp / "run"),
+        batch_size=2,
+        num_generations=4,
+        max_new_tokens=32,
+        steps=2,
+        beta=0.04,
+        learning_rate=1e-3,
+        logging_steps=1,
+        progress_bar=False,
+        num_threads=1,
+        seed=3,
+        tensorboard=False,
+        **overrides,
+    )
     return GRPOTrainer(config=cfg, reward_funcs=["gsm8k_correctness", "gsm8k_format"]).train()
 
 
@@ -94,9 +116,14 @@ def _batch(tokenizer, n: int = 4, t: int = 12, vocab: int = 4096) -> TrainBatch:
     ids = torch.cat([prompt.expand(n, -1), completion], dim=1)
     mask = torch.ones(n, t)
     mask[1, 7:] = 0
-    return TrainBatch(input_ids=ids, attention_mask=torch.cat([torch.ones(n, len(prompt)), mask], 1).long(),
-                      prompt_width=len(prompt), completion_mask=mask, advantages=torch.ones(n, t),
-                      group_ids=torch.zeros(n, dtype=torch.long))
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.cat([torch.ones(n, len(prompt)), mask], 1).long(),
+        prompt_width=len(prompt),
+        completion_mask=mask,
+        advantages=torch.ones(n, t),
+        group_ids=torch.zeros(n, dtype=torch.long),
+    )
 
 
 def test_chunked_head_matches_full_log_softmax_values_and_gradients(tmp_path, monkeypatch):
@@ -107,9 +134,13 @@ def test_chunked_head_matches_full_log_softmax_values_and_gradients(tmp_path, mo
     width = batch.prompt_width
 
     def reference():
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    position_ids=batch.position_ids, use_cache=False)
-        logp_all = torch.log_softmax(out.logits[:, width - 1:-1].float() / 0.7, -1)  # [N, T, V]
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        )
+        logp_all = torch.log_softmax(out.logits[:, width - 1 : -1].float() / 0.7, -1)  # [N, T, V]
         logp = logp_all.gather(-1, batch.input_ids[:, width:, None]).squeeze(-1)
         return logp, -(logp_all.exp() * logp_all).sum(-1)
 
@@ -136,7 +167,10 @@ def test_chunked_head_matches_full_log_softmax_values_and_gradients(tmp_path, mo
 def test_likelihood_reward_scores_as_full_logits_without_them(tmp_path):
     vocab = 32768
     model_dir = small_qwen(tmp_path / "m", vocab=vocab)
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        AutoTokenizer.from_pretrained(model_dir),
+    )
     reward = CausalLMLikelihoodReward(model, tokenizer)
     prompts, completions = ["What is 2+3?", "Name a colour."], ["It is 5, since 2+3=5.", "blue " * 30]
     watch = VocabRows(vocab)
@@ -146,7 +180,7 @@ def test_likelihood_reward_scores_as_full_logits_without_them(tmp_path):
     want = []
     for prompt, completion in zip(prompts, completions, strict=True):
         p, c = reward._token_ids(prompt, completion)
-        logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:-1]
+        logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
         want.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).mean().item())
     assert got == pytest.approx(want, abs=1e-5)
     assert all(w < -5 for w in want)  # ~log(1/32768) = −10.4 for a random model

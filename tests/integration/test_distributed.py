@@ -28,8 +28,16 @@ SRC = HERE.parents[1] / "src"
 def torchrun(*runs: Path | str, nproc: int = 2) -> None:
     """Each Path starts a run; the key=value strings after it are its overrides."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(HERE / "dist_worker.py"), *map(str, runs)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        str(HERE / "dist_worker.py"),
+        *map(str, runs),
+    ]
     done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
@@ -62,9 +70,20 @@ def assert_same_run(a: Path, b: Path, steps: int) -> None:
 
 def test_two_processes_match_one_with_ddp_and_fsdp2_and_resume(single, tmp_path):
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp2"
-    torchrun(ddp, "steps=3", "strategy=ddp",
-             fsdp, "steps=2", "strategy=fsdp2", "save_steps=1",
-             fsdp, "steps=3", "strategy=fsdp2", "save_steps=1", "resume=latest")
+    torchrun(
+        ddp,
+        "steps=3",
+        "strategy=ddp",
+        fsdp,
+        "steps=2",
+        "strategy=fsdp2",
+        "save_steps=1",
+        fsdp,
+        "steps=3",
+        "strategy=fsdp2",
+        "save_steps=1",
+        "resume=latest",
+    )
     first = metrics(ddp)[0]
     assert first["loss"] != 0 and abs(first["loss"] - metrics(single)[0]["loss"]) < 1e-5
     assert_same_run(single, ddp, steps=3)

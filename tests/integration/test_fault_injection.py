@@ -19,10 +19,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sigkill_at_random_points_and_mid_save_then_resume_is_exact(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "tests.integration.fault_driver", str(tmp_path), "2"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.integration.fault_driver", str(tmp_path), "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     events = report["events"]

@@ -10,9 +10,22 @@ from grpo import GRPOConfig, GRPOTrainer
 
 pytestmark = pytest.mark.slow
 
-SMALL = {"batch_size": 2, "num_generations": 4, "max_new_tokens": 12, "gradient_accumulation_steps": 1,
-         "learning_rate": 1e-4, "warmup_steps": 0, "logging_steps": 1, "progress_bar": False, "seed": 3,
-         "eval_dataset": None, "num_threads": 1, "beta": 0.0, "tensorboard": False, "save_steps": 2}
+SMALL = {
+    "batch_size": 2,
+    "num_generations": 4,
+    "max_new_tokens": 12,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 1e-4,
+    "warmup_steps": 0,
+    "logging_steps": 1,
+    "progress_bar": False,
+    "seed": 3,
+    "eval_dataset": None,
+    "num_threads": 1,
+    "beta": 0.0,
+    "tensorboard": False,
+    "save_steps": 2,
+}
 
 
 def test_learner_failure_names_the_checkpoint_and_the_run_resumes(tmp_path):

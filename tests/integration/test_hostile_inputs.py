@@ -128,8 +128,9 @@ def _different_dataset(c: Ctx):
     data = tiny_run.write_dataset(c.tmp / "d.jsonl", 4)
     GRPOTrainer(config=GRPOConfig(**tiny_run.config(c.base["model"], data, c.tmp / "r", steps=1))).train()
     data.write_text(data.read_text().replace("apples", "pears"))
-    GRPOTrainer(config=GRPOConfig(**tiny_run.config(c.base["model"], data, c.tmp / "r", steps=2,
-                                                    resume="latest"))).train()
+    GRPOTrainer(
+        config=GRPOConfig(**tiny_run.config(c.base["model"], data, c.tmp / "r", steps=2, resume="latest"))
+    ).train()
 
 
 def _unreadable(c: Ctx, what: str):
@@ -262,21 +263,31 @@ CASES = {
     "H10": lambda c: (_unreadable(c, "model"), c.trainer())[1],
     "H11": lambda c: c.trainer(model=str(c.model_dir("m", {"model.safetensors": "x"}))),
     "H12": lambda c: c.trainer(model=str(c.model_dir("m", {"config.json": "{}", "pytorch_model.bin": "x"}))),
-    "H13": lambda c: c.trainer(model=str(c.model_dir("m", {"config.json": json.dumps({"auto_map": {"AutoConfig": "a.B"}}),
-                                                           "model.safetensors": "x"}))),
+    "H13": lambda c: c.trainer(
+        model=str(
+            c.model_dir(
+                "m",
+                {"config.json": json.dumps({"auto_map": {"AutoConfig": "a.B"}}), "model.safetensors": "x"},
+            )
+        )
+    ),
     "H14": lambda c: c.trainer(tokenizer_path=str(c.model_dir("t", {"config.json": "{}"}))),
     "H15": lambda c: c.trainer(dataset=str(c.tmp / "nope.jsonl")),
     "H16": lambda c: (c.monkeypatch.setattr(Path, "read_bytes", _denied), c.trainer())[1],
     "H17": lambda c: c.trainer(dataset=str(c.file("empty.jsonl", "\n"))),
     "H18": lambda c: c.trainer(dataset=str(c.file("none.json", "[]"))),
-    "H19": lambda c: c.trainer(dataset=str(c.file("latin1.jsonl", '{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n'
-                                                  .encode("latin-1")))),
+    "H19": lambda c: c.trainer(
+        dataset=str(c.file("latin1.jsonl", '{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1")))
+    ),
     "H20": lambda c: c.trainer(dataset=str(c.file("broken.jsonl", '{"prompt": "ok"}\n{"prompt": "no end\n'))),
     "H21": lambda c: c.trainer(dataset=str(c.file("text.jsonl", '{"text": "hello"}\n'))),
     "H22": lambda c: c.trainer(dataset=str(c.file("p.jsonl", '{"prompt": "a"}\n{"prompt": ""}\n{"x": 1}\n'))),
-    "H23": lambda c: c.trainer(dataset=str(c.file("a.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n'))),
-    "H24": lambda c: c.trainer(skip_invalid_rows=True,
-                               dataset=str(c.file("s.jsonl", '{"prompt": "a"}\n{"prompt": ""}\n{"x": 1}\n'))),
+    "H23": lambda c: c.trainer(
+        dataset=str(c.file("a.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n'))
+    ),
+    "H24": lambda c: c.trainer(
+        skip_invalid_rows=True, dataset=str(c.file("s.jsonl", '{"prompt": "a"}\n{"prompt": ""}\n{"x": 1}\n'))
+    ),
     "H25": lambda c: c.trainer(max_prompt_length=8),
     "H26": lambda c: prepare_tokenizer(_NoPad()),
     "H27": lambda c: prepare_tokenizer(_NoPadNoEos()),
@@ -311,14 +322,20 @@ CASES = {
     "H56": lambda c: GRPOConfig(device="banana").validate(),
     "H57": lambda c: c.trainer(reward_funcs=["no_such_package.rewards:brevity"]),
     "H58": lambda c: c.trainer(dataset=str(c.file("n.jsonl", '{"prompt": 5}\n'))),
-    "H59": lambda c: c.trainer(dataset=str(c.file("pretty.json", '{\n  "prompt": "a",\n  "answer": "1",\n}\n'))),
+    "H59": lambda c: c.trainer(
+        dataset=str(c.file("pretty.json", '{\n  "prompt": "a",\n  "answer": "1",\n}\n'))
+    ),
     "H60": lambda c: GRPOConfig(run_name="../../x").validate(),
-    "H61": lambda c: load_config(str(c.file("latin1.yaml", "train:\n  run_name: caf\xe9\n".encode("latin-1")))),
+    "H61": lambda c: load_config(
+        str(c.file("latin1.yaml", "train:\n  run_name: caf\xe9\n".encode("latin-1")))
+    ),
     "H62": lambda c: _write_report_of(c.file("metrics.jsonl", b"\xff\xfe\n[1, 2]\n").parent),
     "H63": lambda c: GRPOConfig(adam_beta1=1.5).validate(),
     "H64": lambda c: GRPOConfig().update({"lora.dropout": 1.5}).validate(),
     "H65": lambda c: c.trainer(model=str(c.model_dir("m", {"config.json": "[]", "model.safetensors": "x"}))),
-    "H66": lambda c: c.trainer(output_dir=str(_newer_checkpoint(c, config_yaml="model: 5\n")), resume="latest"),
+    "H66": lambda c: c.trainer(
+        output_dir=str(_newer_checkpoint(c, config_yaml="model: 5\n")), resume="latest"
+    ),
 }
 
 
@@ -367,7 +384,9 @@ def test_the_table_and_the_cases_list_the_same_inputs():
 def test_hostile_input_gets_the_documented_message(case_id, base, tmp_path, monkeypatch):
     message = message_for(case_id, Ctx(base, tmp_path, monkeypatch))
     expected = doc_rows()[case_id]
-    assert re.fullmatch(as_regex(expected), message, flags=re.DOTALL), f"{case_id}:\n  got  {message}\n  doc  {expected}"
+    assert re.fullmatch(as_regex(expected), message, flags=re.DOTALL), (
+        f"{case_id}:\n  got  {message}\n  doc  {expected}"
+    )
 
 
 # -- the same families, where the promise is a behaviour rather than a message ---------------------------
@@ -399,10 +418,14 @@ def test_a_pickle_payload_is_refused_without_advising_weights_only_false(base, t
 def test_report_reads_logs_with_damaged_lines_and_a_damaged_config(tmp_path):
     from grpo.run.report import write_report
 
-    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "reward": 0.25}\n\xff\xfe\n[3]\n{"step": "x", "reward": 1}\n'
-                                             b'{"step": 2, "reward": 0.5}\n{"step": 3, "rew')  # still being written
-    (tmp_path / "samples.jsonl").write_bytes('{"step": 2, "prompt": "p", "completion": "caf\u00e9 ok"}\n'.encode()
-                                             + b'{"step": 2, "completion": "caf\xe9"}\n')
+    (tmp_path / "metrics.jsonl").write_bytes(
+        b'{"step": 1, "reward": 0.25}\n\xff\xfe\n[3]\n{"step": "x", "reward": 1}\n'
+        b'{"step": 2, "reward": 0.5}\n{"step": 3, "rew'
+    )  # still being written
+    (tmp_path / "samples.jsonl").write_bytes(
+        '{"step": 2, "prompt": "p", "completion": "caf\u00e9 ok"}\n'.encode()
+        + b'{"step": 2, "completion": "caf\xe9"}\n'
+    )
     (tmp_path / "config.yaml").write_text("model: 5\ntrain: [unclosed\n")
     page = write_report(tmp_path).read_text(encoding="utf-8")
     assert "café ok" in page and "steps logged</th><td>1–2" in page
@@ -412,11 +435,15 @@ def test_pretty_printed_json_files_load(tmp_path):
     from grpo.config import DataConfig
     from grpo.data import load_rows
 
-    rows = {"array.json": '[\n  {"prompt": "a", "answer": "1"},\n  {"prompt": "b", "answer": "2"}\n]\n',
-            "object.json": '{\n  "prompt": "a",\n  "answer": "1"\n}\n',
-            "wrapped.json": '{\n  "version": 2,\n  "data": [\n    {"prompt": "a", "answer": "1"}\n  ]\n}\n'}
-    loaded = {name: load_rows(str(Ctx(None, tmp_path, None).file(name, text)), DataConfig())
-              for name, text in rows.items()}
+    rows = {
+        "array.json": '[\n  {"prompt": "a", "answer": "1"},\n  {"prompt": "b", "answer": "2"}\n]\n',
+        "object.json": '{\n  "prompt": "a",\n  "answer": "1"\n}\n',
+        "wrapped.json": '{\n  "version": 2,\n  "data": [\n    {"prompt": "a", "answer": "1"}\n  ]\n}\n',
+    }
+    loaded = {
+        name: load_rows(str(Ctx(None, tmp_path, None).file(name, text)), DataConfig())
+        for name, text in rows.items()
+    }
     assert [r["prompt"] for r in loaded["array.json"]] == ["a", "b"]
     assert loaded["object.json"] == [{"prompt": "a", "answer": "1"}] == loaded["wrapped.json"]
 
@@ -430,9 +457,14 @@ def test_a_really_full_disk_keeps_the_previous_checkpoint(tmp_path):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         save_model_dir(disk / "checkpoint-1", _Model(), _Tok(), "x: 1\n", {"step": 1})
-        with pytest.raises(CheckpointError, match=r"No space left on the device while saving checkpoint-2 .*"
-                           r"The previous checkpoint checkpoint-1 is intact\."):
-            save_model_dir(disk / "checkpoint-2", _Model(), _Tok(), "x: 1\n", {"step": 2, "t": torch.zeros(2**18)})
+        with pytest.raises(
+            CheckpointError,
+            match=r"No space left on the device while saving checkpoint-2 .*"
+            r"The previous checkpoint checkpoint-1 is intact\.",
+        ):
+            save_model_dir(
+                disk / "checkpoint-2", _Model(), _Tok(), "x: 1\n", {"step": 2, "t": torch.zeros(2**18)}
+            )
         assert ckpt.verify_checkpoint(disk / "checkpoint-1") is None
         assert sorted(p.name for p in disk.iterdir()) == ["checkpoint-1"]
     finally:

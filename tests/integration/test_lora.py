@@ -14,10 +14,25 @@ from grpo.train import build_train_batch
 
 pytestmark = pytest.mark.slow
 
-SMALL = {"batch_size": 2, "num_generations": 4, "max_new_tokens": 16, "gradient_accumulation_steps": 2,
-         "learning_rate": 5e-3, "warmup_steps": 0, "logging_steps": 1, "progress_bar": False, "seed": 5,
-         "eval_dataset": None, "num_threads": 1, "beta": 0.04, "tensorboard": False,
-         "lora.enabled": True, "lora.r": 4, "lora.alpha": 8, "train_model.lora.dropout": 0.0}
+SMALL = {
+    "batch_size": 2,
+    "num_generations": 4,
+    "max_new_tokens": 16,
+    "gradient_accumulation_steps": 2,
+    "learning_rate": 5e-3,
+    "warmup_steps": 0,
+    "logging_steps": 1,
+    "progress_bar": False,
+    "seed": 5,
+    "eval_dataset": None,
+    "num_threads": 1,
+    "beta": 0.04,
+    "tensorboard": False,
+    "lora.enabled": True,
+    "lora.r": 4,
+    "lora.alpha": 8,
+    "train_model.lora.dropout": 0.0,
+}
 
 
 def shortness(prompts, completions, **_):
@@ -25,8 +40,9 @@ def shortness(prompts, completions, **_):
 
 
 def trainer(out, **overrides) -> GRPOTrainer:
-    return GRPOTrainer(config=GRPOConfig(**{**SMALL, "output_dir": str(out), **overrides}),
-                       reward_funcs=[shortness])
+    return GRPOTrainer(
+        config=GRPOConfig(**{**SMALL, "output_dir": str(out), **overrides}), reward_funcs=[shortness]
+    )
 
 
 def test_lora_trains_adapters_over_one_copy_of_the_base(tmp_path):
@@ -76,9 +92,13 @@ def test_reference_logprobs_are_the_base_models(tmp_path):
     from grpo.records import PromptBatch, Rollouts
 
     prompts = PromptBatch(prompts=["a", "b"], prompt_token_ids=[[5, 6, 7], [8, 9]])
-    rollouts = Rollouts(prompt_index=torch.tensor([0, 0, 1, 1]), completion_ids=torch.randint(3, 50, (4, 5)),
-                        completion_mask=torch.ones(4, 5), sampling_logprobs=torch.zeros(4, 5),
-                        truncated=torch.zeros(4, dtype=torch.bool))
+    rollouts = Rollouts(
+        prompt_index=torch.tensor([0, 0, 1, 1]),
+        completion_ids=torch.randint(3, 50, (4, 5)),
+        completion_mask=torch.ones(4, 5),
+        sampling_logprobs=torch.zeros(4, 5),
+        truncated=torch.zeros(4, dtype=torch.bool),
+    )
     batch = build_train_batch(prompts, rollouts, torch.zeros(4), t.cfg, 0)
     with torch.no_grad():
         for p in t.parts.policy.parameters():

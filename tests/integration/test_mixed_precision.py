@@ -18,14 +18,24 @@ from tests.tiny_run import letter_score
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["train.prompts_per_step=4", "generation.num_generations=4", "generation.max_new_tokens=16",
-         "train.eval_before=false", "train.eval_after=false", "train.report=false", "train.progress_bar=false",
-         "train.num_threads=1", "train.logging_steps=1", "train.save_steps=0"]
+SMALL = [
+    "train.prompts_per_step=4",
+    "generation.num_generations=4",
+    "generation.max_new_tokens=16",
+    "train.eval_before=false",
+    "train.eval_after=false",
+    "train.report=false",
+    "train.progress_bar=false",
+    "train.num_threads=1",
+    "train.logging_steps=1",
+    "train.save_steps=0",
+]
 
 
 def changed_fraction(before: dict, after: dict) -> float:
-    return sum((before[k] != after[k].to(before[k].dtype)).sum().item() for k in before) / \
-        sum(v.numel() for v in before.values())
+    return sum((before[k] != after[k].to(before[k].dtype)).sum().item() for k in before) / sum(
+        v.numel() for v in before.values()
+    )
 
 
 def test_cli_bf16_at_lr_1e_6_moves_the_saved_weights_and_tracks_float32(tmp_path):
@@ -33,15 +43,32 @@ def test_cli_bf16_at_lr_1e_6_moves_the_saved_weights_and_tracks_float32(tmp_path
     runs = {}
     for dtype in ("float32", "bfloat16"):
         out = tmp_path / dtype
-        assert main(["train", f"model.dtype={dtype}", "optim.learning_rate=1e-6", "--steps", "3",
-                     "--output-dir", str(out), *SMALL]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    f"model.dtype={dtype}",
+                    "optim.learning_rate=1e-6",
+                    "--steps",
+                    "3",
+                    "--output-dir",
+                    str(out),
+                    *SMALL,
+                ]
+            )
+            == 0
+        )
         saved = load_file(str(out / "final_model" / "model.safetensors"))
         assert {v.dtype for v in saved.values()} == {torch.float32}  # the masters
-        runs[dtype] = {"moved": changed_fraction(initial, saved),
-                       "metrics": [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]}
+        runs[dtype] = {
+            "moved": changed_fraction(initial, saved),
+            "metrics": [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()],
+        }
     assert runs["bfloat16"]["moved"] >= 0.9  # measured 0.9966 (float32: 0.9967); bf16 parameters: 0.010
-    assert "Precision: float32 master weights and AdamW state, bfloat16 compute" in \
-        (tmp_path / "bfloat16" / "train.log").read_text()
+    assert (
+        "Precision: float32 master weights and AdamW state, bfloat16 compute"
+        in (tmp_path / "bfloat16" / "train.log").read_text()
+    )
     # The runs sample different tokens once bf16 logits differ from float32's, so the rewards part ways by
     # sampling noise, not drift: measured per-step |Δ reward| 0.006, 0.06, 0.19; of the 3-step mean 0.04.
     rewards = {d: [m["reward"] for m in r["metrics"]] for d, r in runs.items()}
@@ -53,7 +80,10 @@ def test_cli_bf16_at_lr_1e_6_moves_the_saved_weights_and_tracks_float32(tmp_path
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("assets")
-    return {"model": tiny_run.make_model_dir(root / "model"), "data": tiny_run.write_dataset(root / "d.jsonl", 6)}
+    return {
+        "model": tiny_run.make_model_dir(root / "model"),
+        "data": tiny_run.write_dataset(root / "d.jsonl", 6),
+    }
 
 
 def train(assets, out, **overrides):
@@ -103,8 +133,16 @@ def test_nan_weights_stop_the_run_with_an_error_and_keep_earlier_checkpoints(ass
 
 
 def test_lora_in_bf16_keeps_float32_adapters_over_a_bf16_base(assets, tmp_path):
-    cfg = GRPOConfig(**tiny_run.config(assets["model"], assets["data"], tmp_path, steps=2, dtype="bfloat16",
-                                       **{"lora.enabled": True, "lora.r": 4}))
+    cfg = GRPOConfig(
+        **tiny_run.config(
+            assets["model"],
+            assets["data"],
+            tmp_path,
+            steps=2,
+            dtype="bfloat16",
+            **{"lora.enabled": True, "lora.r": 4},
+        )
+    )
     trainer = GRPOTrainer(config=cfg, reward_funcs=[letter_score, "gsm8k_format"])
     params = dict(trainer.parts.policy.named_parameters())
     assert {p.dtype for n, p in params.items() if p.requires_grad} == {torch.float32}  # the adapters
@@ -125,11 +163,25 @@ def test_fsdp2_mixed_precision_policy_on_two_cpu_processes(tmp_path):
     import sys
 
     root = Path(__file__).parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root), str(root / "tests" / "integration")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root), str(root / "tests" / "integration")]),
+    }
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(root / "tests" / "integration" / "dist_worker.py"), str(run), "steps=2", "strategy=fsdp2",
-           "model.dtype=bfloat16", "optim.learning_rate=1e-6"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(root / "tests" / "integration" / "dist_worker.py"),
+        str(run),
+        "steps=2",
+        "strategy=fsdp2",
+        "model.dtype=bfloat16",
+        "optim.learning_rate=1e-6",
+    ]
     done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-5000:]
     assert "bfloat16 compute (FSDP2 MixedPrecisionPolicy" in (run / "train.log").read_text()

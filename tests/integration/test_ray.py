@@ -15,9 +15,22 @@ from grpo import GRPOConfig, GRPOTrainer
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
-SMALL = {"batch_size": 2, "num_generations": 4, "max_new_tokens": 16, "gradient_accumulation_steps": 2,
-         "learning_rate": 1e-3, "warmup_steps": 0, "logging_steps": 1, "progress_bar": False, "seed": 11,
-         "eval_dataset": None, "num_threads": 1, "beta": 0.04, "tensorboard": False, "save_steps": 0}
+SMALL = {
+    "batch_size": 2,
+    "num_generations": 4,
+    "max_new_tokens": 16,
+    "gradient_accumulation_steps": 2,
+    "learning_rate": 1e-3,
+    "warmup_steps": 0,
+    "logging_steps": 1,
+    "progress_bar": False,
+    "seed": 11,
+    "eval_dataset": None,
+    "num_threads": 1,
+    "beta": 0.04,
+    "tensorboard": False,
+    "save_steps": 0,
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,13 +73,20 @@ def test_async_mode_bounds_staleness_and_survives_a_killed_actor(tmp_path):
         if calls["n"] == 2:  # mid-run, while the actor samples the next batch
             from grpo.rollout.ray import ACTOR_PREFIX
 
-            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                     if a["name"].startswith(ACTOR_PREFIX)]
+            names = [
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(ACTOR_PREFIX)
+            ]
             ray.kill(ray.get_actor(names[0]))
         return [0.0] * len(completions)
 
-    lines = train(tmp_path / "async", reward_funcs=(shortness, kill_an_actor_once), steps=5,
-                  **{"rollout.mode": "async", "max_staleness": 2})
+    lines = train(
+        tmp_path / "async",
+        reward_funcs=(shortness, kill_an_actor_once),
+        steps=5,
+        **{"rollout.mode": "async", "max_staleness": 2},
+    )
     assert [x["step"] for x in lines] == [1, 2, 3, 4, 5]
     assert all(x["rollout/staleness"] <= 2 for x in lines)
     assert max(x["rollout/staleness"] for x in lines) == 2  # rollout really ran ahead of the learner

@@ -49,10 +49,20 @@ def train(assets, rows, out, reward=letter_score, **overrides):
     return trainer, trainer.train()
 
 
-@pytest.mark.parametrize("rows,length,stop_at,sig,position", [
-    (5, {"steps": 4}, 2, signal.SIGINT, {"epoch": 0, "position": 4}),  # mid-epoch: 4 of 5 prompts used
-    (6, {"num_epochs": 2}, 3, signal.SIGTERM, {"epoch": 0, "position": 6}),  # exactly at the epoch boundary
-], ids=["mid_epoch", "epoch_boundary"])
+@pytest.mark.parametrize(
+    "rows,length,stop_at,sig,position",
+    [
+        (5, {"steps": 4}, 2, signal.SIGINT, {"epoch": 0, "position": 4}),  # mid-epoch: 4 of 5 prompts used
+        (
+            6,
+            {"num_epochs": 2},
+            3,
+            signal.SIGTERM,
+            {"epoch": 0, "position": 6},
+        ),  # exactly at the epoch boundary
+    ],
+    ids=["mid_epoch", "epoch_boundary"],
+)
 def test_stop_and_resume_equals_an_uninterrupted_run(assets, tmp_path, rows, length, stop_at, sig, position):
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(assets, rows, straight, **length)
@@ -83,7 +93,9 @@ def test_a_second_signal_stops_at_once_without_saving(assets, tmp_path):
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
 
 
-def test_nonfinite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(assets, tmp_path, monkeypatch):
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(
+    assets, tmp_path, monkeypatch
+):
     real = grpo.learner.grpo_loss
     calls = []
 
@@ -96,8 +108,11 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(
 
     monkeypatch.setattr(grpo.learner, "grpo_loss", poisoned)
     out = tmp_path / "run"
-    with pytest.raises(TrainingHalted, match=r"2 steps in a row had a non-finite loss or gradient \(last: step 3\); "
-                       r"stopped with checkpoint .*checkpoint-3\. .*train.stop_after_nonfinite_steps"):
+    with pytest.raises(
+        TrainingHalted,
+        match=r"2 steps in a row had a non-finite loss or gradient \(last: step 3\); "
+        r"stopped with checkpoint .*checkpoint-3\. .*train.stop_after_nonfinite_steps",
+    ):
         train(assets, 6, out, steps=6, stop_after_nonfinite_steps=2)
     logged = metrics(out)
     assert [m["skipped_nonfinite"] for m in logged] == [0.0, 1.0, 1.0]
@@ -110,7 +125,9 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(
 TERM_AT = None  # set per test: the reward (by import path) that sends the first SIGTERM
 
 
-def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(assets, tmp_path, monkeypatch, capsys):
+def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(
+    assets, tmp_path, monkeypatch, capsys
+):
     import yaml
 
     import grpo.run.checkpoint
@@ -126,8 +143,14 @@ def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(assets
         real_point(path, point)
 
     monkeypatch.setattr(grpo.run.checkpoint, "_fault_point", second_signal_inside_the_stop_save)
-    settings = tiny_run.config(assets["model"], data, out, steps=6, save_steps=2,
-                               reward_funcs=[f"{__name__}:TERM_AT", "gsm8k_format"])
+    settings = tiny_run.config(
+        assets["model"],
+        data,
+        out,
+        steps=6,
+        save_steps=2,
+        reward_funcs=[f"{__name__}:TERM_AT", "gsm8k_format"],
+    )
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(settings))
 
@@ -140,6 +163,7 @@ def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(assets
     finally:
         signal.signal(signal.SIGTERM, before)
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "grpo train: stopped at once, without saving; --resume latest continues from the last checkpoint.")
+        "grpo train: stopped at once, without saving; --resume latest continues from the last checkpoint."
+    )
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # no .tmp left behind
     assert grpo.run.checkpoint.verify_checkpoint(out / "checkpoint-2") is None

@@ -14,9 +14,22 @@ from grpo.rewards import NonFiniteRewardError, RewardError, RewardTimeoutError
 
 pytestmark = pytest.mark.slow
 
-SMALL = {"batch_size": 2, "num_generations": 4, "max_new_tokens": 16, "gradient_accumulation_steps": 1,
-         "learning_rate": 1e-3, "warmup_steps": 0, "logging_steps": 1, "progress_bar": False, "seed": 7,
-         "eval_dataset": None, "num_threads": 1, "beta": 0.0, "tensorboard": False, "report": False}
+SMALL = {
+    "batch_size": 2,
+    "num_generations": 4,
+    "max_new_tokens": 16,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 1e-3,
+    "warmup_steps": 0,
+    "logging_steps": 1,
+    "progress_bar": False,
+    "seed": 7,
+    "eval_dataset": None,
+    "num_threads": 1,
+    "beta": 0.0,
+    "tensorboard": False,
+    "report": False,
+}
 
 
 def shortness(prompts, completions, **_):
@@ -41,8 +54,9 @@ class FailsFromCall:
         return [0.0] * (len(completions) - 1) + [math.nan]
 
 
-@pytest.mark.parametrize(("how", "error"), [("raise", RewardError), ("sleep", RewardTimeoutError),
-                                            ("nan", NonFiniteRewardError)])
+@pytest.mark.parametrize(
+    ("how", "error"), [("raise", RewardError), ("sleep", RewardTimeoutError), ("nan", NonFiniteRewardError)]
+)
 def test_failing_reward_stops_with_a_clear_message_and_keeps_saved_checkpoints(tmp_path, how, error):
     out = tmp_path / how
     cfg = GRPOConfig(**SMALL, output_dir=str(out), steps=4, save_steps=1, reward_timeout=0.5)
@@ -66,10 +80,22 @@ def test_skip_policy_counts_the_failures_and_finishes(tmp_path):
 
 def test_dapo_gspo_entropy_best_model_samples_and_report(tmp_path):
     out = tmp_path / "all"
-    cfg = GRPOConfig(**{**SMALL, "report": True, "eval_dataset": "tiny_math:test"}, output_dir=str(out), steps=2,
-                     save_steps=0, dynamic_sampling=True, dynamic_sampling_max_rounds=3, overlong_buffer=4,
-                     loss_variant="gspo", entropy_coef=0.01, eval_max_samples=4, eval_before=True,
-                     eval_after=True, metric_for_best_model="eval/accuracy", log_samples=3)
+    cfg = GRPOConfig(
+        **{**SMALL, "report": True, "eval_dataset": "tiny_math:test"},
+        output_dir=str(out),
+        steps=2,
+        save_steps=0,
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=3,
+        overlong_buffer=4,
+        loss_variant="gspo",
+        entropy_coef=0.01,
+        eval_max_samples=4,
+        eval_before=True,
+        eval_after=True,
+        metric_for_best_model="eval/accuracy",
+        log_samples=3,
+    )
     GRPOTrainer(config=cfg, reward_funcs=["gsm8k_correctness", "gsm8k_format"]).train()
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "reward" in x]
@@ -81,5 +107,13 @@ def test_dapo_gspo_entropy_best_model_samples_and_report(tmp_path):
     AutoModelForCausalLM.from_pretrained(out / "best_model")
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 1, 1, 2, 2, 2]
-    assert set(samples[0]) >= {"prompt", "completion", "reward", "advantage", "rewards", "length", "truncated"}
+    assert set(samples[0]) >= {
+        "prompt",
+        "completion",
+        "reward",
+        "advantage",
+        "rewards",
+        "length",
+        "truncated",
+    }
     assert (out / "report" / "index.html").is_file() and (out / "report" / "reward.png").is_file()

@@ -19,6 +19,7 @@ from tests import tiny_run
 
 pytestmark = pytest.mark.slow
 
+
 def slow_letter_score(prompts, completions, **columns):
     time.sleep(0.3)  # long enough for a second run to try meanwhile
     return tiny_run.letter_score(prompts, completions)

@@ -34,8 +34,10 @@ def files(tmp_path_factory):
     from tests.tiny_run import make_model_dir
 
     d = tmp_path_factory.mktemp("seeds")
-    rows = [{"question": f"Sam has {i} apples and buys 2 more. How many now?", "answer": f"#### {i + 2}"}
-            for i in range(N_ROWS)]
+    rows = [
+        {"question": f"Sam has {i} apples and buys 2 more. How many now?", "answer": f"#### {i + 2}"}
+        for i in range(N_ROWS)
+    ]
     (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": r["question"]}) + "\n" for r in rows))
     shutil.copy(FIXTURES / "ifeval_sample.jsonl", d / "ifeval.jsonl")
@@ -82,6 +84,7 @@ def get(cfg: dict, path: str):
 
 # -- MaxText / Tunix demo (grpo_demo.py), every flag in its three spellings -----------------------------
 
+
 def spellings(flag: str, value: str | None) -> list[list[str]]:
     """MaxText's `--flag_name=value`, our `--flag-name value`, and Hydra's `flag_name=value`."""
     if value is None:  # a switch
@@ -97,8 +100,12 @@ ACCEPTED = [  # (flag, value, extra args, {path: value}) — {model}, {hub}, {ou
     ("hf_access_token", TOKEN, [], {"model.hf_token": "<redacted>"}),
     ("hf_path", "{hub}", [], {"data.hf_path": "{hub}", "plan.train_rows": 40}),
     ("hf_data_split", "test", ["--hf_path={hub}"], {"data.hf_data_split": "test", "plan.train_rows": 24}),
-    ("hf_data_files", "data/train-*.parquet", ["--hf_path={hub}"],
-     {"data.hf_data_files": "data/train-*.parquet", "plan.train_rows": 40}),
+    (
+        "hf_data_files",
+        "data/train-*.parquet",
+        ["--hf_path={hub}"],
+        {"data.hf_data_files": "data/train-*.parquet", "plan.train_rows": 40},
+    ),
     ("steps", "100", [], {"train.steps": 100, "plan.steps": 100}),
     ("per_device_batch_size", "2", [], {"train.prompts_per_step": 2}),
     ("learning_rate", "3e-6", [], {"optim.learning_rate": 3e-6}),
@@ -116,8 +123,12 @@ ACCEPTED = [  # (flag, value, extra args, {path: value}) — {model}, {hub}, {ou
     ("checkpoint_period", "50", [], {"train.save_steps": 50}),
     ("config_file", "{files}/custom_config.yml", [], {"train.steps": 7, "optim.learning_rate": 3e-6}),
     ("inference_rollouts", "5", ["--steps=10"], {"distributed.weight_sync_steps": 5}),
-    ("trainer_devices_fraction", "0.5", ["sampler_devices_fraction=0.5", "rollout.mode=sync"],
-     {"distributed.trainer_devices_fraction": 0.5, "distributed.sampler_devices_fraction": 0.5}),
+    (
+        "trainer_devices_fraction",
+        "0.5",
+        ["sampler_devices_fraction=0.5", "rollout.mode=sync"],
+        {"distributed.trainer_devices_fraction": 0.5, "distributed.sampler_devices_fraction": 0.5},
+    ),
     ("trainer_devices_fraction", "1.0", [], {"distributed.trainer_devices_fraction": 1.0}),
 ]
 
@@ -137,7 +148,9 @@ REFUSED = [  # (flag, value, extra args, what the message must name)
 
 
 def fill(text: str, files: Path, tmp: Path) -> str:
-    return text.format(model=files / "model", hub=files / "custom_dataset", out=tmp / "grpo_output", files=files)
+    return text.format(
+        model=files / "model", hub=files / "custom_dataset", out=tmp / "grpo_output", files=files
+    )
 
 
 def small(files: Path) -> list[str]:
@@ -148,8 +161,11 @@ def small(files: Path) -> list[str]:
 @pytest.mark.parametrize("spelling", range(3), ids=["underscore", "hyphen", "key=value"])
 @pytest.mark.parametrize("flag,value,extra,expected", ACCEPTED, ids=[f"{a[0]}={a[1]}" for a in ACCEPTED])
 def test_maxtext_flag_takes_effect(flag, value, extra, expected, spelling, files, tmp_path, capsys):
-    argv = [*small(files), *[fill(x, files, tmp_path) for x in extra],
-            *spellings(flag, fill(value, files, tmp_path))[spelling]]
+    argv = [
+        *small(files),
+        *[fill(x, files, tmp_path) for x in extra],
+        *spellings(flag, fill(value, files, tmp_path))[spelling],
+    ]
     resolved = run(argv, capsys)
     for path, want in expected.items():
         want = fill(want, files, tmp_path) if isinstance(want, str) else want
@@ -163,15 +179,22 @@ def test_maxtext_flag_refused_with_advice(flag, value, extra, needle, spelling, 
     assert needle in refused(argv, capsys)
 
 
-MAXTEXT_8B = ["--model_name=llama3.1-8b", "--tokenizer_path=meta-llama/Llama-3.1-8B-Instruct",
-              "--load_parameters_path=gs://path/to/checkpoint", "--base_output_directory=/tmp/grpo_output",
-              f"--hf_access_token={TOKEN}"]
+MAXTEXT_8B = [
+    "--model_name=llama3.1-8b",
+    "--tokenizer_path=meta-llama/Llama-3.1-8B-Instruct",
+    "--load_parameters_path=gs://path/to/checkpoint",
+    "--base_output_directory=/tmp/grpo_output",
+    f"--hf_access_token={TOKEN}",
+]
 
 
 def local(argv: list[str], files: Path) -> list[str]:
     """The seed's hub model and gs:// checkpoint replaced by the local model directory."""
-    swap = {"meta-llama/Llama-3.1-8B-Instruct": files / "model", "meta-llama/Llama-3.1-70B-Instruct": files / "model",
-            "gs://path/to/checkpoint": files / "model"}
+    swap = {
+        "meta-llama/Llama-3.1-8B-Instruct": files / "model",
+        "meta-llama/Llama-3.1-70B-Instruct": files / "model",
+        "gs://path/to/checkpoint": files / "model",
+    }
     out = []
     for word in argv:
         key, sep, value = word.partition("=")
@@ -185,30 +208,51 @@ def test_maxtext_single_host_example(files, capsys):
     cfg = run(local(argv, files), capsys)
     assert cfg["model"]["name_or_path"] == "llama3.1-8b"
     assert cfg["model"]["tokenizer_path"] == cfg["model"]["load_parameters_path"] == str(files / "model")
-    assert cfg["train"]["base_output_directory"] == "/tmp/grpo_output" and cfg["model"]["hf_token"] == "<redacted>"
+    assert (
+        cfg["train"]["base_output_directory"] == "/tmp/grpo_output"
+        and cfg["model"]["hf_token"] == "<redacted>"
+    )
     assert cfg["train"]["steps"] == cfg["plan"]["steps"] == 100
 
 
 def test_maxtext_pathways_70b_example(files, capsys):
-    argv = ["--model_name=llama3.1-70b", "--tokenizer_path=meta-llama/Llama-3.1-70B-Instruct",
-            "--load_parameters_path=gs://path/to/checkpoint", "--base_output_directory=gs://path/to/output",
-            f"--hf_access_token={TOKEN}", "--use_pathways", "--inference_devices_per_replica=4",
-            "--inference_replicas=4", "--ici_fsdp_parallelism=16", "--steps=100"]
+    argv = [
+        "--model_name=llama3.1-70b",
+        "--tokenizer_path=meta-llama/Llama-3.1-70B-Instruct",
+        "--load_parameters_path=gs://path/to/checkpoint",
+        "--base_output_directory=gs://path/to/output",
+        f"--hf_access_token={TOKEN}",
+        "--use_pathways",
+        "--inference_devices_per_replica=4",
+        "--inference_replicas=4",
+        "--ici_fsdp_parallelism=16",
+        "--steps=100",
+    ]
     err = refused(argv, capsys)
     assert "--use_pathways" in err and "rollout.mode=sync" in err and "inference_replicas=N" in err
 
 
 def test_maxtext_custom_dataset_example(files, capsys):
-    argv = [*local(MAXTEXT_8B, files), f"--hf_path={files / 'custom_dataset'}", "--hf_data_split=train",
-            "--steps=100"]
+    argv = [
+        *local(MAXTEXT_8B, files),
+        f"--hf_path={files / 'custom_dataset'}",
+        "--hf_data_split=train",
+        "--steps=100",
+    ]
     cfg = run(argv, capsys)
     assert cfg["data"]["hf_path"] == str(files / "custom_dataset") and cfg["data"]["hf_data_split"] == "train"
     assert cfg["plan"]["train_rows"] == 40 and cfg["plan"]["rewards"] == ["gsm8k_correctness", "gsm8k_format"]
 
 
 def test_maxtext_custom_grpo_parameters_example(files, capsys):
-    argv = [*local(MAXTEXT_8B, files), "--num_generations=4", "--grpo_beta=0.04", "--grpo_epsilon=0.15",
-            "--learning_rate=5e-6", "--steps=200"]
+    argv = [
+        *local(MAXTEXT_8B, files),
+        "--num_generations=4",
+        "--grpo_beta=0.04",
+        "--grpo_epsilon=0.15",
+        "--learning_rate=5e-6",
+        "--steps=200",
+    ]
     cfg = run(argv, capsys)
     assert cfg["generation"]["num_generations"] == 4 and cfg["algorithm"]["beta"] == 0.04
     assert cfg["algorithm"]["epsilon_low"] == cfg["algorithm"]["epsilon_high"] == 0.15
@@ -224,7 +268,9 @@ def test_maxtext_custom_config_file_example(files, capsys):
 def test_pathways_tutorial_device_fractions(capsys):
     shared = run(["trainer_devices_fraction=1.0", "sampler_devices_fraction=1.0"], capsys)
     assert shared["distributed"]["rollout_mode"] == "colocated"
-    assert "rollout.mode=sync" in refused(["trainer_devices_fraction=0.5", "sampler_devices_fraction=0.5"], capsys)
+    assert "rollout.mode=sync" in refused(
+        ["trainer_devices_fraction=0.5", "sampler_devices_fraction=0.5"], capsys
+    )
 
 
 # -- plain-PyTorch seed (grpo/train_grpo.py) ---------------------------------------------------------
@@ -232,14 +278,22 @@ def test_pathways_tutorial_device_fractions(capsys):
 PYTORCH_FLAGS = [  # (flag, value, {path: value})
     ("model-name", "{model}", {"model.name_or_path": "{model}"}),
     ("batch-size", "4", {"train.prompts_per_step": 4}),
-    ("num-epochs", "3", {"train.num_epochs": 3.0, "train.steps": None, "plan.steps": 3 * math.ceil(N_ROWS / 16)}),
+    (
+        "num-epochs",
+        "3",
+        {"train.num_epochs": 3.0, "train.steps": None, "plan.steps": 3 * math.ceil(N_ROWS / 16)},
+    ),
     ("learning-rate", "1e-6", {"optim.learning_rate": 1e-6}),
     ("num-generations", "4", {"generation.num_generations": 4}),
     ("max-new-tokens", "64", {"generation.max_new_tokens": 64}),
     ("kl-coef", "0.1", {"algorithm.beta": 0.1}),
     ("clip-range", "0.3", {"algorithm.epsilon_low": 0.3, "algorithm.epsilon_high": 0.3}),
     ("temperature", "0.7", {"generation.temperature": 0.7}),
-    ("gradient-accumulation-steps", "8", {"train.gradient_accumulation_steps": 8, "plan.micro_batch_size": 16}),
+    (
+        "gradient-accumulation-steps",
+        "8",
+        {"train.gradient_accumulation_steps": 8, "plan.micro_batch_size": 16},
+    ),
     ("max-grad-norm", "0.5", {"optim.max_grad_norm": 0.5}),
     ("warmup-steps", "100", {"optim.warmup_steps": 100}),
     ("output-dir", "./my_grpo_model", {"train.output_dir": "./my_grpo_model"}),
@@ -257,9 +311,27 @@ def pytorch_spellings(flag: str, value: str) -> list[list[str]]:
 
 
 def test_every_pytorch_flag_has_a_spelling_test():
-    listed = {"model-name", "batch-size", "num-epochs", "learning-rate", "num-generations", "max-new-tokens",
-              "kl-coef", "clip-range", "temperature", "gradient-accumulation-steps", "max-grad-norm", "warmup-steps",
-              "output-dir", "logging-steps", "save-steps", "use-wandb", "wandb-project", "wandb-run-name", "device"}
+    listed = {
+        "model-name",
+        "batch-size",
+        "num-epochs",
+        "learning-rate",
+        "num-generations",
+        "max-new-tokens",
+        "kl-coef",
+        "clip-range",
+        "temperature",
+        "gradient-accumulation-steps",
+        "max-grad-norm",
+        "warmup-steps",
+        "output-dir",
+        "logging-steps",
+        "save-steps",
+        "use-wandb",
+        "wandb-project",
+        "wandb-run-name",
+        "device",
+    }
     assert listed - {f for f, _, _ in PYTORCH_FLAGS} == {"use-wandb"}  # tested on its own below
 
 
@@ -278,10 +350,25 @@ def test_pytorch_defaults_run_the_tiny_math_preset(capsys):
 
 
 def test_pytorch_custom_configuration_example(files, capsys):
-    argv = ["--model-name", files / "model", "--batch-size", "4", "--num-epochs", "3", "--learning-rate", "1e-6",
-            "--num-generations", "4", "--output-dir", "./my_grpo_model"]
+    argv = [
+        "--model-name",
+        files / "model",
+        "--batch-size",
+        "4",
+        "--num-epochs",
+        "3",
+        "--learning-rate",
+        "1e-6",
+        "--num-generations",
+        "4",
+        "--output-dir",
+        "./my_grpo_model",
+    ]
     cfg = run(argv, capsys)
-    assert cfg["model"]["name_or_path"] == str(files / "model") and cfg["train"]["output_dir"] == "./my_grpo_model"
+    assert (
+        cfg["model"]["name_or_path"] == str(files / "model")
+        and cfg["train"]["output_dir"] == "./my_grpo_model"
+    )
     assert (cfg["train"]["prompts_per_step"], cfg["generation"]["num_generations"]) == (4, 4)
     assert cfg["optim"]["learning_rate"] == 1e-6
     # the user's epochs replace the preset's train.steps: 3 passes over 12000 prompts, 4 per step
@@ -289,7 +376,16 @@ def test_pytorch_custom_configuration_example(files, capsys):
 
 
 def test_num_epochs_wins_over_the_preset_steps(files, capsys):
-    argv = ["--batch-size", "4", "--num-epochs", "3", "--num-generations", "4", "--dataset", files / "train.jsonl"]
+    argv = [
+        "--batch-size",
+        "4",
+        "--num-epochs",
+        "3",
+        "--num-generations",
+        "4",
+        "--dataset",
+        files / "train.jsonl",
+    ]
     assert run(argv, capsys)["plan"]["steps"] == 48  # 64 rows / 4 per step × 3 epochs, not the preset's 80
     both = run([*argv, "--steps", "5"], capsys)  # both given: steps win (and the log names the conflict)
     assert both["plan"]["steps"] == 5
@@ -305,7 +401,9 @@ def test_pytorch_wandb_example_without_wandb_stops_at_start_up(mode, capsys):
 def test_rewards_given_drop_the_preset_weights(files, capsys):
     cfg = run([*small(files), "--reward-funcs", "gsm8k_format"], capsys)  # the preset weighs two rewards
     assert cfg["algorithm"]["reward_weights"] is None and cfg["plan"]["rewards"] == ["gsm8k_format"]
-    assert "did you mean 'gsm8k_correctness'" in refused([*small(files), "--reward-funcs", "gsm8k_corect"], capsys)
+    assert "did you mean 'gsm8k_correctness'" in refused(
+        [*small(files), "--reward-funcs", "gsm8k_corect"], capsys
+    )
 
 
 def test_prompts_without_answers_are_refused_before_a_model_loads(files, capsys):
@@ -315,15 +413,18 @@ def test_prompts_without_answers_are_refused_before_a_model_loads(files, capsys)
 
 # -- TorchRL (grpo.py) -------------------------------------------------------------------------------
 
+
 def test_torchrl_device_counts_name_torchrun(capsys):
-    err = refused(["train_model.num_devices=2", "ref_model.num_devices=2", "inference_model.num_devices=2"],
-                  capsys)
+    err = refused(
+        ["train_model.num_devices=2", "ref_model.num_devices=2", "inference_model.num_devices=2"], capsys
+    )
     assert "torchrun --nproc_per_node 2" in err
 
 
 def test_torchrl_device_lists_name_torchrun(capsys):
-    err = refused(["train_model.devices=[0,1]", "ref_model.devices=[2,3]", "inference_model.devices=[4,5]"],
-                  capsys)
+    err = refused(
+        ["train_model.devices=[0,1]", "ref_model.devices=[2,3]", "inference_model.devices=[4,5]"], capsys
+    )
     assert "torchrun --nproc_per_node 2" in err
 
 
@@ -369,16 +470,33 @@ def test_torchrl_learning_rate_sweep(capsys):
 
 
 def test_torchrl_two_parameter_sweep_uses_the_run_name(capsys):
-    runs = run(["--multirun", "optimizer.lr=1e-4,1e-5", "policy.kl_coef=0.01,0.1", "--run-name", "sweep1"], capsys,
-               "--print-config")
+    runs = run(
+        ["--multirun", "optimizer.lr=1e-4,1e-5", "policy.kl_coef=0.01,0.1", "--run-name", "sweep1"],
+        capsys,
+        "--print-config",
+    )
     assert [(r["optim"]["learning_rate"], r["algorithm"]["beta"]) for r in runs] == [
-        (1e-4, 0.01), (1e-4, 0.1), (1e-5, 0.01), (1e-5, 0.1)]
-    assert [r["train"]["output_dir"] for r in runs] == [str(Path("multirun", "sweep1", str(i))) for i in range(4)]
+        (1e-4, 0.01),
+        (1e-4, 0.1),
+        (1e-5, 0.01),
+        (1e-5, 0.1),
+    ]
+    assert [r["train"]["output_dir"] for r in runs] == [
+        str(Path("multirun", "sweep1", str(i))) for i in range(4)
+    ]
 
 
 def test_torchrl_other_settings(capsys):
-    cfg = run(["mode=async", "train.checkpoint_frequency=25", "env.num_envs=8", "env.repeats=4",
-               "train.optim_batch_size=2"], capsys)
+    cfg = run(
+        [
+            "mode=async",
+            "train.checkpoint_frequency=25",
+            "env.num_envs=8",
+            "env.repeats=4",
+            "train.optim_batch_size=2",
+        ],
+        capsys,
+    )
     assert cfg["distributed"]["rollout_mode"] == "async" and cfg["train"]["save_steps"] == 25
     assert (cfg["train"]["prompts_per_step"], cfg["generation"]["num_generations"]) == (8, 4)
     assert cfg["train"]["micro_batch_size"] == cfg["plan"]["micro_batch_size"] == 2
@@ -391,9 +509,15 @@ def test_torchrl_settings_without_counterpart_are_refused_with_advice(assignment
 
 # -- help ---------------------------------------------------------------------------------------------
 
+
 def test_help_shows_the_effective_default_and_its_source():
-    text = subprocess.run([sys.executable, "-m", "grpo", "train", "--help"], capture_output=True, text=True,
-                          check=True, env={**os.environ, "COLUMNS": "400"}).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "grpo", "train", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "400"},
+    ).stdout
     lr = next(line for line in text.splitlines() if "Peak AdamW learning rate" in line)
     assert "default: 0.0001 from the tiny_math preset" in lr and "1e-06" in lr
     assert "(default: None)" not in text and text.count("(default:") == text.count("(default: ")
@@ -401,8 +525,14 @@ def test_help_shows_the_effective_default_and_its_source():
 
 # -- runs that train: Quick Start, profiler, ESS, header lines -------------------------------------------
 
-QUICK = {"max_new_tokens": 8, "num_threads": 1, "progress_bar": False, "report": False, "tensorboard": False,
-         "eval_dataset": None}
+QUICK = {
+    "max_new_tokens": 8,
+    "num_threads": 1,
+    "progress_bar": False,
+    "report": False,
+    "tensorboard": False,
+    "eval_dataset": None,
+}
 
 
 @pytest.mark.slow
@@ -417,10 +547,22 @@ def test_quick_start_as_written(files, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(model_name)
     prompts = ["Your prompt 1", "Your prompt 2", "..."]
     dataset = SimplePromptDataset(prompts)
-    config = GRPOConfig(batch_size=4, num_epochs=3, learning_rate=1e-6, num_generations_per_prompt=4,
-                        output_dir=str(tmp_path / "grpo_output"), **QUICK)
-    trainer = GRPOTrainer(model=model, ref_model=ref_model, reward_model=model, tokenizer=tokenizer, config=config,
-                          train_dataset=dataset)
+    config = GRPOConfig(
+        batch_size=4,
+        num_epochs=3,
+        learning_rate=1e-6,
+        num_generations_per_prompt=4,
+        output_dir=str(tmp_path / "grpo_output"),
+        **QUICK,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        reward_model=model,
+        tokenizer=tokenizer,
+        config=config,
+        train_dataset=dataset,
+    )
     trainer.train()
     out = tmp_path / "grpo_output"
     saved = yaml.safe_load((out / "config.yaml").read_text())
@@ -446,9 +588,21 @@ def test_quick_start_without_answers_or_reward_model_stops_before_loading(files,
 def test_torch_profiler_trace_and_ess_in_colocated_mode(files, tmp_path):
     from grpo import GRPOConfig, GRPOTrainer
 
-    cfg = GRPOConfig(**{**QUICK, "model": str(files / "model"), "dataset": str(files / "train.jsonl"),
-                        "batch_size": 2, "num_generations": 2, "gradient_accumulation_steps": 1, "steps": 3,
-                        "logging_steps": 1, "save_steps": 0, "profiler": "torch", "output_dir": str(tmp_path / "r")})
+    cfg = GRPOConfig(
+        **{
+            **QUICK,
+            "model": str(files / "model"),
+            "dataset": str(files / "train.jsonl"),
+            "batch_size": 2,
+            "num_generations": 2,
+            "gradient_accumulation_steps": 1,
+            "steps": 3,
+            "logging_steps": 1,
+            "save_steps": 0,
+            "profiler": "torch",
+            "output_dir": str(tmp_path / "r"),
+        }
+    )
     GRPOTrainer(config=cfg).train()
     traces = list((tmp_path / "r" / "profile").glob("rank0.*.pt.trace.json"))
     assert len(traces) == 1
@@ -460,6 +614,7 @@ def test_torch_profiler_trace_and_ess_in_colocated_mode(files, tmp_path):
 
 
 # -- docs/scaling.md: TorchRL's device counts as torchrun learners + a Ray head (token auth) -------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -495,45 +650,109 @@ def test_scaling_doc_torchrl_translation_with_a_ray_head(files, tmp_path):
     bin_dir = Path(sys.executable).parent
     if not (bin_dir / "ray").exists() or not (bin_dir / "torchrun").exists():
         pytest.skip("ray / torchrun scripts not installed next to the interpreter")
-    root = Path(tempfile.mkdtemp(prefix="grpo-ray-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    root = Path(
+        tempfile.mkdtemp(prefix="grpo-ray-", dir="/tmp")
+    )  # short: Ray's socket paths must fit 107 bytes
     (root / "home").mkdir()
     # Isolated from other Ray clusters on the machine: its own temp dir (where `ray start` records the
     # address that ray_address=auto reads) and HOME (where the head writes its ~/.ray/auth_token).
-    env = {**os.environ, "TMPDIR": str(root), "HOME": str(root / "home"), "RAY_worker_niceness": "0",
-           "RAY_AUTH_MODE": "token",  # Ray's documented switch; set on the head and every learner
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"),
-                                          str(Path(__file__).resolve().parents[2])])}
+    env = {
+        **os.environ,
+        "TMPDIR": str(root),
+        "HOME": str(root / "home"),
+        "RAY_worker_niceness": "0",
+        "RAY_AUTH_MODE": "token",  # Ray's documented switch; set on the head and every learner
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2] / "src"), str(Path(__file__).resolve().parents[2])]
+        ),
+    }
     env.pop("RAY_ADDRESS", None)
     port = _free_port()
-    head = [str(bin_dir / "ray"), "start", "--head", "--num-cpus", "2", "--port", str(port),
-            "--ray-client-server-port", str(_free_port()), "--dashboard-port", str(_free_port()),
-            "--include-dashboard=false", "--disable-usage-stats"]
+    head = [
+        str(bin_dir / "ray"),
+        "start",
+        "--head",
+        "--num-cpus",
+        "2",
+        "--port",
+        str(port),
+        "--ray-client-server-port",
+        str(_free_port()),
+        "--dashboard-port",
+        str(_free_port()),
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
     try:
         # Ray's token-auth guide: generate the token, then start the head (2.60 turns auth on when one exists).
-        subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True,
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            [str(bin_dir / "ray"), "get-auth-token", "--generate"],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         started = subprocess.run(head, env=env, check=False, capture_output=True, text=True, timeout=180)
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         # Whether `ray start` says so varies between Ray builds; the refused learner below proves auth is on.
         # docs/scaling.md: torchrun --nproc_per_node 2 -m grpo train mode=async train_model.num_devices=2
         #   ref_model.num_devices=2 inference_model.num_devices=2  (+ a tiny model and a short run)
-        cmd = [str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "grpo", "train",
-               "mode=async", "train_model.num_devices=2", "ref_model.num_devices=2", "inference_model.num_devices=2",
-               f"model={files / 'model'}", f"dataset={files / 'train.jsonl'}", "steps=2", "batch_size=2",
-               "num_generations=2", "max_new_tokens=6", "gradient_accumulation_steps=1", "eval_dataset=none",
-               "progress_bar=false", "report=false", "tensorboard=false", "num_threads=1", "logging_steps=1",
-               f"output_dir={tmp_path / 'run'}"]
-        done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+        cmd = [
+            str(bin_dir / "torchrun"),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "grpo",
+            "train",
+            "mode=async",
+            "train_model.num_devices=2",
+            "ref_model.num_devices=2",
+            "inference_model.num_devices=2",
+            f"model={files / 'model'}",
+            f"dataset={files / 'train.jsonl'}",
+            "steps=2",
+            "batch_size=2",
+            "num_generations=2",
+            "max_new_tokens=6",
+            "gradient_accumulation_steps=1",
+            "eval_dataset=none",
+            "progress_bar=false",
+            "report=false",
+            "tensorboard=false",
+            "num_threads=1",
+            "logging_steps=1",
+            f"output_dir={tmp_path / 'run'}",
+        ]
+        done = subprocess.run(
+            cmd, check=False, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stderr.count("Run directory:") == 1  # header lines from rank 0 only
         metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in metrics] == [1, 2] and all("is/ess" in m for m in metrics)
         # A learner without the head's token is told how to pass it (not a bare ConnectionError).
-        wrong = subprocess.run([sys.executable, "-m", "grpo", "train", "mode=async", "ray_address=auto",
-                                *cmd[cmd.index("train") + 5:-1], f"output_dir={tmp_path / 'run2'}"],
-                               env={**env, "RAY_AUTH_TOKEN": "not-the-head-token"}, check=False, capture_output=True,
-                               text=True, timeout=300, cwd=tmp_path)
-        assert wrong.returncode == 2 and "RAY_AUTH_TOKEN=$(ray get-auth-token)" in wrong.stderr, wrong.stderr[-3000:]
+        wrong = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "grpo",
+                "train",
+                "mode=async",
+                "ray_address=auto",
+                *cmd[cmd.index("train") + 5 : -1],
+                f"output_dir={tmp_path / 'run2'}",
+            ],
+            env={**env, "RAY_AUTH_TOKEN": "not-the-head-token"},
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+        assert wrong.returncode == 2 and "RAY_AUTH_TOKEN=$(ray get-auth-token)" in wrong.stderr, wrong.stderr[
+            -3000:
+        ]
     finally:
         _kill_ray_started_under(root, port)
         time.sleep(1)

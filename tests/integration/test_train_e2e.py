@@ -14,9 +14,21 @@ from grpo.model.loading import bundled_model_path
 
 pytestmark = pytest.mark.slow
 
-SMALL = {"batch_size": 2, "num_generations": 4, "max_new_tokens": 24, "gradient_accumulation_steps": 2,
-         "learning_rate": 1e-3, "warmup_steps": 0, "logging_steps": 1, "progress_bar": False, "seed": 7,
-         "eval_dataset": None, "num_threads": 1, "beta": 0.04, "tensorboard": True}
+SMALL = {
+    "batch_size": 2,
+    "num_generations": 4,
+    "max_new_tokens": 24,
+    "gradient_accumulation_steps": 2,
+    "learning_rate": 1e-3,
+    "warmup_steps": 0,
+    "logging_steps": 1,
+    "progress_bar": False,
+    "seed": 7,
+    "eval_dataset": None,
+    "num_threads": 1,
+    "beta": 0.04,
+    "tensorboard": True,
+}
 
 
 def shortness(prompts, completions, **_):
@@ -34,10 +46,29 @@ def test_short_run_trains_saves_and_reloads(tmp_path):
     run(out, steps=4, save_steps=2)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
-    for key in ("reward", "reward_std", "reward/gsm8k_correctness", "reward/shortness", "reward/gsm8k_format", "frac_zero_std_groups",
-                "kl", "loss", "clip/low_frac", "clip/high_frac", "entropy", "completion_len/mean",
-                "truncated_frac", "grad_norm", "lr", "tokens_per_s", "time/rollout", "time/reward",
-                "time/reference", "time/update", "advantage/std"):
+    for key in (
+        "reward",
+        "reward_std",
+        "reward/gsm8k_correctness",
+        "reward/shortness",
+        "reward/gsm8k_format",
+        "frac_zero_std_groups",
+        "kl",
+        "loss",
+        "clip/low_frac",
+        "clip/high_frac",
+        "entropy",
+        "completion_len/mean",
+        "truncated_frac",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "time/rollout",
+        "time/reward",
+        "time/reference",
+        "time/update",
+        "advantage/std",
+    ):
         assert key in lines[-1], key
     assert all(math.isfinite(x["loss"]) and math.isfinite(x["grad_norm"]) for x in lines)
     assert lines[-1]["kl"] > 0  # the policy moved away from the reference
@@ -75,10 +106,21 @@ def test_seed_quick_start_runs_as_written(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(model_name)
     prompts = ["Your prompt 1", "Your prompt 2", "..."]
     dataset = SimplePromptDataset(prompts)
-    config = GRPOConfig(batch_size=4, num_epochs=3, learning_rate=1e-6, num_generations_per_prompt=4,
-                        output_dir=str(tmp_path / "grpo_output"))
-    trainer = GRPOTrainer(model=model, ref_model=ref_model, reward_model=model, tokenizer=tokenizer,
-                          config=config, train_dataset=dataset)
+    config = GRPOConfig(
+        batch_size=4,
+        num_epochs=3,
+        learning_rate=1e-6,
+        num_generations_per_prompt=4,
+        output_dir=str(tmp_path / "grpo_output"),
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        reward_model=model,
+        tokenizer=tokenizer,
+        config=config,
+        train_dataset=dataset,
+    )
     trainer.train()
     lines = [json.loads(x) for x in (tmp_path / "grpo_output" / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 3 and "reward/reward_model_likelihood" in lines[-1]
@@ -90,22 +132,73 @@ def test_seed_quick_start_runs_as_written(tmp_path):
 def test_final_model_is_resumable_like_a_checkpoint(tmp_path):
     run(tmp_path / "a", steps=2, save_steps=0)
     run(tmp_path / "a", steps=3, save_steps=0, resume=str(tmp_path / "a" / "final_model"))
-    assert [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+    ]
 
 
 def test_cli_train_eval_and_errors(tmp_path, capsys):
     out = tmp_path / "cli"
-    code = cli(["train", "--output-dir", str(out), "--steps", "2", "--batch-size", "2", "--num-generations", "4",
-                "--max-new-tokens", "16", "--learning-rate", "1e-4", "--save-steps", "1", "--logging-steps", "1",
-                "--seed", "3", "eval_before=false", "eval_after=false", "progress_bar=false",
-                "train.gradient_accumulation_steps=1", "--hf_access_token", "hf_SECRETXYZ"])
+    code = cli(
+        [
+            "train",
+            "--output-dir",
+            str(out),
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--num-generations",
+            "4",
+            "--max-new-tokens",
+            "16",
+            "--learning-rate",
+            "1e-4",
+            "--save-steps",
+            "1",
+            "--logging-steps",
+            "1",
+            "--seed",
+            "3",
+            "eval_before=false",
+            "eval_after=false",
+            "progress_bar=false",
+            "train.gradient_accumulation_steps=1",
+            "--hf_access_token",
+            "hf_SECRETXYZ",
+        ]
+    )
     assert code == 0 and (out / "final_model" / "model.safetensors").is_file()
     leaked = [p for p in out.rglob("*") if p.is_file() and b"hf_SECRETXYZ" in p.read_bytes()]
     assert not leaked, f"the token reached {leaked}"
     assert (out / "checkpoint-1").is_dir()
-    code = cli(["train", "--output-dir", str(out), "--steps", "3", "--batch-size", "2", "--num-generations", "4",
-                "--max-new-tokens", "16", "--save-steps", "1", "--resume", "latest", "eval_before=false",
-                "eval_after=false", "progress_bar=false", "train.gradient_accumulation_steps=1", "--seed", "3"])
+    code = cli(
+        [
+            "train",
+            "--output-dir",
+            str(out),
+            "--steps",
+            "3",
+            "--batch-size",
+            "2",
+            "--num-generations",
+            "4",
+            "--max-new-tokens",
+            "16",
+            "--save-steps",
+            "1",
+            "--resume",
+            "latest",
+            "eval_before=false",
+            "eval_after=false",
+            "progress_bar=false",
+            "train.gradient_accumulation_steps=1",
+            "--seed",
+            "3",
+        ]
+    )
     assert code == 0
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]

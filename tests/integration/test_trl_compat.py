@@ -18,16 +18,31 @@ from datasets import Dataset
 from grpo import GRPOConfig, GRPOTrainer
 
 pytestmark = pytest.mark.slow
-PROBLEMS = [("Maya has 6 stamps. Hugo has 2 times as many. How many does Hugo have?", "12"),
-            ("Yuki has 9 pens and loses 4. How many are left?", "5"),
-            ("What is 7 + 8?", "15"), ("Hugo has 3 bags of 4 apples. How many apples?", "12")]
+PROBLEMS = [
+    ("Maya has 6 stamps. Hugo has 2 times as many. How many does Hugo have?", "12"),
+    ("Yuki has 9 pens and loses 4. How many are left?", "5"),
+    ("What is 7 + 8?", "15"),
+    ("Hugo has 3 bags of 4 apples. How many apples?", "12"),
+]
 
 
 def _trl_args(tmp_path: Path, **kwargs) -> GRPOConfig:
     # TRL's field names; `report` is ours (no HTML report in a test)
-    return GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=16, max_steps=1, logging_steps=1, report_to="none", use_cpu=True,
-                      bf16=False, gradient_checkpointing=False, beta=0.04, report=False, **kwargs)
+    return GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+        max_steps=1,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        beta=0.04,
+        report=False,
+        **kwargs,
+    )
 
 
 def _last_metrics(run_dir: Path) -> dict:
@@ -45,11 +60,14 @@ def _trl_rewards():
     )
 
     return {
-        "accuracy_reward": accuracy_reward, "reasoning_accuracy_reward": reasoning_accuracy_reward,
+        "accuracy_reward": accuracy_reward,
+        "reasoning_accuracy_reward": reasoning_accuracy_reward,
         "think_format_reward": think_format_reward,
         "cosine_scaled_reward": get_cosine_scaled_reward(max_len=16),
         "repetition_penalty_reward": get_repetition_penalty_reward(ngram_size=2, max_penalty=-1.0),
-        "soft_overlong_punishment_reward": get_soft_overlong_punishment(max_completion_len=16, soft_punish_cache=4),
+        "soft_overlong_punishment_reward": get_soft_overlong_punishment(
+            max_completion_len=16, soft_punish_cache=4
+        ),
     }
 
 
@@ -59,17 +77,28 @@ def test_trls_six_reward_functions_train_unchanged_on_a_conversational_dataset(t
     def vandal(prompts, completions, solution, completion_ids, trainer_state, **_):
         # TRL's contract: prompts as the dataset gave them, completions as assistant messages, every column
         # under its own name, token ids, the trainer state. Then it edits its inputs: nobody else may see that.
-        seen.update(prompt=prompts[0], completion=completions[0], solution=solution[0], ids=completion_ids[0],
-                    step=trainer_state.global_step, epoch=trainer_state.epoch)
+        seen.update(
+            prompt=prompts[0],
+            completion=completions[0],
+            solution=solution[0],
+            ids=completion_ids[0],
+            step=trainer_state.global_step,
+            epoch=trainer_state.epoch,
+        )
         for completion in completions:
             completion[0]["content"] = "EDITED"
         return [0.0] * len(prompts)
 
     rewards = _trl_rewards()
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": q}], "solution": f"${a}$"}
-                                 for q, a in PROBLEMS])
-    trainer = GRPOTrainer(model="tiny-math-lm", reward_funcs=[vandal, *rewards.values()], args=_trl_args(tmp_path),
-                          train_dataset=dataset)
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": q}], "solution": f"${a}$"} for q, a in PROBLEMS]
+    )
+    trainer = GRPOTrainer(
+        model="tiny-math-lm",
+        reward_funcs=[vandal, *rewards.values()],
+        args=_trl_args(tmp_path),
+        train_dataset=dataset,
+    )
     trainer.train()
     metrics = _last_metrics(tmp_path)
     # each function ran on every completion and is logged on its own; accuracy rewards may be 0 but not missing
@@ -96,8 +125,12 @@ def test_trls_token_id_rewards_train_on_plain_prompts(tmp_path):
         return [float(len(c) > 3) for c in completions]
 
     dataset = Dataset.from_list([{"prompt": q, "solution": a} for q, a in PROBLEMS])
-    trainer = GRPOTrainer(model="tiny-math-lm", reward_funcs=[*plain, text_check], args=_trl_args(tmp_path),
-                          train_dataset=dataset)
+    trainer = GRPOTrainer(
+        model="tiny-math-lm",
+        reward_funcs=[*plain, text_check],
+        args=_trl_args(tmp_path),
+        train_dataset=dataset,
+    )
     trainer.train()
     metrics = _last_metrics(tmp_path)
     for name in ("repetition_penalty_reward", "soft_overlong_punishment_reward", "text_check"):
@@ -105,7 +138,7 @@ def test_trls_token_id_rewards_train_on_plain_prompts(tmp_path):
     assert isinstance(seen["completion"], str)
 
 
-TRL_SCRIPT = '''
+TRL_SCRIPT = """
 from datasets import Dataset
 from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
@@ -125,16 +158,18 @@ trainer = GRPOTrainer(model="Qwen/Qwen2-0.5B-Instruct", reward_funcs=reward_len,
                       train_dataset=dataset, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
 trainer.train()
 trainer.save_model("Qwen2-0.5B-GRPO/saved")
-'''
+"""
 
 
 def test_a_typical_trl_script_runs_by_swapping_the_import(tmp_path):
     pytest.importorskip("peft")
-    script = (TRL_SCRIPT.replace("from trl import", "from grpo import")
-              .replace('"Qwen/Qwen2-0.5B-Instruct"', '"tiny-math-lm"'))  # the one model available offline
+    script = TRL_SCRIPT.replace("from trl import", "from grpo import").replace(
+        '"Qwen/Qwen2-0.5B-Instruct"', '"tiny-math-lm"'
+    )  # the one model available offline
     (tmp_path / "script.py").write_text(script)
-    done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "Qwen2-0.5B-GRPO"
     lines = (run / "metrics.jsonl").read_text().splitlines()

@@ -63,11 +63,25 @@ def _trl_run(setup, trl_kwargs, tmp_path):
 
     model, tokenizer, prompt_ids, completions = setup
     n = len(completions)
-    args = TRLConfig(output_dir=str(tmp_path), per_device_train_batch_size=n, num_generations=G,
-                     max_completion_length=T, use_cpu=True, bf16=False, report_to="none",
-                     gradient_checkpointing=False, temperature=1.0, **trl_kwargs)
-    trainer = TRLTrainer(model=copy.deepcopy(model), reward_funcs=id_reward, args=args, processing_class=tokenizer,
-                         train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]))
+    args = TRLConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=n,
+        num_generations=G,
+        max_completion_length=T,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        gradient_checkpointing=False,
+        temperature=1.0,
+        **trl_kwargs,
+    )
+    trainer = TRLTrainer(
+        model=copy.deepcopy(model),
+        reward_funcs=id_reward,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+    )
 
     def fixed_generate(prompts):
         rows = [prompt_ids[PROMPTS.index(p)] for p in prompts]
@@ -86,8 +100,9 @@ def _trl_run(setup, trl_kwargs, tmp_path):
 
 def _our_run(setup, trl_kwargs):
     model, tokenizer, prompt_ids, completions = setup
-    cfg = GRPOConfig(per_device_train_batch_size=len(completions), num_generations=G, max_completion_length=T,
-                     **trl_kwargs)
+    cfg = GRPOConfig(
+        per_device_train_batch_size=len(completions), num_generations=G, max_completion_length=T, **trl_kwargs
+    )
     a = cfg.algorithm
     policy = copy.deepcopy(model).train()
     n = len(completions)
@@ -95,15 +110,20 @@ def _our_run(setup, trl_kwargs):
     ids = torch.full((n, width), tokenizer.pad_token_id)
     mask = torch.zeros((n, width))
     for row, c in enumerate(completions):
-        ids[row, :len(c)], mask[row, :len(c)] = torch.tensor(c), 1.0
+        ids[row, : len(c)], mask[row, : len(c)] = torch.tensor(c), 1.0
     group = torch.arange(len(PROMPTS)).repeat_interleave(G)
-    rollouts = Rollouts(prompt_index=group, completion_ids=ids, completion_mask=mask,
-                        sampling_logprobs=torch.zeros((n, width)),
-                        truncated=torch.tensor([c[-1] != tokenizer.eos_token_id for c in completions]))
+    rollouts = Rollouts(
+        prompt_index=group,
+        completion_ids=ids,
+        completion_mask=mask,
+        sampling_logprobs=torch.zeros((n, width)),
+        truncated=torch.tensor([c[-1] != tokenizer.eos_token_id for c in completions]),
+    )
     prompts = PromptBatch(prompts=PROMPTS, prompt_token_ids=prompt_ids)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-    scores = score_completions([id_reward], None, [PROMPTS[i] for i in group], texts,
-                               {"completion_ids": completions})
+    scores = score_completions(
+        [id_reward], None, [PROMPTS[i] for i in group], texts, {"completion_ids": completions}
+    )
     advantages = group_advantages(scores.total, group, a.advantage_scale, a.advantage_eps)
     batch = build_train_batch(prompts, rollouts, advantages, cfg, tokenizer.pad_token_id)
     logp, _ = token_logprobs(policy, batch, 1.0)
@@ -111,11 +131,24 @@ def _our_run(setup, trl_kwargs):
     if a.beta > 0:
         with torch.no_grad():
             ref, _ = token_logprobs(copy.deepcopy(model).eval(), batch, 1.0)
-    out = grpo_loss(logp, logp.detach(), ref, batch.advantages, batch.completion_mask, variant=a.loss_variant,
-                    clip_low=a.epsilon_low, clip_high=a.epsilon_high, beta=a.beta, aggregation=a.loss_aggregation,
-                    norm=LossNorm.from_mask(batch.completion_mask, T), kl_bias_correction=a.use_bias_correction_kl,
-                    variant_options={"temperature_pos": a.sapo_temperature_pos,
-                                     "temperature_neg": a.sapo_temperature_neg})
+    out = grpo_loss(
+        logp,
+        logp.detach(),
+        ref,
+        batch.advantages,
+        batch.completion_mask,
+        variant=a.loss_variant,
+        clip_low=a.epsilon_low,
+        clip_high=a.epsilon_high,
+        beta=a.beta,
+        aggregation=a.loss_aggregation,
+        norm=LossNorm.from_mask(batch.completion_mask, T),
+        kl_bias_correction=a.use_bias_correction_kl,
+        variant_options={
+            "temperature_pos": a.sapo_temperature_pos,
+            "temperature_neg": a.sapo_temperature_neg,
+        },
+    )
     out.loss.backward()
     grads = {k: p.grad.detach().clone() for k, p in policy.named_parameters() if p.grad is not None}
     return advantages, out.loss.detach(), grads

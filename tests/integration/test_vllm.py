@@ -25,8 +25,12 @@ from grpo.rollout import build_engine
 from grpo.train import build_train_batch
 
 pytestmark = pytest.mark.slow
-QUESTIONS = ["What is 3 + 4?", "Sam has 12 pens and buys 9 more. How many pens does he have?",
-             "A box holds 6 eggs. How many eggs are in 7 boxes?", "Ann had 30 cents and spent 14. How much is left?"]
+QUESTIONS = [
+    "What is 3 + 4?",
+    "Sam has 12 pens and buys 9 more. How many pens does he have?",
+    "A box holds 6 eggs. How many eggs are in 7 boxes?",
+    "Ann had 30 cents and spent 14. How much is left?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +44,12 @@ def parts():
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = build_engine("vllm", model, tokenizer)  # one LLM for the module: it takes ~15 s to start
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for q in QUESTIONS]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in QUESTIONS
+    ]
     yield model, tokenizer, engine, [list(p) for p in prompts]
     engine.close()
 
@@ -53,14 +61,21 @@ def _greedy(engine, prompts, n_tokens=40):
 def _same_rollouts(a, b):
     width = max(a.completion_ids.shape[1], b.completion_ids.shape[1])
     pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)
-    assert torch.equal(pad(a.completion_ids, 0) * pad(a.completion_mask, 0).long(),
-                       pad(b.completion_ids, 0) * pad(b.completion_mask, 0).long())
+    assert torch.equal(
+        pad(a.completion_ids, 0) * pad(a.completion_mask, 0).long(),
+        pad(b.completion_ids, 0) * pad(b.completion_mask, 0).long(),
+    )
     assert torch.equal(a.truncated, b.truncated) and torch.equal(a.lengths, b.lengths)
 
 
 def _learner_logprobs(model, tokenizer, prompts, rollouts, temperature):
-    batch = build_train_batch(PromptBatch([""] * len(prompts), prompts), rollouts,
-                              torch.zeros(len(rollouts.truncated)), GRPOConfig(), tokenizer.pad_token_id)
+    batch = build_train_batch(
+        PromptBatch([""] * len(prompts), prompts),
+        rollouts,
+        torch.zeros(len(rollouts.truncated)),
+        GRPOConfig(),
+        tokenizer.pad_token_id,
+    )
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch, temperature)
     return logp.float().cpu() * rollouts.completion_mask  # [N, T]
@@ -77,7 +92,9 @@ def test_group_of_n_has_the_sampling_distributions_logprobs(parts):
     model, tokenizer, engine, prompts = parts
     engine.sync_weights(model)
     torch.manual_seed(0)
-    rollouts = engine.generate(prompts, 4, SamplingParams(max_new_tokens=24, temperature=0.7, top_k=0, top_p=1.0))
+    rollouts = engine.generate(
+        prompts, 4, SamplingParams(max_new_tokens=24, temperature=0.7, top_k=0, top_p=1.0)
+    )
     assert rollouts.prompt_index.tolist() == [i for i in range(4) for _ in range(4)]
     learner = _learner_logprobs(model, tokenizer, prompts, rollouts, 0.7)
     assert (learner - rollouts.sampling_logprobs).abs().max() < 1e-3  # measured 1e-5 in float32
@@ -104,8 +121,10 @@ def test_stop_strings_eos_and_truncation_flags(parts):
     _same_rollouts(a, b)
     texts = tokenizer.batch_decode(a.completion_ids * a.completion_mask.long(), skip_special_tokens=True)
     last = a.completion_ids[torch.arange(len(texts)), a.lengths - 1]  # [N]
-    ended_on = ["=" if t.endswith("=") else "eos" if int(x) == tokenizer.eos_token_id else "?"
-                for t, x in zip(texts, last, strict=True)]
+    ended_on = [
+        "=" if t.endswith("=") else "eos" if int(x) == tokenizer.eos_token_id else "?"
+        for t, x in zip(texts, last, strict=True)
+    ]
     assert "=" in ended_on and all(e != "?" for e, cut in zip(ended_on, a.truncated, strict=True) if not cut)
     short = engine.generate(prompts, 1, SamplingParams(max_new_tokens=3, greedy=True))
     assert short.truncated.all() and (short.lengths == 3).all()
@@ -124,7 +143,9 @@ def test_weight_sync_changes_outputs_and_then_matches_native(parts):
     after = _greedy(engine, prompts)
     assert not torch.equal(before.completion_ids[:, :8], after.completion_ids[:, :8])
     _same_rollouts(after, _greedy(build_engine("native", changed, tokenizer), prompts))
-    sampled = engine.generate(prompts, 2, SamplingParams(max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0))
+    sampled = engine.generate(
+        prompts, 2, SamplingParams(max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0)
+    )
     learner = _learner_logprobs(changed, tokenizer, prompts, sampled, 1.0)
     assert (learner - sampled.sampling_logprobs).abs().max() < 1e-3
     engine.load_weights(model.named_parameters())  # by name (the Ray actors' path): back to the original
@@ -134,10 +155,26 @@ def test_weight_sync_changes_outputs_and_then_matches_native(parts):
 def test_short_training_run_logs_mismatch_and_syncs(tmp_path: Path):
     """`grpo train generation.engine=vllm` in its own process (vLLM keeps process-wide state)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
-    cmd = [sys.executable, "-m", "grpo", "train", "generation.engine=vllm", "--steps", "3",
-           "--output-dir", str(tmp_path), "train.eval_before=false", "train.eval_after=false",
-           "train.prompts_per_step=4", "generation.max_new_tokens=32", "--progress-bar", "false",
-           "train.report=false", "train.num_threads=2", "train.logging_steps=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo",
+        "train",
+        "generation.engine=vllm",
+        "--steps",
+        "3",
+        "--output-dir",
+        str(tmp_path),
+        "train.eval_before=false",
+        "train.eval_after=false",
+        "train.prompts_per_step=4",
+        "generation.max_new_tokens=32",
+        "--progress-bar",
+        "false",
+        "train.report=false",
+        "train.num_threads=2",
+        "train.logging_steps=1",
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -168,12 +205,34 @@ def test_server_mode_matches_native_before_and_after_a_weight_push(parts, tmp_pa
     model, tokenizer, _, prompts = parts
     model_dir = write_model_dir(model, tokenizer, tmp_path / "served")
     port = _free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING"}
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                               "--dtype", "float32", "--enforce-eager", "--port", str(port), "--max-model-len", "256",
-                               "--logprobs-mode", "processed_logprobs"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "256",
+            "--logprobs-mode",
+            "processed_logprobs",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -192,7 +251,9 @@ def test_server_mode_matches_native_before_and_after_a_weight_push(parts, tmp_pa
                 p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
         engine.sync_weights(changed)
         _same_rollouts(_greedy(engine, prompts), _greedy(build_engine("native", changed, tokenizer), prompts))
-        sampled = engine.generate(prompts, 3, SamplingParams(max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0))
+        sampled = engine.generate(
+            prompts, 3, SamplingParams(max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0)
+        )
         assert sampled.prompt_index.tolist() == [i for i in range(4) for _ in range(3)]
         learner = _learner_logprobs(changed, tokenizer, prompts, sampled, 1.0)
         assert (learner - sampled.sampling_logprobs).abs().max() < 1e-3
@@ -206,10 +267,27 @@ def test_ray_async_mode_runs_with_vllm_actors(tmp_path: Path):
     """rollout.mode=async: a Ray actor builds its own vLLM engine; weights reach it by name every step."""
     pytest.importorskip("ray")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
-    cmd = [sys.executable, "-m", "grpo", "train", "generation.engine=vllm", "rollout.mode=async", "--steps", "3",
-           "--output-dir", str(tmp_path), "train.eval_before=false", "train.eval_after=false",
-           "train.prompts_per_step=4", "generation.max_new_tokens=24", "--progress-bar", "false",
-           "train.report=false", "train.num_threads=1", "train.logging_steps=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo",
+        "train",
+        "generation.engine=vllm",
+        "rollout.mode=async",
+        "--steps",
+        "3",
+        "--output-dir",
+        str(tmp_path),
+        "train.eval_before=false",
+        "train.eval_after=false",
+        "train.prompts_per_step=4",
+        "generation.max_new_tokens=24",
+        "--progress-bar",
+        "false",
+        "train.report=false",
+        "train.num_threads=1",
+        "train.logging_steps=1",
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -226,8 +304,12 @@ def test_lora_adapter_sync_matches_the_peft_model(parts):
     from grpo.model.lora import apply_lora
 
     model, tokenizer, _, prompts = parts
-    lora = apply_lora(copy.deepcopy(model), LoraSettings(enabled=True, r=8, alpha=16,
-                                                         target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
+    lora = apply_lora(
+        copy.deepcopy(model),
+        LoraSettings(
+            enabled=True, r=8, alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]
+        ),
+    )
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, p in lora.named_parameters():

@@ -134,13 +134,16 @@ def test_unscored_completions_are_left_out_of_the_group_baseline():
     ids = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2])
     expected = torch.tensor([-1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     torch.testing.assert_close(group_advantages(rewards, ids, scale="group", eps=0.0), expected)
-    torch.testing.assert_close(group_advantages(rewards, ids, scale="none"), torch.tensor(
-        [-2.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(
+        group_advantages(rewards, ids, scale="none"), torch.tensor([-2.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0])
+    )
     # batch: std of the scored rewards [1, 3, 5, 2]: mean 2.75, squared deviations
     # 3.0625 + 0.0625 + 5.0625 + 0.5625 = 8.75, var 8.75 / 3, std 1.7078
     batch_std = math.sqrt(8.75 / 3)
-    torch.testing.assert_close(group_advantages(rewards, ids, scale="batch", eps=0.0), torch.tensor(
-        [-2 / batch_std, 0.0, 0.0, 2 / batch_std, 0.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(
+        group_advantages(rewards, ids, scale="batch", eps=0.0),
+        torch.tensor([-2 / batch_std, 0.0, 0.0, 2 / batch_std, 0.0, 0.0, 0.0, 0.0]),
+    )
     stats = group_reward_stats(rewards, ids)
     # zero-spread groups: group 1 (nothing scored) and group 2 (one scored) -> 2 of 3
     assert stats["frac_zero_std_groups"] == pytest.approx(2 / 3)

@@ -32,8 +32,13 @@ class FileTokenizer:
 
 
 def save(run: Path, step: int, model=None) -> Path:
-    return save_model_dir(run / f"checkpoint-{step}", model or tiny_llama(), FileTokenizer(), "seed: 1\n",
-                          {"step": step, "rng": rng_state()})
+    return save_model_dir(
+        run / f"checkpoint-{step}",
+        model or tiny_llama(),
+        FileTokenizer(),
+        "seed: 1\n",
+        {"step": step, "rng": rng_state()},
+    )
 
 
 @pytest.fixture
@@ -51,13 +56,19 @@ def test_a_saved_checkpoint_verifies_and_lists_every_file(run):
     assert not list(run.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("damage,reason", [
-    (lambda d: (d / "manifest.json").unlink(), "it has no manifest.json, so it was not written completely"),
-    (lambda d: (d / "model.safetensors").unlink(), "model.safetensors is missing"),
-    (lambda d: os.truncate(d / "model.safetensors", 100), "model.safetensors has 100 bytes where"),
-    (lambda d: _flip_last_byte(d / "training_state.pt"), "training_state.pt does not match its sha256"),
-    (lambda d: (d / "manifest.json").write_text("{not json"), "its manifest.json is unreadable"),
-])
+@pytest.mark.parametrize(
+    "damage,reason",
+    [
+        (
+            lambda d: (d / "manifest.json").unlink(),
+            "it has no manifest.json, so it was not written completely",
+        ),
+        (lambda d: (d / "model.safetensors").unlink(), "model.safetensors is missing"),
+        (lambda d: os.truncate(d / "model.safetensors", 100), "model.safetensors has 100 bytes where"),
+        (lambda d: _flip_last_byte(d / "training_state.pt"), "training_state.pt does not match its sha256"),
+        (lambda d: (d / "manifest.json").write_text("{not json"), "its manifest.json is unreadable"),
+    ],
+)
 def test_latest_skips_a_damaged_checkpoint_and_says_why(run, damage, reason, caplog):
     damage(run / "checkpoint-3")
     assert reason in verify_checkpoint(run / "checkpoint-3")
@@ -96,8 +107,11 @@ def test_disk_full_while_saving_leaves_the_previous_checkpoint_intact(run, monke
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ckpt.torch, "save", full)
-    with pytest.raises(CheckpointError, match=r"No space left on the device while saving checkpoint-4 in .*"
-                       r"MiB free\)\. The previous checkpoint checkpoint-3 is intact\..*--resume latest"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"No space left on the device while saving checkpoint-4 in .*"
+        r"MiB free\)\. The previous checkpoint checkpoint-3 is intact\..*--resume latest",
+    ):
         save(run, 4)
     with pytest.raises(CheckpointError, match="checkpoint-2 is intact"):
         save(run, 3)  # re-saving an existing step: the old copy must survive too
@@ -117,7 +131,11 @@ def test_prune_keeps_the_newest_and_the_resumed_from_checkpoint(run):
     for step in (4, 5):
         save(run, step)
     prune_checkpoints(run, keep=2, protect=(run / "checkpoint-5", run / "checkpoint-2"))
-    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-5",
+    ]
 
 
 def test_every_rng_round_trips_through_a_weights_only_load(tmp_path):

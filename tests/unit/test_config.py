@@ -6,11 +6,28 @@ from grpo.config import ConfigError, GRPOConfig, load_config, preset_names, reso
 
 
 def test_seed_grpoconfig_fields_map_onto_the_tree():
-    cfg = GRPOConfig(batch_size=4, num_epochs=3, learning_rate=1e-6, num_generations_per_prompt=4,
-                     max_new_tokens=64, temperature=0.7, top_k=50, top_p=0.9, gradient_accumulation_steps=4,
-                     max_grad_norm=1.0, warmup_steps=100, kl_coef=0.1, clip_range=0.2, gamma=1.0,
-                     logging_steps=10, save_steps=500, output_dir="./grpo_output", use_wandb=False,
-                     wandb_project="p", wandb_run_name="r")
+    cfg = GRPOConfig(
+        batch_size=4,
+        num_epochs=3,
+        learning_rate=1e-6,
+        num_generations_per_prompt=4,
+        max_new_tokens=64,
+        temperature=0.7,
+        top_k=50,
+        top_p=0.9,
+        gradient_accumulation_steps=4,
+        max_grad_norm=1.0,
+        warmup_steps=100,
+        kl_coef=0.1,
+        clip_range=0.2,
+        gamma=1.0,
+        logging_steps=10,
+        save_steps=500,
+        output_dir="./grpo_output",
+        use_wandb=False,
+        wandb_project="p",
+        wandb_run_name="r",
+    )
     assert cfg.train.prompts_per_step == 4 and cfg.optim.learning_rate == 1e-6
     assert cfg.generation.num_generations == 4 and cfg.algorithm.beta == 0.1
     assert cfg.algorithm.epsilon_low == cfg.algorithm.epsilon_high == 0.2
@@ -20,13 +37,19 @@ def test_seed_grpoconfig_fields_map_onto_the_tree():
     cfg.validate()
 
 
-@pytest.mark.parametrize("key,path", [
-    ("optimizer.lr", ("optim.learning_rate",)), ("grpo_beta", ("algorithm.beta",)),
-    ("--max-prefill-predict-length", ("data.max_prompt_length",)), ("env.dataset", ("data.dataset",)),
-    ("train_model.num_devices", ("distributed.train_devices",)), ("inference_rollouts",
-                                                                    ("distributed.weight_sync_steps",)),
-    ("grpo_epsilon", ("algorithm.epsilon_low", "algorithm.epsilon_high")), ("model_name", ("model.name_or_path",)),
-])
+@pytest.mark.parametrize(
+    "key,path",
+    [
+        ("optimizer.lr", ("optim.learning_rate",)),
+        ("grpo_beta", ("algorithm.beta",)),
+        ("--max-prefill-predict-length", ("data.max_prompt_length",)),
+        ("env.dataset", ("data.dataset",)),
+        ("train_model.num_devices", ("distributed.train_devices",)),
+        ("inference_rollouts", ("distributed.weight_sync_steps",)),
+        ("grpo_epsilon", ("algorithm.epsilon_low", "algorithm.epsilon_high")),
+        ("model_name", ("model.name_or_path",)),
+    ],
+)
 def test_aliases(key, path):
     assert resolve_key(key) == path
 
@@ -36,29 +59,41 @@ def test_unknown_key_suggests_the_closest():
         GRPOConfig(lerning_rate=1e-5)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"beta": "high"}, "algorithm.beta expects float, got 'high'"),
-    ({"steps": "1.5"}, "train.steps expects int"),
-    ({"num_generations": 1}, "at least 2"),
-    ({"temperature": 0}, "temperature must be > 0"),
-    ({"top_p": 1.5}, "top_p must be in"),
-    ({"loss_aggregation": "mean"}, "is not one of sequence_mean, token_mean, constant"),
-    ({"batch_size": 3, "num_generations": 4, "gradient_accumulation_steps": 5},
-     r"3 × 4 = 12, which gradient_accumulation_steps = 5 does not divide.*1, 2, 3, 4, 6, 12"),
-    ({"use_pathways": "true"}, "TPU orchestration"),
-    ({"profiler": "xplane"}, "JAX/TPU"),
-    ({"inference_replicas": 4}, "inference_replicas=4"),
-    ({"reward_funcs": [], "reward_model": None}, "No reward"),
-    ({"reward_weights": "1,2,3"}, "3 entries but there are 2 rewards"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"beta": "high"}, "algorithm.beta expects float, got 'high'"),
+        ({"steps": "1.5"}, "train.steps expects int"),
+        ({"num_generations": 1}, "at least 2"),
+        ({"temperature": 0}, "temperature must be > 0"),
+        ({"top_p": 1.5}, "top_p must be in"),
+        ({"loss_aggregation": "mean"}, "is not one of sequence_mean, token_mean, constant"),
+        (
+            {"batch_size": 3, "num_generations": 4, "gradient_accumulation_steps": 5},
+            r"3 × 4 = 12, which gradient_accumulation_steps = 5 does not divide.*1, 2, 3, 4, 6, 12",
+        ),
+        ({"use_pathways": "true"}, "TPU orchestration"),
+        ({"profiler": "xplane"}, "JAX/TPU"),
+        ({"inference_replicas": 4}, "inference_replicas=4"),
+        ({"reward_funcs": [], "reward_model": None}, "No reward"),
+        ({"reward_weights": "1,2,3"}, "3 entries but there are 2 rewards"),
+    ],
+)
 def test_impossible_values_name_the_constraint(overrides, message):
     with pytest.raises(ConfigError, match=message):
         GRPOConfig(**overrides).validate()
 
 
 def test_string_values_from_the_command_line_are_typed():
-    cfg = GRPOConfig(**{"train.steps": "12", "use_wandb": "true", "stop_strings": "</answer>,###",
-                        "reward_weights": "[1.0, 0.5]", "micro_batch_size": "none"})
+    cfg = GRPOConfig(
+        **{
+            "train.steps": "12",
+            "use_wandb": "true",
+            "stop_strings": "</answer>,###",
+            "reward_weights": "[1.0, 0.5]",
+            "micro_batch_size": "none",
+        }
+    )
     assert cfg.train.steps == 12 and cfg.train.use_wandb is True
     assert cfg.generation.stop_strings == ["</answer>", "###"]
     assert cfg.algorithm.reward_weights == [1.0, 0.5] and cfg.train.micro_batch_size is None
@@ -91,7 +126,16 @@ def test_cli_accepts_key_value_overrides_between_flags():
     parser = build_parser()
     argv = ["train", "--steps", "1", "optimizer.lr=1e-3", "--dataset", "a=b.jsonl", "--seed", "3", "beta=0.1"]
     # key=value words go before the flags (a bare flag such as --resume must not take one as its value)
-    assert _assignments_first(parser, argv) == ["train", "optimizer.lr=1e-3", "beta=0.1", "--steps", "1", "--dataset",
-                                               "a=b.jsonl", "--seed", "3"]
+    assert _assignments_first(parser, argv) == [
+        "train",
+        "optimizer.lr=1e-3",
+        "beta=0.1",
+        "--steps",
+        "1",
+        "--dataset",
+        "a=b.jsonl",
+        "--seed",
+        "3",
+    ]
     args = parser.parse_args(_assignments_first(parser, argv))
     assert args.assignments == ["optimizer.lr=1e-3", "beta=0.1"]

@@ -39,14 +39,19 @@ def _round(rewards: list[list[float]], width: int, tag: str) -> ScoredRollouts:
     n_prompts, g = len(rewards), len(rewards[0])
     n = n_prompts * g
     flat = torch.tensor([r for group in rewards for r in group])
-    prompts = PromptBatch(prompts=[f"{tag}{i}" for i in range(n_prompts)],
-                          prompt_token_ids=[[i] for i in range(n_prompts)],
-                          columns={"answer": [f"a{tag}{i}" for i in range(n_prompts)]},
-                          indices=list(range(n_prompts)))
-    rollouts = Rollouts(prompt_index=torch.arange(n_prompts).repeat_interleave(g),
-                        completion_ids=torch.arange(n * width).reshape(n, width) + 10,
-                        completion_mask=torch.ones(n, width), sampling_logprobs=torch.zeros(n, width),
-                        truncated=torch.zeros(n, dtype=torch.bool))
+    prompts = PromptBatch(
+        prompts=[f"{tag}{i}" for i in range(n_prompts)],
+        prompt_token_ids=[[i] for i in range(n_prompts)],
+        columns={"answer": [f"a{tag}{i}" for i in range(n_prompts)]},
+        indices=list(range(n_prompts)),
+    )
+    rollouts = Rollouts(
+        prompt_index=torch.arange(n_prompts).repeat_interleave(g),
+        completion_ids=torch.arange(n * width).reshape(n, width) + 10,
+        completion_mask=torch.ones(n, width),
+        sampling_logprobs=torch.zeros(n, width),
+        truncated=torch.zeros(n, dtype=torch.bool),
+    )
     scores = RewardScores(per_function=flat[:, None], names=["r"], total=flat, none_applicable=0)
     return ScoredRollouts(prompts, rollouts, [f"{tag}c{i}" for i in range(n)], scores, flat.clone())
 
@@ -54,8 +59,10 @@ def _round(rewards: list[list[float]], width: int, tag: str) -> ScoredRollouts:
 def test_select_then_concat_keeps_groups_together_and_renumbers_them():
     first = _round([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]], width=2, tag="A")  # only prompt 1 is informative
     second = _round([[1.0, 0.0], [0.5, 0.5]], width=3, tag="B")  # only prompt 0
-    kept = [select_groups(q, informative_prompts(q.rewards, q.rollouts.prompt_index, q.num_prompts))
-            for q in (first, second)]
+    kept = [
+        select_groups(q, informative_prompts(q.rewards, q.rollouts.prompt_index, q.num_prompts))
+        for q in (first, second)
+    ]
     batch = concat_rounds(kept, pad_id=0)
     assert batch.prompts.prompts == ["A1", "B0"]
     assert batch.prompts.columns == {"answer": ["aA1", "aB0"]}
@@ -75,10 +82,14 @@ def _loss(logp, old, adv, variant="grpo", **kw):
 
 def test_gspo_clips_one_length_normalised_ratio_per_sequence():
     old = torch.zeros(3, 2)
-    logp = torch.tensor([[math.log(1.2), math.log(0.9)],  # s = sqrt(1.2·0.9) = 1.03923: inside the clip
-                         [math.log(1.5), math.log(1.5)],  # s = 1.5 > 1.2 with Â > 0: clipped high
-                         [math.log(0.5), math.log(0.5)]],  # s = 0.5 < 0.8 with Â < 0: clipped low
-                        requires_grad=True)
+    logp = torch.tensor(
+        [
+            [math.log(1.2), math.log(0.9)],  # s = sqrt(1.2·0.9) = 1.03923: inside the clip
+            [math.log(1.5), math.log(1.5)],  # s = 1.5 > 1.2 with Â > 0: clipped high
+            [math.log(0.5), math.log(0.5)],
+        ],  # s = 0.5 < 0.8 with Â < 0: clipped low
+        requires_grad=True,
+    )
     adv = torch.tensor([[1.0, 1.0], [1.0, 1.0], [-1.0, -1.0]])
     out = _loss(logp, old, adv, "gspo", clip_low=0.2, clip_high=0.2)
     s0 = math.sqrt(1.2 * 0.9)

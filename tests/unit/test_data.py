@@ -22,8 +22,10 @@ def test_simple_prompt_dataset_and_columns():
 
 
 def test_local_formats_and_gsm8k_columns(tmp_path):
-    rows = [{"question": "1+1?", "answer": "1+1=2\n#### 2", "source": "x"}, {"question": "2+2?", "answer": "#### 4",
-                                                                             "source": "y"}]
+    rows = [
+        {"question": "1+1?", "answer": "1+1=2\n#### 2", "source": "x"},
+        {"question": "2+2?", "answer": "#### 4", "source": "y"},
+    ]
     jsonl = write_jsonl(tmp_path / "d.jsonl", rows)
     pd.DataFrame(rows).to_parquet(tmp_path / "d.parquet")
     pd.DataFrame(rows).to_csv(tmp_path / "d.csv", index=False)
@@ -40,11 +42,17 @@ def test_bundled_task_is_gsm8k_schema():
     assert not {r["prompt"] for r in test} & {r["prompt"] for r in train}
 
 
-@pytest.mark.parametrize("rows,message", [
-    ([], "empty"),
-    ([{"text": "no prompt column"}], "no prompt column"),
-    ([{"prompt": "ok"}, {"prompt": ""}, {"prompt": None}], r"rows 1, 2 \(counting from 0\) have an empty or missing 'prompt'"),
-])
+@pytest.mark.parametrize(
+    "rows,message",
+    [
+        ([], "empty"),
+        ([{"text": "no prompt column"}], "no prompt column"),
+        (
+            [{"prompt": "ok"}, {"prompt": ""}, {"prompt": None}],
+            r"rows 1, 2 \(counting from 0\) have an empty or missing 'prompt'",
+        ),
+    ],
+)
 def test_bad_datasets_are_refused_with_the_reason(tmp_path, rows, message):
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -71,9 +79,13 @@ class WordTokenizer:
 def test_long_prompt_policy():
     prompts = ["one two three", "a b c d e f g h", "x"]
     strict = PromptFormatter(WordTokenizer(), DataConfig(max_prompt_length=4))
-    with pytest.raises(ConfigError, match=r"1 prompt\(s\) are longer than data.max_prompt_length = 4.*rows 11"):
+    with pytest.raises(
+        ConfigError, match=r"1 prompt\(s\) are longer than data.max_prompt_length = 4.*rows 11"
+    ):
         strict.encode(prompts, indices=[10, 11, 12])
-    lenient = PromptFormatter(WordTokenizer(), DataConfig(max_prompt_length=4, long_prompt_policy="truncate_left"))
+    lenient = PromptFormatter(
+        WordTokenizer(), DataConfig(max_prompt_length=4, long_prompt_policy="truncate_left")
+    )
     ids = lenient.encode(prompts)
     assert ids[1] == [1, 1, 1, 1] and lenient.truncated_count == 1 and ids[0] == [3, 3, 5]
 

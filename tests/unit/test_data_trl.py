@@ -40,7 +40,8 @@ def test_reward_prompts_are_the_datasets_and_text_is_templated_once(tokenizer):
     assert formatter.text(templated) == templated  # a dataset templated beforehand is not templated again
     trl_like = PromptFormatter(tokenizer, DataConfig(chat_template_for_text=False))
     assert trl_like.text("What is 1 + 1?") == "What is 1 + 1?" and trl_like.text(CHAT) == templated.replace(
-        "1 + 1", "2 + 3")
+        "1 + 1", "2 + 3"
+    )
 
 
 def test_chat_template_kwargs_reach_the_template(tokenizer):

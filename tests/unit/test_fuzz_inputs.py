@@ -14,10 +14,16 @@ from grpo.data import PromptStream, load_rows, normalise_rows
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 KEYS = st.one_of(st.sampled_from(sorted(set(all_paths()) | set(ALIASES))), st.text(max_size=20))
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=20))
-VALUES = st.one_of(SCALARS, st.lists(SCALARS, max_size=3), st.dictionaries(st.text(max_size=5), SCALARS, max_size=2))
-JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=10)),
-                    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner,
-                                                                                          max_size=3)), max_leaves=8)
+VALUES = st.one_of(
+    SCALARS, st.lists(SCALARS, max_size=3), st.dictionaries(st.text(max_size=5), SCALARS, max_size=2)
+)
+JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=10)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
 
 
 @FAST
@@ -42,7 +48,13 @@ def test_any_yaml_text_gives_settings_or_a_config_error(text):
 
 
 @FAST
-@given(st.dictionaries(st.sampled_from(["train", "optim", "model", "x", 1]), st.one_of(VALUES, st.dictionaries(KEYS, VALUES, max_size=3)), max_size=3))
+@given(
+    st.dictionaries(
+        st.sampled_from(["train", "optim", "model", "x", 1]),
+        st.one_of(VALUES, st.dictionaries(KEYS, VALUES, max_size=3)),
+        max_size=3,
+    )
+)
 def test_any_yaml_tree_gives_settings_or_a_config_error(tree):
     try:
         GRPOConfig().update(flatten(tree)).validate()
@@ -51,8 +63,12 @@ def test_any_yaml_tree_gives_settings_or_a_config_error(tree):
 
 
 @FAST
-@given(st.one_of(st.binary(max_size=200), st.lists(JSON, max_size=4).map(
-    lambda rows: "\n".join(json.dumps(r) for r in rows).encode())))
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        st.lists(JSON, max_size=4).map(lambda rows: "\n".join(json.dumps(r) for r in rows).encode()),
+    )
+)
 def test_any_jsonl_file_gives_valid_rows_or_a_config_error(data):
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "d.jsonl"

@@ -29,8 +29,22 @@ CASES = [
     (1000, "Rivers flow to the sea", True, True, [True], [True]),
     (1000, "Rivers, lakes and seas.", False, False, [False], [False]),
     (1000, "Sure, here it is:\nRivers flow to the sea", False, True, [False], [True]),  # loose drops line 1
-    (1001, "the cat is a small animal that purrs. it sleeps all day long.", True, True, [True, True], [True, True]),
-    (1001, "The cat is a small animal that purrs. It sleeps all day long.", False, False, [True, False], [True, False]),
+    (
+        1001,
+        "the cat is a small animal that purrs. it sleeps all day long.",
+        True,
+        True,
+        [True, True],
+        [True, True],
+    ),
+    (
+        1001,
+        "The cat is a small animal that purrs. It sleeps all day long.",
+        False,
+        False,
+        [True, False],
+        [True, False],
+    ),
     (1001, "a cat. it purrs. it sleeps. it eats.", False, False, [False, True], [False, True]),
     (1002, "* red\n* green\n* blue\nAny other questions?", True, True, [True, True], [True, True]),
     (1002, "* red\n* green\nAny other questions?", False, False, [False, True], [False, True]),
@@ -56,8 +70,11 @@ def test_unknown_instruction_and_missing_arguments_are_errors_not_silent_skips()
 
 def test_sentence_counting_works_offline_and_knows_abbreviations():
     # No NLTK data is installed here, so this runs the offline Punkt fallback (or the real model if present).
-    assert check_instructions("Mr. Smith met Dr. Jones. They talked.", ["length_constraints:number_sentences"],
-                              [{"num_sentences": 3, "relation": "less than"}]).prompt_strict
+    assert check_instructions(
+        "Mr. Smith met Dr. Jones. They talked.",
+        ["length_constraints:number_sentences"],
+        [{"num_sentences": 3, "relation": "less than"}],
+    ).prompt_strict
 
 
 def test_offline_fallback_replaces_only_the_two_nltk_entry_points(monkeypatch):
@@ -67,16 +84,30 @@ def test_offline_fallback_replaces_only_the_two_nltk_entry_points(monkeypatch):
     util = types.SimpleNamespace(nltk=None, _get_sentence_tokenizer=None)
     _use_offline_nltk_if_needed(util)
     assert util._get_sentence_tokenizer().tokenize("Mr. Smith left. He slept, e.g. at home.") == [
-        "Mr. Smith left.", "He slept, e.g. at home."]
+        "Mr. Smith left.",
+        "He slept, e.g. at home.",
+    ]
     assert util.nltk.word_tokenize("HELLO world. It's MY day.") == [
-        "HELLO", "world", ".", "It", "'s", "MY", "day", "."]
+        "HELLO",
+        "world",
+        ".",
+        "It",
+        "'s",
+        "MY",
+        "day",
+        ".",
+    ]
     assert util.nltk.tokenize.RegexpTokenizer  # the rest of nltk is passed through
 
 
 def test_torchrl_ifeval_reward_worked_cases():
     row = ROWS[1000]
     cases = [  # (completion, truncated, reward)
-        ("<think>ok</think><answer>Rivers flow to the sea.</answer>", False, 0.4 + 0.3 + 0.2 + 0.1 + 0.5 + 0.5 + 0.2),
+        (
+            "<think>ok</think><answer>Rivers flow to the sea.</answer>",
+            False,
+            0.4 + 0.3 + 0.2 + 0.1 + 0.5 + 0.5 + 0.2,
+        ),
         ("<think>ok</think><answer>Rivers flow to the sea.</answer>", True, 2.0),  # cut off: no 0.2 bonus
         ("<answer>Rivers, lakes.</answer>", False, 0.5 + 0.2),  # no think block, instruction failed
         ("Rivers flow.", False, 0.2),  # no <answer>: the empty string is checked
@@ -85,13 +116,22 @@ def test_torchrl_ifeval_reward_worked_cases():
         ("<think>ok</think><answer>Rivers flow.</answer>", None, 2.0),  # unknown completion state: no bonus
     ]
     completions = [c for c, _, _ in cases]
-    rewards = torchrl_ifeval([row["prompt"]] * len(cases), completions, [row["instruction_id_list"]] * len(cases),
-                             kwargs=[row["kwargs"]] * len(cases), completion_truncated=[t for _, t, _ in cases])
+    rewards = torchrl_ifeval(
+        [row["prompt"]] * len(cases),
+        completions,
+        [row["instruction_id_list"]] * len(cases),
+        kwargs=[row["kwargs"]] * len(cases),
+        completion_truncated=[t for _, t, _ in cases],
+    )
     assert rewards == pytest.approx([r for _, _, r in cases])
     two = ROWS[1001]  # instruction strict 0.5, loose 0.5 → 0.3·0.5 + 0.1·0.5 = 0.2
-    assert torchrl_ifeval([two["prompt"]], ["<think>t</think><answer>A cat purrs. It sleeps.</answer>"],
-                          [two["instruction_id_list"]], kwargs=[two["kwargs"]],
-                          completion_truncated=[False]) == pytest.approx([0.2 + 1.0 + 0.2])
+    assert torchrl_ifeval(
+        [two["prompt"]],
+        ["<think>t</think><answer>A cat purrs. It sleeps.</answer>"],
+        [two["instruction_id_list"]],
+        kwargs=[two["kwargs"]],
+        completion_truncated=[False],
+    ) == pytest.approx([0.2 + 1.0 + 0.2])
     assert REWARD_FUNCTIONS["torchrl_ifeval"] is torchrl_ifeval
 
 
@@ -100,9 +140,13 @@ class _CannedEngine:
 
     def generate(self, prompt_ids, n, sampling, chunk_prompts=None):
         ids = torch.tensor([[ids[0]] for ids in prompt_ids for _ in range(n)])
-        return Rollouts(prompt_index=torch.arange(len(prompt_ids)).repeat_interleave(n), completion_ids=ids,
-                        completion_mask=torch.ones_like(ids, dtype=torch.float), sampling_logprobs=torch.zeros(ids.shape),
-                        truncated=torch.zeros(len(ids), dtype=torch.bool))
+        return Rollouts(
+            prompt_index=torch.arange(len(prompt_ids)).repeat_interleave(n),
+            completion_ids=ids,
+            completion_mask=torch.ones_like(ids, dtype=torch.float),
+            sampling_logprobs=torch.zeros(ids.shape),
+            truncated=torch.zeros(len(ids), dtype=torch.bool),
+        )
 
 
 class _CannedTokenizer:
@@ -121,8 +165,12 @@ class _CannedTokenizer:
 
 def test_evaluate_reports_the_four_ifeval_accuracies_pooled_per_instruction():
     rows = load_rows(str(FIXTURE), DataConfig())
-    responses = ["Sure, here it is:\nRivers flow to the sea", "the cat is a small animal that purrs. it sleeps all day long.",
-                 "* red\n* green\nAny other questions?", "The SUN is VERY hot and bright."]
+    responses = [
+        "Sure, here it is:\nRivers flow to the sea",
+        "the cat is a small animal that purrs. it sleeps all day long.",
+        "* red\n* green\nAny other questions?",
+        "The SUN is VERY hot and bright.",
+    ]
     tokenizer = _CannedTokenizer([r["prompt"] for r in rows], responses)
     result = evaluate(_CannedEngine(), PromptFormatter(tokenizer, DataConfig()), rows, max_new_tokens=8)
     assert result.accuracy == 0.5  # prompt-level strict: rows 1001 and 1003

@@ -18,10 +18,14 @@ def test_weights_are_pi_old_over_behaviour_truncated_and_ess_is_kish():
     batch.advantages = torch.ones(8, 2)
     old = torch.zeros(8, 2)
     # behaviour log-probs: w = exp(old - behaviour) = 1.5 on column 0 and 3 → capped at 2 on column 1
-    batch.behaviour_logprobs = torch.stack([torch.full((8,), -math.log(1.5)), torch.full((8,), -math.log(3.0))], 1)
+    batch.behaviour_logprobs = torch.stack(
+        [torch.full((8,), -math.log(1.5)), torch.full((8,), -math.log(3.0))], 1
+    )
     totals: dict[str, float] = {}
     weighted = learner._importance_weighted(batch, slice(0, 8), batch.rows(slice(0, 8)), old, totals)
-    assert torch.allclose(weighted[:, 0], torch.full((8,), 1.5)) and torch.allclose(weighted[:, 1], torch.full((8,), 2.0))
+    assert torch.allclose(weighted[:, 0], torch.full((8,), 1.5)) and torch.allclose(
+        weighted[:, 1], torch.full((8,), 2.0)
+    )
     assert torch.equal(batch.advantages, weighted)  # written back for later passes (num_iterations > 1)
     from grpo.learner import _importance_stats
 
@@ -79,6 +83,8 @@ def test_mismatch_metrics_mean_max_and_k3_kl():
     out = mismatch_metrics(sampler, learner, _MASK)
     assert math.isclose(out["mismatch/logp_abs_mean"], 1.4 / 5, rel_tol=1e-6)
     assert math.isclose(out["mismatch/logp_abs_max"], 1.0, rel_tol=1e-6)
-    k3 = sum(math.exp(d) - d - 1 for d in (-0.1, 0.0, 0.3, 0.0, 1.0)) / 5  # = (0.004837 + 0.049859 + 0.718282)/5
+    k3 = (
+        sum(math.exp(d) - d - 1 for d in (-0.1, 0.0, 0.3, 0.0, 1.0)) / 5
+    )  # = (0.004837 + 0.049859 + 0.718282)/5
     assert math.isclose(out["mismatch/kl"], k3, rel_tol=1e-5) and math.isclose(k3, 0.154596, rel_tol=1e-4)
     assert mismatch_metrics(sampler, learner, torch.zeros(2, 3)) == {}

@@ -17,25 +17,47 @@ def random_batch(n=8, prompt_width=5, t=7, vocab=48, seed=0) -> TrainBatch:
     attn = torch.zeros(n, prompt_width + t, dtype=torch.long)
     mask = torch.zeros(n, t)
     for i in range(n):
-        attn[i, prompt_width - prompt_lens[i]:prompt_width + comp_lens[i]] = 1
-        mask[i, :comp_lens[i]] = 1
+        attn[i, prompt_width - prompt_lens[i] : prompt_width + comp_lens[i]] = 1
+        mask[i, : comp_lens[i]] = 1
     ids = ids.masked_fill(attn == 0, 0)
     adv = torch.randn(n, generator=g)[:, None] * mask
-    return TrainBatch(input_ids=ids, attention_mask=attn, prompt_width=prompt_width, completion_mask=mask,
-                      advantages=adv, group_ids=torch.arange(n) // 4,
-                      ref_logprobs=-torch.rand(n, t, generator=g) * 3 * mask)
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        prompt_width=prompt_width,
+        completion_mask=mask,
+        advantages=adv,
+        group_ids=torch.arange(n) // 4,
+        ref_logprobs=-torch.rand(n, t, generator=g) * 3 * mask,
+    )
 
 
-def gradient_after_step(aggregation: str, micro: int, beta: float, iterations: int = 1, engine: str = "native"):
+def gradient_after_step(
+    aggregation: str, micro: int, beta: float, iterations: int = 1, engine: str = "native"
+):
     model = tiny_llama()
-    cfg = GRPOConfig(batch_size=2, num_generations=4, micro_batch_size=micro, loss_aggregation=aggregation,
-                     beta=beta, max_new_tokens=7, learning_rate=1e-3, warmup_steps=0, max_grad_norm=0,
-                     num_iterations=iterations, temperature=0.9, engine=engine).validate()
+    cfg = GRPOConfig(
+        batch_size=2,
+        num_generations=4,
+        micro_batch_size=micro,
+        loss_aggregation=aggregation,
+        beta=beta,
+        max_new_tokens=7,
+        learning_rate=1e-3,
+        warmup_steps=0,
+        max_grad_norm=0,
+        num_iterations=iterations,
+        temperature=0.9,
+        engine=engine,
+    ).validate()
     learner = Learner(model, None, cfg, total_optimizer_steps=10)
     grads = {}
     # Capture the summed gradient just before the optimizer consumes it.
-    learner.optimizer.register_step_pre_hook(lambda *_: grads.update(
-        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    learner.optimizer.register_step_pre_hook(
+        lambda *_: grads.update(
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        )
+    )
     stats = learner.train_step(random_batch())
     return stats, grads
 
@@ -53,9 +75,13 @@ def test_loss_and_gradient_do_not_depend_on_micro_batch_size(aggregation, engine
 
 
 def test_native_and_transformers_learners_agree():
-    ref_stats, ref_grads = gradient_after_step("sequence_mean", 3, beta=0.04, iterations=2, engine="transformers")
+    ref_stats, ref_grads = gradient_after_step(
+        "sequence_mean", 3, beta=0.04, iterations=2, engine="transformers"
+    )
     stats, grads = gradient_after_step("sequence_mean", 3, beta=0.04, iterations=2, engine="native")
-    assert stats.loss == pytest.approx(ref_stats.loss, abs=1e-6) and stats.kl == pytest.approx(ref_stats.kl, rel=1e-6)
+    assert stats.loss == pytest.approx(ref_stats.loss, abs=1e-6) and stats.kl == pytest.approx(
+        ref_stats.kl, rel=1e-6
+    )
     for name in ref_grads:  # the second pass follows an AdamW step, which magnifies float32 rounding
         assert (grads[name] - ref_grads[name]).abs().max() <= 1e-4 * ref_grads[name].abs().max(), name
 
@@ -83,8 +109,9 @@ def test_temperature_scales_the_policy_logprobs():
     logp1, _ = token_logprobs(model, batch, temperature=1.0)
     logp2, _ = token_logprobs(model, batch, temperature=2.0)
     with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                       position_ids=batch.position_ids).logits
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).logits
     manual = (logits[:, 4:-1] / 2.0).log_softmax(-1).gather(-1, batch.input_ids[:, 5:, None]).squeeze(-1)
     assert torch.allclose(logp2, manual, atol=1e-5)
     assert not torch.allclose(logp1, logp2)

@@ -30,8 +30,9 @@ def test_cispo_caps_the_detached_ratio_and_keeps_every_gradient():
     # Â = 2. ℓ_t = -w·Â·log π = [1.5·2·ln2, 1·2·ln2] = [3 ln2, 2 ln2]; sequence mean = 2.5 ln2.
     # ∂ℓ_t/∂log π = -w·Â = [-3, -2], halved by the mean over 2 tokens: [-1.5, -1].
     # The capped token still gets a gradient (PPO's clip would give it 0).
-    out, grad = _loss_and_grad([math.log(0.5)] * 2, [math.log(0.25), math.log(0.5)], [2.0, 2.0],
-                               variant="cispo", clip_high=0.5)
+    out, grad = _loss_and_grad(
+        [math.log(0.5)] * 2, [math.log(0.25), math.log(0.5)], [2.0, 2.0], variant="cispo", clip_high=0.5
+    )
     assert out.loss.item() == pytest.approx(2.5 * LN2, rel=1e-6)
     torch.testing.assert_close(grad, torch.tensor([-1.5, -1.0]))
     assert out.clipped_high_sum.item() == 1 and out.clipped_low_sum.item() == 0
@@ -43,8 +44,13 @@ def test_sapo_soft_gate():
     #          ∂ℓ/∂log π = -Â·4σ(1)(1-σ(1))·ρ = 4·0.7310586·0.2689414·1.5 = 1.1796716.
     # sequence mean over the 2 tokens halves both.
     sig1 = 1 / (1 + math.exp(-1))
-    out, grad = _loss_and_grad([math.log(0.3), math.log(0.3)], [math.log(0.3), math.log(0.2)], [1.0, -1.0],
-                               variant="sapo", variant_options={"temperature_pos": 1.0, "temperature_neg": 2.0})
+    out, grad = _loss_and_grad(
+        [math.log(0.3), math.log(0.3)],
+        [math.log(0.3), math.log(0.2)],
+        [1.0, -1.0],
+        variant="sapo",
+        variant_options={"temperature_pos": 1.0, "temperature_neg": 2.0},
+    )
     assert out.loss.item() == pytest.approx((-2.0 + 2 * sig1) / 2, rel=1e-6)
     torch.testing.assert_close(grad, torch.tensor([-0.5, 4 * sig1 * (1 - sig1) * 1.5 / 2]))
     assert out.clipped_high_sum.item() == 0 and out.clipped_low_sum.item() == 0
@@ -64,6 +70,12 @@ def test_bias_corrected_kl_multiplies_by_the_differentiable_ratio():
     assert grad_plain.item() == pytest.approx(0.05, rel=1e-6)
     assert grad_fixed.item() == pytest.approx(0.1 * LN2, rel=1e-6)
     # Off-policy (π_old = 0.25, ρ = 2) the corrected value is β·k3·ρ = 0.0386294.
-    off, _ = _loss_and_grad([math.log(0.5)], [math.log(0.25)], [0.0], ref_values=[math.log(0.25)], beta=0.1,
-                            kl_bias_correction=True)
+    off, _ = _loss_and_grad(
+        [math.log(0.5)],
+        [math.log(0.25)],
+        [0.0],
+        ref_values=[math.log(0.25)],
+        beta=0.1,
+        kl_bias_correction=True,
+    )
     assert off.loss.item() == pytest.approx(0.1 * k3 * 2, rel=1e-6)

@@ -13,9 +13,16 @@ from tests.unit.test_learner import random_batch
 
 ARCHS = {
     "llama": {},
-    "llama3.1": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 16}},
+    "llama3.1": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+    },
     "qwen2": {},  # q/k/v bias
     "qwen3": {},  # q/k RMSNorm
     "mistral": {"sliding_window": None},
@@ -26,10 +33,19 @@ def random_model(arch: str, seed: int = 0):
     """A tiny model of `arch` with every parameter random (biases and norm weights too)."""
     torch.manual_seed(seed)
     kind = arch.split("3.1")[0]
-    cfg = AutoConfig.for_model(kind, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                               max_position_embeddings=64, tie_word_embeddings=(kind != "llama"),
-                               **ARCHS[arch])
+    cfg = AutoConfig.for_model(
+        kind,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=(kind != "llama"),
+        **ARCHS[arch],
+    )
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -57,10 +73,10 @@ def test_prefill_and_decode_logits_match_transformers(arch):
         for step in range(6):
             weights = dec.decode_weights(fuse=step % 2 == 0)  # fused and separate projections alike
             cos, sin = dec.rope(layout.prompt_len_per_row + step)
-            caches = [(k[:, :, :step + 1], v[:, :, :step + 1]) for k, v in zip(ck, cv)]
+            caches = [(k[:, :, : step + 1], v[:, :, : step + 1]) for k, v in zip(ck, cv)]
             step_logits = dec.decode_step(rows[:, step], cache, layout, caches, weights, cos, sin)  # [6, V]
             for r in range(6):
-                full = torch.tensor(prompts[r // 2] + rows[r, :step + 1].tolist())
+                full = torch.tensor(prompts[r // 2] + rows[r, : step + 1].tolist())
                 ref = model(full[None]).logits[0, -1]
                 assert torch.allclose(step_logits[r], ref, atol=1e-5), (arch, step, r)
 

@@ -41,8 +41,9 @@ def test_native_engine_samples_the_stated_distribution(tiny_model, id_tokenizer,
     rows = first == common
     second_expected = _distribution(tiny_model, prompt + [common], temperature, top_k, top_p)
     _chi2_ok(out.completion_ids[rows, 1], second_expected)
-    assert torch.allclose(out.sampling_logprobs[rows, 1], second_expected.log()[out.completion_ids[rows, 1]],
-                          atol=1e-5)
+    assert torch.allclose(
+        out.sampling_logprobs[rows, 1], second_expected.log()[out.completion_ids[rows, 1]], atol=1e-5
+    )
 
 
 def test_sampler_never_picks_a_removed_token():
@@ -68,13 +69,13 @@ def test_eos_truncation_logprobs_and_dropped_rows(tiny_model, id_tokenizer):
         ids, length = out.completion_ids[row], int(lengths[row])
         ends = int(ids[length - 1]) in range(1, 12)
         assert out.truncated[row].item() == (not ends)
-        assert ((ids[:length - 1] < 1) | (ids[:length - 1] >= 12)).all(), "generated past an eos"
+        assert ((ids[: length - 1] < 1) | (ids[: length - 1] >= 12)).all(), "generated past an eos"
         assert (ids[length:] == 0).all() and (out.sampling_logprobs[row, length:] == 0).all()
         prompt = prompts[out.prompt_index[row]]
         full = torch.tensor(prompt + ids[:length].tolist())
         with torch.no_grad():
             logp = tiny_model(full[None]).logits[0].log_softmax(-1)
-        expected = logp[len(prompt) - 1:-1].gather(-1, full[len(prompt):, None]).squeeze(-1)
+        expected = logp[len(prompt) - 1 : -1].gather(-1, full[len(prompt) :, None]).squeeze(-1)
         assert torch.allclose(out.sampling_logprobs[row, :length], expected, atol=1e-5)
 
 
@@ -84,8 +85,10 @@ class _CharTokenizer:
     pad_token_id, eos_token_id = 0, 1
 
     def batch_decode(self, ids, skip_special_tokens=True):
-        return ["".join(chr(97 + int(i) % 26) for i in row if not (skip_special_tokens and int(i) in (0, 1)))
-                for row in ids]
+        return [
+            "".join(chr(97 + int(i) % 26) for i in row if not (skip_special_tokens and int(i) in (0, 1)))
+            for row in ids
+        ]
 
 
 def test_stop_strings_end_a_completion(tiny_model):

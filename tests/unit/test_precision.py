@@ -13,8 +13,18 @@ from tests.unit.test_learner import random_batch
 
 
 def make_learner(dtype: str, lr: float = 1e-6, engine: str = "native", model=None, **kw) -> Learner:
-    cfg = GRPOConfig(batch_size=2, num_generations=4, max_new_tokens=7, learning_rate=lr, warmup_steps=0,
-                     temperature=0.9, engine=engine, dtype=dtype, device="cpu", **kw).validate()
+    cfg = GRPOConfig(
+        batch_size=2,
+        num_generations=4,
+        max_new_tokens=7,
+        learning_rate=lr,
+        warmup_steps=0,
+        temperature=0.9,
+        engine=engine,
+        dtype=dtype,
+        device="cpu",
+        **kw,
+    ).validate()
     return Learner(model if model is not None else tiny_llama(), None, cfg, total_optimizer_steps=10)
 
 
@@ -72,13 +82,15 @@ def test_float16_uses_a_scaler_and_survives_an_overflow_step():
     assert learner.scaler is not None and learner.scaler.is_enabled()
     model = learner.policy
     before = copy.deepcopy(model.state_dict())
-    learner.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 60)  # injected: the scaled gradient overflows
+    learner.scaler = torch.amp.GradScaler(
+        "cpu", init_scale=2.0**60
+    )  # injected: the scaled gradient overflows
     stats = learner.train_step(random_batch())
     assert stats.amp["amp/overflow"] == 1.0 and not stats.skipped  # skipped, but not a training failure
     assert learner.nonfinite_in_a_row == 0
-    assert learner.scaler.get_scale() == 2.0 ** 59  # halved
+    assert learner.scaler.get_scale() == 2.0**59  # halved
     assert changed_fraction(before, model) == 0.0  # no update from the overflowed step
-    learner.scaler.update(new_scale=2.0 ** 10)
+    learner.scaler.update(new_scale=2.0**10)
     stats = learner.train_step(random_batch(seed=1))
     assert stats.amp["amp/overflow"] == 0.0 and stats.grad_norm > 0
     assert changed_fraction(before, model) > 0.9
@@ -87,7 +99,9 @@ def test_float16_uses_a_scaler_and_survives_an_overflow_step():
 
 def test_float16_overflow_that_persists_counts_as_nonfinite():
     learner = make_learner("float16", lr=1e-3)
-    learner.scaler = torch.amp.GradScaler("cpu", init_scale=1.0)  # < 1 after halving: the gradient itself is inf
+    learner.scaler = torch.amp.GradScaler(
+        "cpu", init_scale=1.0
+    )  # < 1 after halving: the gradient itself is inf
     poison = next(learner.policy.parameters())
     poison.register_hook(lambda g: g * float("inf"))
     stats = learner.train_step(random_batch())
@@ -97,7 +111,8 @@ def test_float16_overflow_that_persists_counts_as_nonfinite():
 def test_non_finite_weights_stop_training_with_a_clear_error():
     learner = make_learner("float32", lr=1e-3)
     learner.optimizer.register_step_post_hook(
-        lambda *_: next(learner.policy.parameters()).data.fill_(float("nan")))  # injected corruption
+        lambda *_: next(learner.policy.parameters()).data.fill_(float("nan"))
+    )  # injected corruption
     with pytest.raises(NonFiniteWeightsError, match="NaN/inf"):
         learner.train_step(random_batch())
 
@@ -122,11 +137,17 @@ def bundled_batch():
     ids = torch.zeros(len(rows), width + t, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, (p, c) in enumerate(rows):
-        ids[i, width - len(p):] = torch.tensor(p + c)
-        attn[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p + c)
+        attn[i, width - len(p) :] = 1
     mask = torch.ones(len(rows), t)
-    return TrainBatch(input_ids=ids, attention_mask=attn, prompt_width=width, completion_mask=mask,
-                      advantages=torch.zeros(len(rows), t), group_ids=torch.tensor([0, 0, 1, 1]))
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        prompt_width=width,
+        completion_mask=mask,
+        advantages=torch.zeros(len(rows), t),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+    )
 
 
 def test_bf16_forward_matches_transformers_own_bf16_forward():
@@ -166,4 +187,6 @@ def test_bf16_rollout_log_probs_are_not_reused_as_pi_old():
     assert not _logprobs_match_policy(bf16, sampling)
     rollouts = bf16.generate([[3, 4, 5]], 2, sampling)
     assert rollouts.sampling_logprobs.isfinite().all()
-    assert {p.dtype for p in model.parameters()} == {torch.float32}  # sampled from a cast, not a converted model
+    assert {p.dtype for p in model.parameters()} == {
+        torch.float32
+    }  # sampled from a cast, not a converted model

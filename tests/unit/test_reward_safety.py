@@ -57,7 +57,9 @@ def test_skip_scores_only_the_failing_sample_as_missing_and_counts_it():
 
 def test_a_reward_that_never_returns_times_out_and_is_named():
     start = time.perf_counter()
-    with pytest.raises(RewardTimeoutError, match=r"'sleeper' timed out \(no result after 0.2 s\) on sample 0"):
+    with pytest.raises(
+        RewardTimeoutError, match=r"'sleeper' timed out \(no result after 0.2 s\) on sample 0"
+    ):
         score_completions([sleeper], None, PROMPTS, COMPLETIONS, {}, timeout=0.2)
     assert time.perf_counter() - start < 2.0  # the batch call and one sample, not the hour
 
@@ -70,7 +72,9 @@ def test_timeout_with_skip_drops_the_whole_batch_once():
 
 
 def test_non_finite_rewards_stop_or_are_counted():
-    with pytest.raises(NonFiniteRewardError, match=r"'nan_on_last' returned nan for sample 2.*completion: 'BOOM'"):
+    with pytest.raises(
+        NonFiniteRewardError, match=r"'nan_on_last' returned nan for sample 2.*completion: 'BOOM'"
+    ):
         score_completions([nan_on_last], None, PROMPTS, COMPLETIONS, {})
     scores = score_completions([nan_on_last], None, PROMPTS, COMPLETIONS, {}, on_error="skip")
     # the skipped sample is not scored at all: NaN, which the advantages leave out of the baseline
@@ -119,7 +123,10 @@ def test_run_python_limits_time_and_memory_in_a_child_process():
 
 
 def test_code_tests_reward():
-    completions = ["Here:\n```python\ndef add(a, b):\n    return a + b\n```", "def add(a, b):\n    return a - b",
-                   "anything"]
+    completions = [
+        "Here:\n```python\ndef add(a, b):\n    return a + b\n```",
+        "def add(a, b):\n    return a - b",
+        "anything",
+    ]
     tests = ["assert add(2, 3) == 5"] * 2 + [None]
     assert code_tests(["q"] * 3, completions, tests=tests) == [1.0, 0.0, None]

@@ -208,8 +208,12 @@ def test_score_completions_passes_columns_and_defaults_weights_to_one():
     seen = {}
 
     def correctness(prompts, completions, answer, **rest):
-        seen.update(prompts=prompts, completions=completions, answer=answer,
-                    rest={k: v for k, v in rest.items() if k not in ("log_metric", "log_extra")})
+        seen.update(
+            prompts=prompts,
+            completions=completions,
+            answer=answer,
+            rest={k: v for k, v in rest.items() if k not in ("log_metric", "log_extra")},
+        )
         return [True, False]
 
     scores = score_completions(
@@ -275,8 +279,11 @@ def test_each_reward_function_gets_its_own_copies_of_its_inputs():
     prompts = [{"role": "user", "content": "p0"}, {"role": "user", "content": "p1"}]
     completions, answer = ["c0", "c1"], ["a0", "a1"]
     score_completions([vandal, observer], None, prompts, completions, {"answer": answer})
-    assert seen == {"prompts": [{"role": "user", "content": "p0"}, {"role": "user", "content": "p1"}],
-                    "completions": ["c0", "c1"], "answer": ["a0", "a1"]}
+    assert seen == {
+        "prompts": [{"role": "user", "content": "p0"}, {"role": "user", "content": "p1"}],
+        "completions": ["c0", "c1"],
+        "answer": ["a0", "a1"],
+    }
     assert completions == ["c0", "c1"] and answer == ["a0", "a1"] and prompts[0]["content"] == "p0"
 
 
@@ -304,9 +311,15 @@ def test_batch_wide_extras_are_passed_whole_and_log_metric_is_collected():
             raise RuntimeError("batch only")
         return [0.5]
 
-    scores = score_completions([fn, fails_per_batch], None, ["a", "b"], ["x", "y"],
-                               {"completion_ids": [[1, 2], [3]]}, extras={"trainer_state": state},
-                               on_error="skip")
+    scores = score_completions(
+        [fn, fails_per_batch],
+        None,
+        ["a", "b"],
+        ["x", "y"],
+        {"completion_ids": [[1, 2], [3]]},
+        extras={"trainer_state": state},
+        on_error="skip",
+    )
     assert got == {"state": state, "ids": [[1, 2], [3]]}
     assert scores.logged == {"my/metric": 3.0}
     assert torch.equal(scores.total, torch.tensor([1.5, 0.5]))

@@ -41,8 +41,14 @@ def test_staleness_bound_must_admit_the_weight_sync_period():
 
 def test_torchrl_counts_place_roles_on_disjoint_gpus(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    c = cfg(**{"train_model.num_devices": 2, "ref_model.num_devices": 2, "inference_model.num_devices": 2,
-               "rollout.mode": "async"})
+    c = cfg(
+        **{
+            "train_model.num_devices": 2,
+            "ref_model.num_devices": 2,
+            "inference_model.num_devices": 2,
+            "rollout.mode": "async",
+        }
+    )
     plan = plan_roles(c, num_gpus=4, world_size=2)
     assert plan.learner_devices == ["cuda:0", "cuda:1"] and plan.rollout_devices == [[2], [3]]
     assert plan.reference == "with policy"
@@ -90,8 +96,14 @@ def test_prompt_sharding_keeps_groups_whole_and_equal():
 
 
 def test_lora_aliases_reach_the_lora_section():
-    c = cfg(**{"train_model.lora.enabled": "true", "train_model.lora.r": 4, "train_model.lora.alpha": 8,
-               "train_model.lora.dropout": 0.1})
+    c = cfg(
+        **{
+            "train_model.lora.enabled": "true",
+            "train_model.lora.r": 4,
+            "train_model.lora.alpha": 8,
+            "train_model.lora.dropout": 0.1,
+        }
+    )
     assert (c.lora.enabled, c.lora.r, c.lora.alpha, c.lora.dropout) == (True, 4, 8.0, 0.1)
     with pytest.raises(ConfigError, match="LoRA needs"):
         cfg(**{"lora.enabled": True, "lora.r": 0})

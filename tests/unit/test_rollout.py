@@ -18,7 +18,9 @@ def test_filter_logits_worked_example():
     assert filter_logits(probs.log(), 1.0, 0, 1.0).isfinite().all()  # both filters off
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.6), (0.9, 8, 0.9)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.6), (0.9, 8, 0.9)]
+)
 def test_filter_logits_matches_transformers_warpers(temperature, top_k, top_p):
     torch.manual_seed(0)
     logits = torch.randn(6, 40) * 3
@@ -45,8 +47,9 @@ def test_engine_samples_the_stated_distribution(tiny_model, id_tokenizer, temper
     expected = _next_token_distribution(tiny_model, prompt, temperature, top_k, top_p)  # [V]
     n = 6000
     torch.manual_seed(1)
-    out = engine.generate([prompt], n, SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k,
-                                                      top_p=top_p))
+    out = engine.generate(
+        [prompt], n, SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+    )
     first = out.completion_ids[:, 0]
     counts = torch.bincount(first, minlength=expected.numel()).float()
     assert counts[expected == 0].sum() == 0, "sampled a token the filters remove"
@@ -72,14 +75,14 @@ def test_logprobs_eos_and_truncation(tiny_model, id_tokenizer):
         has_eos = bool((ids[:length] == 1).any())
         assert out.truncated[row].item() == (not has_eos and length == 12)
         if has_eos:
-            assert ids[length - 1] == 1 and (ids[:length - 1] != 1).all()
+            assert ids[length - 1] == 1 and (ids[: length - 1] != 1).all()
         assert (out.sampling_logprobs[row, length:] == 0).all()
         # Recompute the policy's log-probs of the sampled tokens (temperature 1, no filters): equal.
         full = torch.tensor(prompts[out.prompt_index[row]] + ids[:length].tolist())
         with torch.no_grad():
             logp = tiny_model(full[None]).logits[0].log_softmax(-1)
         start = len(prompts[out.prompt_index[row]])
-        expected = logp[start - 1:-1].gather(-1, full[start:, None]).squeeze(-1)
+        expected = logp[start - 1 : -1].gather(-1, full[start:, None]).squeeze(-1)
         assert torch.allclose(out.sampling_logprobs[row, :length], expected, atol=1e-5)
 
 

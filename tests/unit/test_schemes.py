@@ -49,8 +49,9 @@ def test_torchrl_gsm8k_table(completion, expected):
 
 
 def test_torchrl_gsm8k_normalises_the_reference_too_and_skips_missing_references():
-    assert torchrl_gsm8k(["q"] * 2, ["<answer>1000</answer>", "<answer>1,000</answer>"],
-                         answer=["#### 1,000", "1000"]) == [1.0, 1.0]
+    assert torchrl_gsm8k(
+        ["q"] * 2, ["<answer>1000</answer>", "<answer>1,000</answer>"], answer=["#### 1,000", "1000"]
+    ) == [1.0, 1.0]
     assert torchrl_gsm8k(["q"], ["<answer>1</answer>"], answer=[None]) == [None]
 
 
@@ -93,8 +94,12 @@ def test_tunix_zero_reference_is_unparseable_and_missing_reference_is_not_applic
 
 def test_scheme_names_expand_to_their_functions():
     assert expand_schemes(["tunix_gsm8k", "gsm8k_format"]) == [
-        "tunix_match_format_exactly", "tunix_match_format_approximately", "tunix_check_answer",
-        "tunix_check_numbers", "gsm8k_format"]
+        "tunix_match_format_exactly",
+        "tunix_match_format_approximately",
+        "tunix_check_answer",
+        "tunix_check_numbers",
+        "gsm8k_format",
+    ]
     funcs = resolve_rewards(["maxtext_gsm8k"])
     assert [f.__name__ for f in funcs] == expand_schemes(["tunix_gsm8k"])
     assert REWARD_FUNCTIONS["torchrl_gsm8k"] is torchrl_gsm8k

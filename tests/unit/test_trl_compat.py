@@ -9,11 +9,26 @@ from grpo.trl_compat import TRLConfigError
 
 
 def test_trl_names_translate_with_trl_defaults():
-    cfg = GRPOConfig(output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                     num_generations=4, max_completion_length=32, beta=0.04, epsilon_high=0.28, max_steps=5,
-                     report_to="none", use_cpu=True, bf16=False, learning_rate=1e-5).validate()
+    cfg = GRPOConfig(
+        output_dir="out",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=32,
+        beta=0.04,
+        epsilon_high=0.28,
+        max_steps=5,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        learning_rate=1e-5,
+    ).validate()
     # 4 completions per micro-batch × 2 micro-batches = 8 completions = 2 prompts × 4 generations
-    assert (cfg.train.prompts_per_step, cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps) == (2, 4, 2)
+    assert (
+        cfg.train.prompts_per_step,
+        cfg.train.micro_batch_size,
+        cfg.train.gradient_accumulation_steps,
+    ) == (2, 4, 2)
     assert cfg.generation.max_new_tokens == 32 and cfg.train.steps == 5 and cfg.model.device == "cpu"
     assert (cfg.algorithm.epsilon_low, cfg.algorithm.epsilon_high, cfg.algorithm.beta) == (0.2, 0.28, 0.04)
     # TRL 1.16's defaults where the script says nothing: loss "dapo", bias-corrected KL, sampling off, linear lr
@@ -30,11 +45,16 @@ def test_our_own_names_keep_our_defaults():
     assert cfg.generation.temperature == 0.7
 
 
-@pytest.mark.parametrize("loss_type,level,variant,aggregation", [
-    ("grpo", "token", "grpo", "sequence_mean"), ("bnpo", "token", "grpo", "token_mean"),
-    ("dr_grpo", "token", "grpo", "constant"), ("dapo", "sequence", "gspo", "token_mean"),
-    ("sapo", "token", "sapo", "sequence_mean"),
-])
+@pytest.mark.parametrize(
+    "loss_type,level,variant,aggregation",
+    [
+        ("grpo", "token", "grpo", "sequence_mean"),
+        ("bnpo", "token", "grpo", "token_mean"),
+        ("dr_grpo", "token", "grpo", "constant"),
+        ("dapo", "sequence", "gspo", "token_mean"),
+        ("sapo", "token", "sapo", "sequence_mean"),
+    ],
+)
 def test_loss_types(loss_type, level, variant, aggregation):
     cfg = GRPOConfig(loss_type=loss_type, importance_sampling_level=level)
     assert (cfg.algorithm.loss_variant, cfg.algorithm.loss_aggregation) == (variant, aggregation)
@@ -53,16 +73,19 @@ def test_scale_rewards_booleans():
     assert GRPOConfig(scale_rewards="batch").algorithm.advantage_scale == "batch"
 
 
-@pytest.mark.parametrize("kwargs,reason", [
-    ({"use_vllm": True, "vllm_mode": "remote"}, "vllm_mode must be"),
-    ({"loss_type": "vespo"}, "not implemented"),
-    ({"steps_per_generation": 4}, "reuses one generation batch"),
-    ({"per_device_train_batch_size": 6}, "divisible by num_generations"),
-    ({"top_entropy_quantile": 0.2}, "high-entropy tokens"),
-    ({"warmup_ratio": 0.1}, "give warmup_steps"),
-    ({"report_to": "mlflow"}, "metrics.jsonl"),
-    ({"loss_type": "sapo", "importance_sampling_level": "sequence"}, "clipped losses"),
-])
+@pytest.mark.parametrize(
+    "kwargs,reason",
+    [
+        ({"use_vllm": True, "vllm_mode": "remote"}, "vllm_mode must be"),
+        ({"loss_type": "vespo"}, "not implemented"),
+        ({"steps_per_generation": 4}, "reuses one generation batch"),
+        ({"per_device_train_batch_size": 6}, "divisible by num_generations"),
+        ({"top_entropy_quantile": 0.2}, "high-entropy tokens"),
+        ({"warmup_ratio": 0.1}, "give warmup_steps"),
+        ({"report_to": "mlflow"}, "metrics.jsonl"),
+        ({"loss_type": "sapo", "importance_sampling_level": "sequence"}, "clipped losses"),
+    ],
+)
 def test_unsupported_settings_are_refused_with_the_reason(kwargs, reason):
     with pytest.raises(ConfigError, match=reason):
         GRPOConfig(**kwargs)
@@ -73,12 +96,15 @@ def test_unknown_names_still_fail_with_a_suggestion():
         GRPOConfig(per_device_train_batch_size=8, num_generationz=8)
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["train", "--resume"], {"train.resume": "latest"}),
-    (["train", "--resume", "optimizer.lr=2e-5"], {"train.resume": "latest", "optimizer.lr": "2e-5"}),
-    (["train", "--resume", "runs/x/checkpoint-4"], {"train.resume": "runs/x/checkpoint-4"}),
-    (["train", "--dynamic-sampling", "beta=0"], {"algorithm.dynamic_sampling": "true", "beta": "0"}),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["train", "--resume"], {"train.resume": "latest"}),
+        (["train", "--resume", "optimizer.lr=2e-5"], {"train.resume": "latest", "optimizer.lr": "2e-5"}),
+        (["train", "--resume", "runs/x/checkpoint-4"], {"train.resume": "runs/x/checkpoint-4"}),
+        (["train", "--dynamic-sampling", "beta=0"], {"algorithm.dynamic_sampling": "true", "beta": "0"}),
+    ],
+)
 def test_bare_resume_means_latest(argv, expected):
     parser = build_parser()
     args = parser.parse_args(_assignments_first(parser, argv))
@@ -86,9 +112,11 @@ def test_bare_resume_means_latest(argv, expected):
 
 
 def test_chat_template_kwargs_from_the_command_line_and_from_trl():
-    assert GRPOConfig(**{"data.chat_template_kwargs": "{enable_thinking: false}"}).data.chat_template_kwargs == {
-        "enable_thinking": False}
-    assert GRPOConfig(chat_template_kwargs={"enable_thinking": False}, max_completion_length=8).data.chat_template_kwargs \
-        == {"enable_thinking": False}
+    assert GRPOConfig(
+        **{"data.chat_template_kwargs": "{enable_thinking: false}"}
+    ).data.chat_template_kwargs == {"enable_thinking": False}
+    assert GRPOConfig(
+        chat_template_kwargs={"enable_thinking": False}, max_completion_length=8
+    ).data.chat_template_kwargs == {"enable_thinking": False}
     with pytest.raises(ConfigError, match="expects a mapping"):
         GRPOConfig(**{"data.chat_template_kwargs": "[1, 2]"})

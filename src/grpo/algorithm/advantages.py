@@ -47,8 +47,12 @@ def _group_moments(rewards: Tensor, group_ids: Tensor) -> _GroupMoments:
     zeros = rewards.new_zeros(num_groups)  # [G]
     counts = zeros.index_add(0, inverse, scored.to(rewards.dtype))  # [G]
     inf = torch.full_like(rewards, float("inf"))  # [N]
-    group_min = zeros.scatter_reduce(0, inverse, torch.where(scored, rewards, inf), "amin", include_self=False)
-    group_max = zeros.scatter_reduce(0, inverse, torch.where(scored, rewards, -inf), "amax", include_self=False)
+    group_min = zeros.scatter_reduce(
+        0, inverse, torch.where(scored, rewards, inf), "amin", include_self=False
+    )
+    group_max = zeros.scatter_reduce(
+        0, inverse, torch.where(scored, rewards, -inf), "amax", include_self=False
+    )
     group_min = torch.where(counts > 0, group_min, 0.0)  # [G] a group with nothing scored: 0, not inf
     group_max = torch.where(counts > 0, group_max, 0.0)  # [G]
     # Averaging rewards shifted by the group minimum makes a group of equal rewards centre to

@@ -49,9 +49,11 @@ def informative_prompts(rewards: Tensor, prompt_index: Tensor, num_prompts: int)
     """
     scored = ~rewards.isnan()  # [N]
     lo = torch.full((num_prompts,), float("inf")).scatter_reduce(
-        0, prompt_index, rewards.float().where(scored, float("inf")), "amin")  # [P]
+        0, prompt_index, rewards.float().where(scored, float("inf")), "amin"
+    )  # [P]
     hi = torch.full((num_prompts,), float("-inf")).scatter_reduce(
-        0, prompt_index, rewards.float().where(scored, float("-inf")), "amax")  # [P]
+        0, prompt_index, rewards.float().where(scored, float("-inf")), "amax"
+    )  # [P]
     return hi > lo  # [P]
 
 
@@ -78,19 +80,30 @@ def select_groups(part: ScoredRollouts, keep: Tensor) -> ScoredRollouts:
     new_index[kept] = torch.arange(len(kept))
     rows = keep[part.rollouts.prompt_index].nonzero().flatten()  # [M] completions of kept prompts
     p = part.prompts
-    prompts = PromptBatch(prompts=[p.prompts[i] for i in kept],
-                          prompt_token_ids=[p.prompt_token_ids[i] for i in kept],
-                          columns={k: [v[i] for i in kept] for k, v in p.columns.items()},
-                          indices=[p.indices[i] for i in kept] if p.indices else [])
+    prompts = PromptBatch(
+        prompts=[p.prompts[i] for i in kept],
+        prompt_token_ids=[p.prompt_token_ids[i] for i in kept],
+        columns={k: [v[i] for i in kept] for k, v in p.columns.items()},
+        indices=[p.indices[i] for i in kept] if p.indices else [],
+    )
     fields = {f.name: getattr(part.rollouts, f.name) for f in dataclasses.fields(part.rollouts)}
     picked = {name: value[rows] if isinstance(value, Tensor) else value for name, value in fields.items()}
     picked["prompt_index"] = new_index[part.rollouts.prompt_index[rows]]
     scores = part.scores
     return ScoredRollouts(
-        prompts=prompts, rollouts=type(part.rollouts)(**picked), texts=[part.texts[i] for i in rows.tolist()],
-        scores=RewardScores(per_function=scores.per_function[rows], names=scores.names, total=scores.total[rows],
-                            none_applicable=scores.none_applicable, skipped=scores.skipped),
-        rewards=part.rewards[rows], lag=part.lag)
+        prompts=prompts,
+        rollouts=type(part.rollouts)(**picked),
+        texts=[part.texts[i] for i in rows.tolist()],
+        scores=RewardScores(
+            per_function=scores.per_function[rows],
+            names=scores.names,
+            total=scores.total[rows],
+            none_applicable=scores.none_applicable,
+            skipped=scores.skipped,
+        ),
+        rewards=part.rewards[rows],
+        lag=part.lag,
+    )
 
 
 def concat_rounds(parts: list[ScoredRollouts], pad_id: int) -> ScoredRollouts:
@@ -100,9 +113,12 @@ def concat_rounds(parts: list[ScoredRollouts], pad_id: int) -> ScoredRollouts:
         return parts[0]
     offsets = torch.tensor([0] + [q.num_prompts for q in parts[:-1]]).cumsum(0).tolist()
     columns = {k: [v for q in parts for v in q.prompts.columns[k]] for k in parts[0].prompts.columns}
-    prompts = PromptBatch(prompts=[x for q in parts for x in q.prompts.prompts],
-                          prompt_token_ids=[x for q in parts for x in q.prompts.prompt_token_ids],
-                          columns=columns, indices=[x for q in parts for x in q.prompts.indices])
+    prompts = PromptBatch(
+        prompts=[x for q in parts for x in q.prompts.prompts],
+        prompt_token_ids=[x for q in parts for x in q.prompts.prompt_token_ids],
+        columns=columns,
+        indices=[x for q in parts for x in q.prompts.indices],
+    )
     joined = {}
     for f in dataclasses.fields(parts[0].rollouts):
         values = [getattr(q.rollouts, f.name) for q in parts]
@@ -111,20 +127,29 @@ def concat_rounds(parts: list[ScoredRollouts], pad_id: int) -> ScoredRollouts:
         elif isinstance(values[0], Tensor) and values[0].dim() == 2:
             width = max(v.shape[1] for v in values)
             fill = pad_id if f.name == "completion_ids" else 0
-            joined[f.name] = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill)
-                                        for v in values])
+            joined[f.name] = torch.cat(
+                [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill) for v in values]
+            )
         elif isinstance(values[0], Tensor):
             joined[f.name] = torch.cat(values)
         else:
             joined[f.name] = values[0]
     per_function = torch.cat([q.scores.per_function for q in parts])
-    scores = RewardScores(per_function=per_function, names=parts[0].scores.names,
-                          total=torch.cat([q.scores.total for q in parts]),
-                          none_applicable=sum(q.scores.none_applicable for q in parts),
-                          skipped=sum(q.scores.skipped for q in parts))
-    return ScoredRollouts(prompts=prompts, rollouts=type(parts[0].rollouts)(**joined),
-                          texts=[t for q in parts for t in q.texts], scores=scores,
-                          rewards=torch.cat([q.rewards for q in parts]), lag=max(q.lag for q in parts))
+    scores = RewardScores(
+        per_function=per_function,
+        names=parts[0].scores.names,
+        total=torch.cat([q.scores.total for q in parts]),
+        none_applicable=sum(q.scores.none_applicable for q in parts),
+        skipped=sum(q.scores.skipped for q in parts),
+    )
+    return ScoredRollouts(
+        prompts=prompts,
+        rollouts=type(parts[0].rollouts)(**joined),
+        texts=[t for q in parts for t in q.texts],
+        scores=scores,
+        rewards=torch.cat([q.rewards for q in parts]),
+        lag=max(q.lag for q in parts),
+    )
 
 
 def truncate_prompts(part: ScoredRollouts, num_prompts: int) -> ScoredRollouts:

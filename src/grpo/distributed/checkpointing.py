@@ -24,8 +24,13 @@ class _PrepareWeights:
     """What `save_model_dir` calls `save_pretrained` on: the live model with a gathered state dict, or
     the merged LoRA model; optionally the adapters beside it."""
 
-    def __init__(self, model, state: dict[str, torch.Tensor], adapters: _PrepareWeights | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model,
+        state: dict[str, torch.Tensor],
+        adapters: _PrepareWeights | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         self.model, self.state, self.adapters, self.dtype = model, state, adapters, dtype
         if dtype is not None:  # an export (train.save_dtype): the masters stay float32 in memory
             self.state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
@@ -39,11 +44,21 @@ class _PrepareWeights:
             data.pop("torch_dtype", None)
             config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         if self.adapters is not None:
-            self.adapters.save_pretrained(Path(directory) / ADAPTER_SUBDIR, safe_serialization=safe_serialization)
+            self.adapters.save_pretrained(
+                Path(directory) / ADAPTER_SUBDIR, safe_serialization=safe_serialization
+            )
 
 
-def save_policy_dir(rt: Runtime, path: Path, policy, tokenizer, config_yaml: str, training_state: dict | None,
-                    merge_lora: bool = False, dtype: torch.dtype | None = None) -> Path:
+def save_policy_dir(
+    rt: Runtime,
+    path: Path,
+    policy,
+    tokenizer,
+    config_yaml: str,
+    training_state: dict | None,
+    merge_lora: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """checkpoint-N/ or final_model/. LoRA: adapters only (plus their model-key copy in the training state
     for resume), or with `merge_lora` the merged plain model and the adapters in adapter/. `dtype` casts
     the written weights (an export; None: as they are, float32 masters)."""
@@ -51,8 +66,9 @@ def save_policy_dir(rt: Runtime, path: Path, policy, tokenizer, config_yaml: str
     if rt.is_main:
         if is_lora(policy) and merge_lora:
             merged = merged_model(policy, full)
-            target = _PrepareWeights(merged, merged.state_dict(), adapters=_PrepareWeights(policy, full),
-                                     dtype=dtype)
+            target = _PrepareWeights(
+                merged, merged.state_dict(), adapters=_PrepareWeights(policy, full), dtype=dtype
+            )
         else:
             target = _PrepareWeights(policy, full, dtype=dtype)
         if training_state is not None and is_lora(policy):

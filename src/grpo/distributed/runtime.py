@@ -63,12 +63,19 @@ class Runtime:
             return indices, rows
         per_rank = len(indices) // self.world_size
         if per_rank == 0:
-            raise RuntimeError(f"This step has {len(indices)} prompt(s) for {self.world_size} processes; each "
-                               "process needs at least one. Raise train.prompts_per_step.")
+            raise RuntimeError(
+                f"This step has {len(indices)} prompt(s) for {self.world_size} processes; each "
+                "process needs at least one. Raise train.prompts_per_step."
+            )
         left_out = len(indices) - per_rank * self.world_size
         if left_out and self.is_main:
-            log.warning("%d prompt(s) of this step left out: %d prompts do not split evenly over %d processes "
-                        "(the last batch of an epoch can be short).", left_out, len(indices), self.world_size)
+            log.warning(
+                "%d prompt(s) of this step left out: %d prompts do not split evenly over %d processes "
+                "(the last batch of an epoch can be short).",
+                left_out,
+                len(indices),
+                self.world_size,
+            )
         self.dropped_prompts += left_out
         take = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
         return indices[take], rows[take]
@@ -143,8 +150,11 @@ class Runtime:
         if self.strategy == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            policy = (MixedPrecisionPolicy() if param_dtype == torch.float32 else
-                      MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
+            policy = (
+                MixedPrecisionPolicy()
+                if param_dtype == torch.float32
+                else MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+            )
             for layer in decoder_layers(model):
                 fully_shard(layer, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
@@ -185,15 +195,21 @@ class Runtime:
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            state = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         # A tied weight (lm_head = embeddings) is one parameter under two names; keep the first name
         # only, as save_pretrained does for an unsharded model.
         canonical = {n for n, _ in model.named_parameters()}
-        return {k: v for k, v in state.items()
-                if k in canonical or k not in dict(model.named_parameters(remove_duplicate=False))}
+        return {
+            k: v
+            for k, v in state.items()
+            if k in canonical or k not in dict(model.named_parameters(remove_duplicate=False))
+        }
 
-    def full_named_parameters(self, model: torch.nn.Module,
-                              only: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_named_parameters(
+        self, model: torch.nn.Module, only: str | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) per parameter, in the same order on every rank; `only` filters names
         (LoRA syncs only adapter weights). Under FSDP2 each yields one all-gather."""
         for name, p in model.named_parameters():
@@ -207,20 +223,25 @@ class Runtime:
             return optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
-    def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    def load_optimizer_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
         if not self.active:
             optimizer.load_state_dict(state)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True)
+        )
 
-    def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor],
-                             partial: bool = False) -> None:
+    def load_full_state_dict(
+        self, model: torch.nn.Module, state: dict[str, torch.Tensor], partial: bool = False
+    ) -> None:
         """Every rank passes the full dict (read from disk); FSDP2 keeps only its shards. `partial`: the
         dict holds only some weights (LoRA adapters), so only unexpected keys are an error."""
         if not self.sharded:
@@ -228,12 +249,15 @@ class Runtime:
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            missing, unexpected = set_model_state_dict(model, state,
-                                                       options=StateDictOptions(full_state_dict=True, strict=False))
+            missing, unexpected = set_model_state_dict(
+                model, state, options=StateDictOptions(full_state_dict=True, strict=False)
+            )
         # lm_head may be tied to the embeddings and absent from the file.
         if unexpected or (not partial and [k for k in missing if "lm_head" not in k]):
-            raise RuntimeError(f"Checkpoint does not match the model: missing {list(missing)[:5]}, "
-                               f"unexpected {list(unexpected)[:5]}.")
+            raise RuntimeError(
+                f"Checkpoint does not match the model: missing {list(missing)[:5]}, "
+                f"unexpected {list(unexpected)[:5]}."
+            )
 
     # -- per-rank RNG --------------------------------------------------------------------------------
     def seed(self, seed: int) -> None:
@@ -292,7 +316,11 @@ def init_runtime(strategy: str = "ddp", backend: str = "auto", timeout_s: float 
         dist.init_process_group(chosen, timeout=timedelta(seconds=timeout_s))
     rt = Runtime(rank=rank, world_size=world, local_rank=local_rank, strategy=strategy, timeout_s=timeout_s)
     if rt.is_main:
-        log.info("Process group: %d processes (%s), gradients by %s, timeout %.0fs.", world,
-                 dist.get_backend(), strategy.upper(), timeout_s)
+        log.info(
+            "Process group: %d processes (%s), gradients by %s, timeout %.0fs.",
+            world,
+            dist.get_backend(),
+            strategy.upper(),
+            timeout_s,
+        )
     return rt
-

@@ -89,7 +89,7 @@ class NativeDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.qk_norm = cfg.model_type == "qwen3"
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.gradient_checkpointing = False
         # Mixed precision: float32 master weights are cast to compute_dtype as they are read (the cast
         # is differentiable, so gradients reach the masters in float32); autocast would not reach
@@ -157,7 +157,9 @@ class NativeDecoder:
 
     def mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
         m, w = layer.mlp, self.w
-        return swiglu_down(linear(x, w(m.gate_proj.weight)), linear(x, w(m.up_proj.weight)), w(m.down_proj.weight))
+        return swiglu_down(
+            linear(x, w(m.gate_proj.weight)), linear(x, w(m.up_proj.weight)), w(m.down_proj.weight)
+        )
 
     def block_tail(self, layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection + residual + MLP; h, attn [S, d]."""
@@ -172,7 +174,7 @@ class NativeDecoder:
         lengths = torch.tensor([len(x) for x in prompts], device=self.device)
         ids = torch.full((p, width), pad_id, dtype=torch.long)
         for i, x in enumerate(prompts):
-            ids[i, :len(x)] = torch.tensor(x)
+            ids[i, : len(x)] = torch.tensor(x)
         ids = ids.to(self.device)
         cos, sin = self.rope(torch.arange(width, device=self.device))  # [Lp, D]
         h = self.embed(ids).view(p * width, -1)  # [P·Lp, d]
@@ -180,7 +182,9 @@ class NativeDecoder:
         keys, values = [], []
         for layer in self.layers:
             q, k, v = self.qkv(layer, rms_norm(h, self.w(layer.input_layernorm.weight), self.eps), cos, sin)
-            q, k, v = (t.view(p, width, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [P, H, Lp, D]
+            q, k, v = (
+                t.view(p, width, -1, self.head_dim).transpose(1, 2) for t in (q, k, v)
+            )  # [P, H, Lp, D]
             # Right padding: a real query never sees a pad key under the causal mask.
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
             h = self.block_tail(layer, h, attn.transpose(1, 2).reshape(p * width, -1))
@@ -188,8 +192,10 @@ class NativeDecoder:
             values.append(v.contiguous())
         last = h.view(p, width, -1)[torch.arange(p, device=self.device), lengths - 1]  # [P, d]
         bias = torch.zeros(p, 1, 1, width, device=self.device, dtype=self.dtype)
-        bias.masked_fill_(torch.arange(width, device=self.device)[None, None, None] >= lengths[:, None, None, None],
-                          float("-inf"))
+        bias.masked_fill_(
+            torch.arange(width, device=self.device)[None, None, None] >= lengths[:, None, None, None],
+            float("-inf"),
+        )
         return PromptCache(keys, values, bias, lengths), self.logits(last)
 
     def decode_weights(self, fuse: bool, onednn: bool | None = None) -> DecodeWeights:
@@ -204,28 +210,49 @@ class NativeDecoder:
         w = self.w  # mixed precision: the per-generate cast of every weight to the compute dtype
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv = [(w(a.q_proj.weight), w(a.q_proj.bias)), (w(a.k_proj.weight), w(a.k_proj.bias)),
-                   (w(a.v_proj.weight), w(a.v_proj.bias))]
+            qkv = [
+                (w(a.q_proj.weight), w(a.q_proj.bias)),
+                (w(a.k_proj.weight), w(a.k_proj.bias)),
+                (w(a.v_proj.weight), w(a.v_proj.bias)),
+            ]
             if fuse:
                 q_w, q_b = qkv[0]
                 if fold:
                     q_w, q_b = q_w * self.scale, None if q_b is None else q_b * self.scale
-                qkv = [(torch.cat([q_w] + [w for w, _ in qkv[1:]]),
-                        None if q_b is None else torch.cat([q_b] + [b for _, b in qkv[1:]]))]
-            layers.append(LayerWeights(
-                input_norm=w(layer.input_layernorm.weight), qkv=[DecodeLinear(wt, b, onednn) for wt, b in qkv],
-                q_norm=w(a.q_norm.weight) if self.qk_norm else None,
-                k_norm=w(a.k_norm.weight) if self.qk_norm else None,
-                o_proj=DecodeLinear(w(a.o_proj.weight), w(a.o_proj.bias), onednn),
-                post_norm=w(layer.post_attention_layernorm.weight),
-                gate=DecodeLinear(w(m.gate_proj.weight), None, onednn),
-                up=DecodeLinear(w(m.up_proj.weight), None, onednn), down=DecodeLinear(w(m.down_proj.weight), None, onednn),
-                q_scaled=fold))
-        return DecodeWeights(layers, w(self.base.norm.weight), DecodeLinear(self.lm_head_weight, None, onednn))
+                qkv = [
+                    (
+                        torch.cat([q_w] + [w for w, _ in qkv[1:]]),
+                        None if q_b is None else torch.cat([q_b] + [b for _, b in qkv[1:]]),
+                    )
+                ]
+            layers.append(
+                LayerWeights(
+                    input_norm=w(layer.input_layernorm.weight),
+                    qkv=[DecodeLinear(wt, b, onednn) for wt, b in qkv],
+                    q_norm=w(a.q_norm.weight) if self.qk_norm else None,
+                    k_norm=w(a.k_norm.weight) if self.qk_norm else None,
+                    o_proj=DecodeLinear(w(a.o_proj.weight), w(a.o_proj.bias), onednn),
+                    post_norm=w(layer.post_attention_layernorm.weight),
+                    gate=DecodeLinear(w(m.gate_proj.weight), None, onednn),
+                    up=DecodeLinear(w(m.up_proj.weight), None, onednn),
+                    down=DecodeLinear(w(m.down_proj.weight), None, onednn),
+                    q_scaled=fold,
+                )
+            )
+        return DecodeWeights(
+            layers, w(self.base.norm.weight), DecodeLinear(self.lm_head_weight, None, onednn)
+        )
 
-    def decode_step(self, tokens: torch.Tensor, prompts: PromptCache, layout: GroupLayout,
-                    caches: list[tuple[torch.Tensor, torch.Tensor]], weights: DecodeWeights,
-                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def decode_step(
+        self,
+        tokens: torch.Tensor,
+        prompts: PromptCache,
+        layout: GroupLayout,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        weights: DecodeWeights,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
         """One token for each of n active rows; returns logits [n, V].
 
         caches: per layer (K, V) views [n, Hkv, t+1, D] of the completion cache up to this step; this
@@ -244,13 +271,21 @@ class NativeDecoder:
                 q, k, v = qkv.split([h_q, h_kv, h_kv], dim=1)
                 qk = torch.cat([rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)], dim=1)
             else:
-                qk, v = qkv[:, :h_q + h_kv], qkv[:, h_q + h_kv:]
+                qk, v = qkv[:, : h_q + h_kv], qkv[:, h_q + h_kv :]
             q, k = rotate(qk, cos, sin).split([h_q, h_kv], dim=1)  # one RoPE for q and k together
             cache_k, cache_v = caches[i]
             cache_k[:, :, -1] = k
             cache_v[:, :, -1] = v
-            attn = self._decode_attention(q, cache_k, cache_v, prompts.keys[i], prompts.values[i],
-                                          prompts.bias, layout, scaled=w.q_scaled)
+            attn = self._decode_attention(
+                q,
+                cache_k,
+                cache_v,
+                prompts.keys[i],
+                prompts.values[i],
+                prompts.bias,
+                layout,
+                scaled=w.q_scaled,
+            )
             h = w.o_proj.plus(attn, h)
             x = rms_norm(h, w.post_norm, self.eps)
             h = w.down.plus(w.up.times(x, w.gate.silu(x)), h)
@@ -279,26 +314,41 @@ class NativeDecoder:
         cos, sin = self.rope(packed.positions)  # [S, D]
         for layer in self.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                h = torch.utils.checkpoint.checkpoint(self._shared_block, layer, h, cos, sin, packed,
-                                                      use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(
+                    self._shared_block, layer, h, cos, sin, packed, use_reentrant=False
+                )
             else:
                 h = self._shared_block(layer, h, cos, sin, packed)
         return self.final_norm(h.index_select(0, packed.predictor_index))  # [M, d]
 
     def _shared_block(self, layer, h, cos, sin, packed: SharedPromptPack) -> torch.Tensor:
-        q, k, v = self.qkv(layer, rms_norm(h, self.w(layer.input_layernorm.weight), self.eps), cos, sin)  # [S, H|Hkv, D]
+        q, k, v = self.qkv(
+            layer, rms_norm(h, self.w(layer.input_layernorm.weight), self.eps), cos, sin
+        )  # [S, H|Hkv, D]
         p, lp, n, tc = packed.num_groups, packed.prompt_width, packed.num_rows, packed.input_width
-        pad_p = lambda x: _scatter_rows(x, packed.prompt_slot, p * lp).view(p, lp, -1, self.head_dim).transpose(1, 2)
-        pad_c = lambda x: _scatter_rows(x, packed.completion_slot, n * tc).view(n, tc, -1, self.head_dim).transpose(1, 2)
-        qp, kp, vp = pad_p(q[:packed.num_prompt_tokens]), pad_p(k[:packed.num_prompt_tokens]), pad_p(v[:packed.num_prompt_tokens])
+        pad_p = lambda x: (
+            _scatter_rows(x, packed.prompt_slot, p * lp).view(p, lp, -1, self.head_dim).transpose(1, 2)
+        )
+        pad_c = lambda x: (
+            _scatter_rows(x, packed.completion_slot, n * tc).view(n, tc, -1, self.head_dim).transpose(1, 2)
+        )
+        qp, kp, vp = (
+            pad_p(q[: packed.num_prompt_tokens]),
+            pad_p(k[: packed.num_prompt_tokens]),
+            pad_p(v[: packed.num_prompt_tokens]),
+        )
         attn_p = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True, scale=self.scale)
-        qc, kc, vc = (pad_c(x[packed.num_prompt_tokens:]) for x in (q, k, v))  # [N, H|Hkv, Tc, D]
+        qc, kc, vc = (pad_c(x[packed.num_prompt_tokens :]) for x in (q, k, v))  # [N, H|Hkv, Tc, D]
         # A completion's keys: its group's prompt (shared; gradients sum back through the index) then itself.
         keys = torch.cat([kp.index_select(0, packed.row_group), kc], dim=2)  # [N, Hkv, Lp+Tc, D]
         vals = torch.cat([vp.index_select(0, packed.row_group), vc], dim=2)
         attn_c = self._completion_attention(qc, keys, vals, packed.completion_mask, lp)  # [N, H, Tc, D]
-        attn = torch.cat([attn_p.transpose(1, 2).reshape(p * lp, -1).index_select(0, packed.prompt_slot),
-                          attn_c.transpose(1, 2).reshape(n * tc, -1).index_select(0, packed.completion_slot)])
+        attn = torch.cat(
+            [
+                attn_p.transpose(1, 2).reshape(p * lp, -1).index_select(0, packed.prompt_slot),
+                attn_c.transpose(1, 2).reshape(n * tc, -1).index_select(0, packed.completion_slot),
+            ]
+        )
         return self.block_tail(layer, h, attn)
 
     def _completion_attention(self, q, keys, vals, mask, lp: int) -> torch.Tensor:
@@ -313,9 +363,16 @@ class NativeDecoder:
         outs = []
         for start in range(0, tc, QUERY_CHUNK):
             end = min(start + QUERY_CHUNK, tc)
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, start:end], keys[:, :, :lp + end], vals[:, :, :lp + end],
-                attn_mask=mask[:, :, start:end, :lp + end], enable_gqa=True, scale=self.scale))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, start:end],
+                    keys[:, :, : lp + end],
+                    vals[:, :, : lp + end],
+                    attn_mask=mask[:, :, start:end, : lp + end],
+                    enable_gqa=True,
+                    scale=self.scale,
+                )
+            )
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
@@ -372,8 +429,11 @@ class GroupLayout:
         _, hkv, rep, d = x.shape
         if not self.dense:
             x = x.new_zeros(self.num_groups * self.width, hkv, rep, d).index_copy(0, self.slot, x)
-        return x.view(self.num_groups, self.width, hkv, rep, d).transpose(1, 2).reshape(
-            self.num_groups, hkv, self.width * rep, d)
+        return (
+            x.view(self.num_groups, self.width, hkv, rep, d)
+            .transpose(1, 2)
+            .reshape(self.num_groups, hkv, self.width * rep, d)
+        )
 
     def to_rows(self, x: torch.Tensor, rep: int) -> torch.Tensor:
         """[P, Hkv, Gm·rep, X] per group → [n, Hkv, rep, X] per row."""
@@ -407,8 +467,13 @@ class SharedPromptPack:
     targets: torch.Tensor  # [M] the completion token predicted there
 
 
-def pack_shared_prompts(prompt_ids: list[list[int]], row_group: list[int], completions: list[list[int]],
-                        completion_width: int, device: torch.device) -> SharedPromptPack:
+def pack_shared_prompts(
+    prompt_ids: list[list[int]],
+    row_group: list[int],
+    completions: list[list[int]],
+    completion_width: int,
+    device: torch.device,
+) -> SharedPromptPack:
     """Build a SharedPromptPack; completions[i] answers prompt_ids[row_group[i]] (all non-empty)."""
     p, n = len(prompt_ids), len(completions)
     lp = max(len(x) for x in prompt_ids)
@@ -444,7 +509,19 @@ def pack_shared_prompts(prompt_ids: list[list[int]], row_group: list[int], compl
     mask = torch.cat([prompt_ok[:, None, :].expand(n, tc, lp), causal], dim=-1)  # [N, Tc, Lp+Tc]
     t = lambda v: torch.tensor(v, dtype=torch.long, device=device)
     return SharedPromptPack(
-        token_ids=t(ids), positions=t(pos), num_prompt_tokens=prompt_tokens, num_groups=p, prompt_width=lp,
-        num_rows=n, input_width=tc, completion_width=completion_width, prompt_slot=t(pslot),
-        completion_slot=t(cslot), row_group=groups.to(device), completion_mask=mask[:, None].to(device),
-        predictor_index=t(predictor), target_slot=t(target), targets=t(target_ids))
+        token_ids=t(ids),
+        positions=t(pos),
+        num_prompt_tokens=prompt_tokens,
+        num_groups=p,
+        prompt_width=lp,
+        num_rows=n,
+        input_width=tc,
+        completion_width=completion_width,
+        prompt_slot=t(pslot),
+        completion_slot=t(cslot),
+        row_group=groups.to(device),
+        completion_mask=mask[:, None].to(device),
+        predictor_index=t(predictor),
+        target_slot=t(target),
+        targets=t(target_ids),
+    )

@@ -24,11 +24,16 @@ import torch.nn.functional as F
 
 # x86-64 only: that is where it was measured faster. On ARM (e.g. Apple silicon) PyTorch's BLAS is
 # Accelerate or OpenBLAS, and oneDNN's AArch64 kernels have not been compared with them here.
-ONEDNN = (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
-          and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+ONEDNN = (
+    platform.machine().lower() in ("x86_64", "amd64")
+    and torch.backends.mkldnn.is_available()
+    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+)
 
 
-def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: str = "none") -> torch.Tensor:
+def _onednn(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: str = "none"
+) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, post, [], "")
 
 
@@ -57,7 +62,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not uses_onednn(x) or weight.dtype != torch.float32:
         return F.linear(x, weight, bias)
     needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
     return _OneDNNLinear.apply(x, weight, bias) if needs_grad else _onednn(x, weight, bias)
 
 

@@ -32,8 +32,10 @@ def resolve_path(name_or_path: str) -> str:
         return bundled_model_path()
     looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists()
     if looks_local and not Path(name_or_path).expanduser().is_dir():
-        raise ConfigError(f"Model path {name_or_path} does not exist or is not a directory. Pass a hub id "
-                          f"(org/name), a directory saved with save_pretrained, or '{BUNDLED_MODEL}'.")
+        raise ConfigError(
+            f"Model path {name_or_path} does not exist or is not a directory. Pass a hub id "
+            f"(org/name), a directory saved with save_pretrained, or '{BUNDLED_MODEL}'."
+        )
     return str(Path(name_or_path).expanduser()) if looks_local else name_or_path
 
 
@@ -63,8 +65,11 @@ def autocast(device: torch.device, compute_dtype: torch.dtype | None):
 
 
 def _hub_kwargs(cfg: GRPOConfig) -> dict:
-    return {"revision": cfg.model.revision, "token": cfg.hf_token(),
-            "trust_remote_code": cfg.model.trust_remote_code}
+    return {
+        "revision": cfg.model.revision,
+        "token": cfg.hf_token(),
+        "trust_remote_code": cfg.model.trust_remote_code,
+    }
 
 
 def load_tokenizer(cfg: GRPOConfig):
@@ -78,20 +83,27 @@ def load_tokenizer(cfg: GRPOConfig):
 
 def _why(e: Exception) -> str:
     if "trust_remote_code" in str(e):
-        return ("the repository needs its own Python code to load; set model.trust_remote_code=true only if "
-                "you trust that code.")
+        return (
+            "the repository needs its own Python code to load; set model.trust_remote_code=true only if "
+            "you trust that code."
+        )
     return str(e)
 
 
 def prepare_tokenizer(tok):
     if tok.pad_token is None:
         if tok.eos_token is None:
-            raise ConfigError("The tokenizer has neither a pad nor an eos token; add one "
-                              "(tokenizer.add_special_tokens({'pad_token': ...})) and save it.")
+            raise ConfigError(
+                "The tokenizer has neither a pad nor an eos token; add one "
+                "(tokenizer.add_special_tokens({'pad_token': ...})) and save it."
+            )
         # Completion masks come from eos positions, so reusing eos as pad is safe here.
         tok.pad_token = tok.eos_token
-        log.warning("The tokenizer has no pad token; padding with its eos token %r (safe: completions end at "
-                    "the first eos, and padding is masked).", tok.eos_token)
+        log.warning(
+            "The tokenizer has no pad token; padding with its eos token %r (safe: completions end at "
+            "the first eos, and padding is masked).",
+            tok.eos_token,
+        )
     tok.padding_side = "left"
     return tok
 
@@ -103,7 +115,8 @@ def load_causal_lm(name_or_path: str, cfg: GRPOConfig, device: torch.device, tra
     dtype = torch.float32 if trainable else resolve_dtype(cfg.model.dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, use_safetensors=True, **_hub_kwargs(cfg))
+            path, dtype=dtype, use_safetensors=True, **_hub_kwargs(cfg)
+        )
     except (OSError, ValueError) as e:
         raise ConfigError(f"Could not load a causal LM from '{path}': {_why(e)}") from e
     model.to(device)
@@ -118,7 +131,9 @@ def load_causal_lm(name_or_path: str, cfg: GRPOConfig, device: torch.device, tra
 
 
 def load_policy(cfg: GRPOConfig, device: torch.device):
-    return load_causal_lm(cfg.model.load_parameters_path or cfg.model.name_or_path, cfg, device, trainable=True)
+    return load_causal_lm(
+        cfg.model.load_parameters_path or cfg.model.name_or_path, cfg, device, trainable=True
+    )
 
 
 def load_reference(cfg: GRPOConfig, device: torch.device):
@@ -129,25 +144,36 @@ def load_reference(cfg: GRPOConfig, device: torch.device):
 def float32_masters(model):
     """The trainable floating-point parameters in float32: AdamW on bf16/fp16 parameters rounds away any
     update below half an ulp (2^-9 relative in bf16), e.g. most updates at lr 1e-6."""
-    low = [p for p in model.parameters() if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
+    low = [
+        p
+        for p in model.parameters()
+        if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32
+    ]
     if low:
-        log.info("Trainable parameters given in %s: upcasting them to float32 master weights (compute still "
-                 "runs in model.dtype).", low[0].dtype)
+        log.info(
+            "Trainable parameters given in %s: upcasting them to float32 master weights (compute still "
+            "runs in model.dtype).",
+            low[0].dtype,
+        )
         for p in low:
             p.data = p.data.float()
     return model
 
 
-def precision_summary(compute: torch.dtype, ref_dtype: torch.dtype | None, save_dtype: str,
-                      sharded: bool = False) -> str:
+def precision_summary(
+    compute: torch.dtype, ref_dtype: torch.dtype | None, save_dtype: str, sharded: bool = False
+) -> str:
     """The start-up line naming where each precision applies (docs/algorithm.md, Precision)."""
     name = str(compute).removeprefix("torch.")
     if compute == torch.float32:
         how = "float32 throughout"
     else:
         via = "FSDP2 MixedPrecisionPolicy" if sharded else "autocast / native decoder casts"
-        how = (f"float32 master weights and AdamW state, {name} compute ({via}, gradients reduced in float32)"
-               + ("; dynamic loss scaling (GradScaler)" if compute == torch.float16 else ""))
+        how = (
+            f"float32 master weights and AdamW state, {name} compute ({via}, gradients reduced in float32)"
+            + ("; dynamic loss scaling (GradScaler)" if compute == torch.float16 else "")
+        )
     ref = "no reference" if ref_dtype is None else "reference in " + str(ref_dtype).removeprefix("torch.")
-    return (f"Precision: {how}; rollout samples in {name}; {ref}; checkpoints float32, "
-            f"final_model {save_dtype}.")
+    return (
+        f"Precision: {how}; rollout samples in {name}; {ref}; checkpoints float32, final_model {save_dtype}."
+    )

@@ -25,8 +25,13 @@ def apply_lora(model, settings: LoraSettings):
     targets = settings.target_modules or None  # None: peft's default for the architecture
     if targets == ["all-linear"]:
         targets = "all-linear"
-    config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=settings.r, lora_alpha=settings.alpha,
-                        lora_dropout=settings.dropout, target_modules=targets)
+    config = LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+    )
     return get_peft_model(model, config)
 
 
@@ -72,8 +77,10 @@ def merged_model(peft_model, full_state: dict[str, torch.Tensor]):
     fresh = get_peft_model(fresh, copy.deepcopy(peft_model.peft_config["default"]))
     missing, unexpected = fresh.load_state_dict(full_state, strict=False)
     if unexpected or [k for k in missing if "lm_head" not in k]:
-        raise RuntimeError(f"LoRA merge: state does not match the model (missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]}).")
+        raise RuntimeError(
+            f"LoRA merge: state does not match the model (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]})."
+        )
     merged = fresh.merge_and_unload()
     if hasattr(merged, "tie_weights"):
         merged.tie_weights()

@@ -72,17 +72,20 @@ def pack_batch(batch: TrainBatch, device: torch.device) -> SharedPromptPack:
         prompt = tuple(t for t, r in zip(ids[:width], real[:width]) if r)
         row_group.append(prompt_rows.setdefault(prompt, len(prompt_rows)))
         completions.append([t for t, r in zip(ids[width:], real[width:]) if r])
-    return pack_shared_prompts([list(p) for p in prompt_rows], row_group, completions,
-                               batch.input_ids.shape[1] - width, device)
+    return pack_shared_prompts(
+        [list(p) for p in prompt_rows], row_group, completions, batch.input_ids.shape[1] - width, device
+    )
 
 
-def shared_prompt_logprobs(decoder: NativeDecoder, batch: TrainBatch, temperature: float,
-                           with_entropy: bool = False):
+def shared_prompt_logprobs(
+    decoder: NativeDecoder, batch: TrainBatch, temperature: float, with_entropy: bool = False
+):
     """log π(completion token | prefix) [N, T] (and entropy [N, T]); zeros on padding."""
     packed = pack_batch(batch, decoder.device)
     hidden = decoder.shared_prompt_hidden(packed)  # [M, d]
-    logp, entropy = ChunkedTokenLogprobs.apply(hidden, decoder.lm_head_weight, packed.targets, temperature,
-                                               with_entropy)  # [M], [M]
+    logp, entropy = ChunkedTokenLogprobs.apply(
+        hidden, decoder.lm_head_weight, packed.targets, temperature, with_entropy
+    )  # [M], [M]
     shape = (packed.num_rows, packed.completion_width)
     grid = logp.new_zeros(shape[0] * shape[1]).index_copy(0, packed.target_slot, logp).view(shape)  # [N, T]
     if not with_entropy:
@@ -91,8 +94,13 @@ def shared_prompt_logprobs(decoder: NativeDecoder, batch: TrainBatch, temperatur
 
 
 # Config fields under which a model's forward changes its logits after the LM head's product.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
-                     "mup_width_multiplier")
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier_scale",
+    "mup_width_multiplier",
+)
 
 
 def plain_lm_head(model):

@@ -74,8 +74,11 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
 
 def expand_schemes(specs: list) -> list:
     """Reward specs with scheme names (`tunix_gsm8k`) replaced by the names of their functions."""
-    return [name for spec in specs
-            for name in (REWARD_SCHEMES[spec] if isinstance(spec, str) and spec in REWARD_SCHEMES else [spec])]
+    return [
+        name
+        for spec in specs
+        for name in (REWARD_SCHEMES[spec] if isinstance(spec, str) and spec in REWARD_SCHEMES else [spec])
+    ]
 
 
 def resolve_rewards(specs: list) -> list[RewardFunction]:

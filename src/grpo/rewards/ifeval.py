@@ -32,9 +32,47 @@ from typing import Any
 
 log = logging.getLogger("grpo")
 
-_ABBREVIATIONS = ("mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "vs", "etc", "e.g", "i.e", "inc", "ltd",
-                  "co", "corp", "fig", "no", "vol", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep",
-                  "sept", "oct", "nov", "dec", "u.s", "u.k", "a.m", "p.m", "approx", "dept", "est", "mt")
+_ABBREVIATIONS = (
+    "mr",
+    "mrs",
+    "ms",
+    "dr",
+    "prof",
+    "sr",
+    "jr",
+    "st",
+    "vs",
+    "etc",
+    "e.g",
+    "i.e",
+    "inc",
+    "ltd",
+    "co",
+    "corp",
+    "fig",
+    "no",
+    "vol",
+    "jan",
+    "feb",
+    "mar",
+    "apr",
+    "jun",
+    "jul",
+    "aug",
+    "sep",
+    "sept",
+    "oct",
+    "nov",
+    "dec",
+    "u.s",
+    "u.k",
+    "a.m",
+    "p.m",
+    "approx",
+    "dept",
+    "est",
+    "mt",
+)
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 TORCHRL_FORMAT_WEIGHTS = (0.4, 0.3, 0.2, 0.1)
@@ -65,7 +103,9 @@ def _checkers():
         from if_verifiable.ifeval import instructions_util
         from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
     except ImportError as error:
-        raise ImportError("IFEval scoring needs the if-verifiable package: pip install 'grpo[ifeval]'") from error
+        raise ImportError(
+            "IFEval scoring needs the if-verifiable package: pip install 'grpo[ifeval]'"
+        ) from error
     _use_offline_nltk_if_needed(instructions_util)
     import langdetect
 
@@ -115,12 +155,15 @@ def _use_offline_nltk_if_needed(instructions_util) -> None:
     proxy.word_tokenize = word_tokenize
     instructions_util.nltk = proxy
     instructions_util._get_sentence_tokenizer = lambda: sentences
-    log.info("NLTK punkt data not installed: IFEval sentence counting uses an untrained Punkt tokenizer "
-             "(see grpo.rewards.ifeval).")
+    log.info(
+        "NLTK punkt data not installed: IFEval sentence counting uses an untrained Punkt tokenizer "
+        "(see grpo.rewards.ifeval)."
+    )
 
 
-def check_instructions(response: str, instruction_id_list: list[str], kwargs: list[dict[str, Any]] | None,
-                       prompt: str = "") -> IFEvalScore:
+def check_instructions(
+    response: str, instruction_id_list: list[str], kwargs: list[dict[str, Any]] | None, prompt: str = ""
+) -> IFEvalScore:
     """Strict and loose results of `response` for each instruction. `kwargs`: one dict per instruction."""
     registry, evaluate_instructions = _checkers()
     kwargs = list(kwargs) if kwargs is not None else [{} for _ in instruction_id_list]
@@ -129,12 +172,21 @@ def check_instructions(response: str, instruction_id_list: list[str], kwargs: li
     for instruction_id, arguments in zip(instruction_id_list, kwargs, strict=True):
         _check_arguments(registry, instruction_id, arguments or {})
     cleaned = [{k: v for k, v in (a or {}).items() if v is not None} for a in kwargs]
-    results, _ = evaluate_instructions(response=response, instruction_id_list=list(instruction_id_list),
-                                       kwargs_list=cleaned, prompt=prompt, instruction_registry=registry)
+    results, _ = evaluate_instructions(
+        response=response,
+        instruction_id_list=list(instruction_id_list),
+        kwargs_list=cleaned,
+        prompt=prompt,
+        instruction_registry=registry,
+    )
     strict = [r.strict_pass for r in results] or [False] * len(instruction_id_list)
     loose = [r.loose_pass for r in results] or [False] * len(instruction_id_list)
-    return IFEvalScore(prompt_strict=all(strict) and bool(strict), prompt_loose=all(loose) and bool(loose),
-                       instruction_strict=strict, instruction_loose=loose)
+    return IFEvalScore(
+        prompt_strict=all(strict) and bool(strict),
+        prompt_loose=all(loose) and bool(loose),
+        instruction_strict=strict,
+        instruction_loose=loose,
+    )
 
 
 def _check_arguments(registry, instruction_id: str, arguments: dict[str, Any]) -> None:
@@ -145,12 +197,20 @@ def _check_arguments(registry, instruction_id: str, arguments: dict[str, Any]) -
     checker = registry[instruction_id](instruction_id)
     missing = [k for k in checker.get_instruction_args_keys() if arguments.get(k) is None and k != "prompt"]
     if missing:
-        raise ValueError(f"IFEval instruction {instruction_id!r} needs kwargs {missing} (got {arguments}); "
-                         "without them the checker would draw random thresholds")
+        raise ValueError(
+            f"IFEval instruction {instruction_id!r} needs kwargs {missing} (got {arguments}); "
+            "without them the checker would draw random thresholds"
+        )
 
 
-def torchrl_ifeval(prompts: list[str], completions: list[str], instruction_id_list: list, kwargs: list | None = None,
-                   completion_truncated: list[bool] | None = None, **_: list) -> list[float | None]:
+def torchrl_ifeval(
+    prompts: list[str],
+    completions: list[str],
+    instruction_id_list: list,
+    kwargs: list | None = None,
+    completion_truncated: list[bool] | None = None,
+    **_: list,
+) -> list[float | None]:
     """TorchRL's IFEval reward (IfEvalScorer's default aggregator), up to 2.2:
 
         0.4·prompt_strict + 0.3·instruction_strict + 0.2·prompt_loose + 0.1·instruction_loose
@@ -163,15 +223,20 @@ def torchrl_ifeval(prompts: list[str], completions: list[str], instruction_id_li
     kwargs = kwargs if kwargs is not None else [None] * len(completions)
     truncated = completion_truncated if completion_truncated is not None else [None] * len(completions)
     rewards: list[float | None] = []
-    for prompt, completion, ids, arguments, cut in zip(prompts, completions, instruction_id_list, kwargs,
-                                                       truncated, strict=True):
+    for prompt, completion, ids, arguments, cut in zip(
+        prompts, completions, instruction_id_list, kwargs, truncated, strict=True
+    ):
         if not ids:
             rewards.append(None)
             continue
         thinks, answers = _THINK.findall(completion), _ANSWER.findall(completion)
         score = check_instructions(answers[0] if answers else "", ids, arguments, prompt)
-        accuracies = (float(score.prompt_strict), score.instruction_strict_mean, float(score.prompt_loose),
-                      score.instruction_loose_mean)
+        accuracies = (
+            float(score.prompt_strict),
+            score.instruction_strict_mean,
+            float(score.prompt_loose),
+            score.instruction_loose_mean,
+        )
         format_score = sum(w * x for w, x in zip(TORCHRL_FORMAT_WEIGHTS, accuracies, strict=True))
         structure = 0.5 * (len(thinks) == 1) + 0.5 * (len(answers) == 1)
         completion_bonus = 0.0 if cut is None else 0.2 * (not cut)
@@ -179,12 +244,19 @@ def torchrl_ifeval(prompts: list[str], completions: list[str], instruction_id_li
     return rewards
 
 
-def ifeval_strict(prompts: list[str], completions: list[str], instruction_id_list: list,
-                  kwargs: list | None = None, **_: list) -> list[float | None]:
+def ifeval_strict(
+    prompts: list[str],
+    completions: list[str],
+    instruction_id_list: list,
+    kwargs: list | None = None,
+    **_: list,
+) -> list[float | None]:
     """1.0 when the whole completion follows every instruction strictly (prompt-level strict accuracy)."""
     kwargs = kwargs if kwargs is not None else [None] * len(completions)
-    return [None if not ids else float(check_instructions(c, ids, a, p).prompt_strict)
-            for p, c, ids, a in zip(prompts, completions, instruction_id_list, kwargs, strict=True)]
+    return [
+        None if not ids else float(check_instructions(c, ids, a, p).prompt_strict)
+        for p, c, ids, a in zip(prompts, completions, instruction_id_list, kwargs, strict=True)
+    ]
 
 
 def is_ifeval_row(row: dict[str, Any]) -> bool:

@@ -99,14 +99,17 @@ class CausalLMLikelihoodReward:
                     hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
                     hidden = hidden.last_hidden_state  # [B, T, d]
                 else:
-                    logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
+                    logits = self.model(
+                        input_ids=input_ids, attention_mask=attention_mask
+                    ).logits  # [B, T, V]
                 for row, (prompt_ids, completion_ids) in enumerate(batch):
                     first, end = len(prompt_ids), len(prompt_ids) + len(completion_ids)
                     targets = input_ids[row, first:end, None]  # [C, 1]
                     # Position t predicts token t+1.
                     if head is not None:
-                        log_probs, _ = ChunkedTokenLogprobs.apply(hidden[row, first - 1 : end - 1], head.weight,
-                                                                  targets[:, 0], 1.0, False)  # [C]
+                        log_probs, _ = ChunkedTokenLogprobs.apply(
+                            hidden[row, first - 1 : end - 1], head.weight, targets[:, 0], 1.0, False
+                        )  # [C]
                         scores.append(log_probs.mean().item())
                         continue
                     # Upcast only this row's slice to bound fp32 memory.

@@ -49,8 +49,15 @@ exec(compile(source, "<completion>", "exec"), {"__name__": "__main__"})
 """
 
 
-def run_python(code: str, *, timeout: float = 10.0, memory_mb: int = 512, file_mb: int = 16,
-               processes: int = 64, output_chars: int = 10_000) -> SandboxResult:
+def run_python(
+    code: str,
+    *,
+    timeout: float = 10.0,
+    memory_mb: int = 512,
+    file_mb: int = 16,
+    processes: int = 64,
+    output_chars: int = 10_000,
+) -> SandboxResult:
     """Run `code` in a separate, resource-limited Python process and return its exit status and output."""
     if os.name != "posix":
         raise OSError("run_python needs POSIX resource limits (Linux or macOS)")
@@ -58,9 +65,16 @@ def run_python(code: str, *, timeout: float = 10.0, memory_mb: int = 512, file_m
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
         limits = [str(max(1, int(timeout) + 1)), str(memory_mb << 20), str(file_mb << 20), str(processes)]
         process = subprocess.Popen(
-            [sys.executable, "-I", "-c", _BOOTSTRAP, *limits], cwd=workdir, env=env, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-            start_new_session=True)  # its own process group, so a timeout kills its children too
+            [sys.executable, "-I", "-c", _BOOTSTRAP, *limits],
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )  # its own process group, so a timeout kills its children too
         try:
             stdout, stderr = process.communicate(code, timeout=timeout)
             return SandboxResult(process.returncode, stdout[:output_chars], stderr[:output_chars], False)
@@ -79,10 +93,13 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-def code_tests(prompts: list[str], completions: list[str], tests: list[str | None] | None = None,
-               **_: list) -> list[float | None]:
+def code_tests(
+    prompts: list[str], completions: list[str], tests: list[str | None] | None = None, **_: list
+) -> list[float | None]:
     """1.0 when the completion's code followed by the row's `tests` (asserts) runs and exits 0 within 10 s
     and 512 MB, else 0.0; None for rows without tests. Each sample runs in its own sandboxed process."""
     tests = tests if tests is not None else [None] * len(completions)
-    return [None if not test else float(run_python(extract_code(c) + "\n\n" + test).ok)
-            for c, test in zip(completions, tests, strict=True)]
+    return [
+        None if not test else float(run_python(extract_code(c) + "\n\n" + test).ok)
+        for c, test in zip(completions, tests, strict=True)
+    ]

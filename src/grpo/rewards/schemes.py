@@ -86,7 +86,9 @@ def tunix_match_format_approximately(prompts: list[str], completions: list[str],
     return [sum(0.5 if c.count(tag) == 1 else -0.5 for tag in tags) for c in completions]
 
 
-def tunix_check_answer(prompts: list[str], completions: list[str], answer: list, **_: list) -> list[float | None]:
+def tunix_check_answer(
+    prompts: list[str], completions: list[str], answer: list, **_: list
+) -> list[float | None]:
     """3.0 exact, 1.5 equal up to whitespace, 0.5 / 0.25 within 10% / 20%, −1.0 wrong, −0.5 unparseable."""
     rewards: list[float | None] = []
     for completion, reference in zip(completions, answer, strict=True):
@@ -118,7 +120,9 @@ def tunix_check_answer(prompts: list[str], completions: list[str], answer: list,
     return rewards
 
 
-def tunix_check_numbers(prompts: list[str], completions: list[str], answer: list, **_: list) -> list[float | None]:
+def tunix_check_numbers(
+    prompts: list[str], completions: list[str], answer: list, **_: list
+) -> list[float | None]:
     """1.5 when the first number after `<answer>` equals the reference as a float, else 0 (MaxText/Tunix)."""
     rewards: list[float | None] = []
     for completion, reference in zip(completions, answer, strict=True):
@@ -145,8 +149,12 @@ SCHEME_FUNCTIONS = {
     "tunix_check_numbers": tunix_check_numbers,
 }
 
-_TUNIX = ["tunix_match_format_exactly", "tunix_match_format_approximately", "tunix_check_answer",
-          "tunix_check_numbers"]
+_TUNIX = [
+    "tunix_match_format_exactly",
+    "tunix_match_format_approximately",
+    "tunix_check_answer",
+    "tunix_check_numbers",
+]
 # A scheme name in reward_funcs expands to these functions (summed with weight 1.0 each unless
 # algorithm.reward_weights gives one weight per expanded function).
 REWARD_SCHEMES: dict[str, list[str]] = {"tunix_gsm8k": _TUNIX, "maxtext_gsm8k": _TUNIX}

@@ -128,8 +128,11 @@ def score_completions(
     _check_batch(prompts, completions, columns)
     names = unique_names([reward_name(fn) for fn in funcs])
     logged: dict[str, list[float]] = {}
-    extras = {"log_metric": lambda name, value: logged.setdefault(name, []).append(float(value)),
-              "log_extra": lambda column, values: None, **(extras or {})}
+    extras = {
+        "log_metric": lambda name, value: logged.setdefault(name, []).append(float(value)),
+        "log_extra": lambda column, values: None,
+        **(extras or {}),
+    }
     batch = {"prompts": prompts, "completions": completions, **columns}
     raw = _call_all(funcs, batch, timeout, extras)  # list per function: rewards or _Failure
     rows, skipped = [], 0
@@ -184,16 +187,23 @@ def _text(value, role: str):
     """A message list's text: the last message of `role` (a completion's assistant message); text as is."""
     if not isinstance(value, list):
         return value
-    return next((m.get("content", "") for m in reversed(value) if isinstance(m, dict) and m.get("role") == role),
-                value[-1].get("content", "") if value and isinstance(value[-1], dict) else "")
+    return next(
+        (m.get("content", "") for m in reversed(value) if isinstance(m, dict) and m.get("role") == role),
+        value[-1].get("content", "") if value and isinstance(value[-1], dict) else "",
+    )
 
 
-def _call_all(funcs: list[RewardFunction], batch: dict[str, list], timeout: float | None, extras: dict) -> list:
+def _call_all(
+    funcs: list[RewardFunction], batch: dict[str, list], timeout: float | None, extras: dict
+) -> list:
     results: list = [None] * len(funcs)
     async_indices = [i for i, fn in enumerate(funcs) if is_async(fn)]
     if async_indices:
-        gathered = _run_async([funcs[i] for i in async_indices],
-                              [_own_copy(batch, extras, funcs[i]) for i in async_indices], timeout)
+        gathered = _run_async(
+            [funcs[i] for i in async_indices],
+            [_own_copy(batch, extras, funcs[i]) for i in async_indices],
+            timeout,
+        )
         for i, result in zip(async_indices, gathered, strict=True):
             results[i] = result
     for i, fn in enumerate(funcs):
@@ -248,21 +258,24 @@ def _run_async(funcs: list[RewardFunction], batches: list[dict[str, list]], time
 
 
 def _call_one(fn: RewardFunction, batch: dict[str, list], index: int, timeout: float | None, extras: dict):
-    single = _own_copy({k: v[index:index + 1] for k, v in batch.items()}, extras, fn)
+    single = _own_copy({k: v[index : index + 1] for k, v in batch.items()}, extras, fn)
     if is_async(fn):
         return _run_async([fn], [single], timeout)[0]
     return _call_sync(fn, single, timeout)
 
 
 # -- checking --------------------------------------------------------------------------------------
-def _checked(fn, name: str, result, batch: dict[str, list], timeout: float | None,
-             on_error: str, extras: dict) -> tuple[list[float], int]:
+def _checked(
+    fn, name: str, result, batch: dict[str, list], timeout: float | None, on_error: str, extras: dict
+) -> tuple[list[float], int]:
     n = len(batch["prompts"])
     if isinstance(result, _Failure):
         timed_out = isinstance(result.error, TimeoutError)
         if on_error == "skip" and timed_out:
             # Re-scoring one by one could cost N more time limits; the whole batch goes missing instead.
-            log.warning("Reward %r timed out after %s s on a batch of %d; scored as missing.", name, timeout, n)
+            log.warning(
+                "Reward %r timed out after %s s on a batch of %d; scored as missing.", name, timeout, n
+            )
             return [nan] * n, n
         return _per_sample(fn, name, batch, timeout, on_error, result.error, extras)
     _check_shape(name, result, n)
@@ -272,8 +285,10 @@ def _checked(fn, name: str, result, batch: dict[str, list], timeout: float | Non
         return values, 0
     if on_error == "stop":
         i = bad[0]
-        raise NonFiniteRewardError(f"reward function {name!r} returned {result[i]} for sample {i} (return None "
-                                   f"for 'not applicable'); {_describe(batch, i)}. {_SKIP_HINT}")
+        raise NonFiniteRewardError(
+            f"reward function {name!r} returned {result[i]} for sample {i} (return None "
+            f"for 'not applicable'); {_describe(batch, i)}. {_SKIP_HINT}"
+        )
     for i in bad:
         values[i] = nan
     log.warning("Reward %r returned NaN/inf for %d sample(s); scored as missing.", name, len(bad))
@@ -284,8 +299,9 @@ def _non_finite(reward) -> bool:
     return reward is not None and not isfinite(reward)
 
 
-def _per_sample(fn, name: str, batch: dict[str, list], timeout, on_error: str,
-                batch_error: BaseException, extras: dict) -> tuple[list[float], int]:
+def _per_sample(
+    fn, name: str, batch: dict[str, list], timeout, on_error: str, batch_error: BaseException, extras: dict
+) -> tuple[list[float], int]:
     """Re-score one sample at a time to name the culprit (stop) or keep the others' rewards (skip)."""
     n = len(batch["prompts"])
     values, dropped = [], 0
@@ -306,19 +322,33 @@ def _per_sample(fn, name: str, batch: dict[str, list], timeout, on_error: str,
     if dropped == 0 and on_error == "stop":
         raise _error_for(name, batch_error, batch, None) from batch_error
     if dropped == 0:  # every sample scores alone: only the batch call fails; keep the per-sample scores
-        log.warning("Reward %r failed on the batch (%s) but not per sample; used per-sample scores.", name,
-                    _short(repr(batch_error)))
+        log.warning(
+            "Reward %r failed on the batch (%s) but not per sample; used per-sample scores.",
+            name,
+            _short(repr(batch_error)),
+        )
     else:
-        log.warning("Reward %r failed on %d of %d sample(s) (%s); scored as missing.", name, dropped, n,
-                    _short(repr(batch_error)))
+        log.warning(
+            "Reward %r failed on %d of %d sample(s) (%s); scored as missing.",
+            name,
+            dropped,
+            n,
+            _short(repr(batch_error)),
+        )
     return values, dropped
 
 
 def _error_for(name: str, error: BaseException, batch: dict[str, list], index: int | None) -> RewardError:
-    what = (f"timed out ({error})" if isinstance(error, TimeoutError)
-            else f"raised {type(error).__name__}: {error}")
-    where = (f"on sample {index} of {len(batch['prompts'])}; {_describe(batch, index)}" if index is not None
-             else f"on the batch of {len(batch['prompts'])} samples (each sample alone scores fine)")
+    what = (
+        f"timed out ({error})"
+        if isinstance(error, TimeoutError)
+        else f"raised {type(error).__name__}: {error}"
+    )
+    where = (
+        f"on sample {index} of {len(batch['prompts'])}; {_describe(batch, index)}"
+        if index is not None
+        else f"on the batch of {len(batch['prompts'])} samples (each sample alone scores fine)"
+    )
     cls = RewardTimeoutError if isinstance(error, TimeoutError) else RewardError
     return cls(f"reward function {name!r} {what} {where}. {_SKIP_HINT}")
 

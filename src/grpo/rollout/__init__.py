@@ -24,8 +24,15 @@ class RolloutEngine(Protocol):
         """Receive new policy weights; a colocated engine shares the learner's parameters and skips this."""
 
 
-def build_engine(name: str, model, tokenizer, compile_decode: bool = False,
-                 compute_dtype: torch.dtype | None = None, generation=None, seed: int = 0) -> RolloutEngine:
+def build_engine(
+    name: str,
+    model,
+    tokenizer,
+    compile_decode: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    generation=None,
+    seed: int = 0,
+) -> RolloutEngine:
     """`native` on a supported Llama-family model, else (or when asked) transformers `generate`. Both
     sample in `compute_dtype` (None: the weights' own dtype) from float32 master weights. `vllm` on
     vLLM (in-process, or a server when generation.vllm_server_url is set); `auto`: vllm on CUDA when it is

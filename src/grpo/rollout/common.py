@@ -22,12 +22,19 @@ class ChunkedEngine:
                 params[name].copy_(tensor)
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-                 chunk_prompts: int | None = None) -> Rollouts:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        chunk_prompts: int | None = None,
+    ) -> Rollouts:
         chunk = chunk_prompts or len(prompt_token_ids)
-        parts = [self._generate(prompt_token_ids[i:i + chunk], n, sampling)
-                 for i in range(0, len(prompt_token_ids), chunk)]
-        sizes = [len(prompt_token_ids[i:i + chunk]) for i in range(0, len(prompt_token_ids), chunk)]
+        parts = [
+            self._generate(prompt_token_ids[i : i + chunk], n, sampling)
+            for i in range(0, len(prompt_token_ids), chunk)
+        ]
+        sizes = [len(prompt_token_ids[i : i + chunk]) for i in range(0, len(prompt_token_ids), chunk)]
         return concat_rollouts(parts, sizes, self.pad_id)
 
     def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:

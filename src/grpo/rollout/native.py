@@ -29,7 +29,9 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch
     if sampling.greedy:
         tokens = logits.argmax(-1)  # [n]
         return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-    logp = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).log_softmax(-1)  # [n, V]
+    logp = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).log_softmax(
+        -1
+    )  # [n, V]
     # Inverse CDF: token i owns [cdf_{i-1}, cdf_i); a filtered token's interval is empty and never drawn.
     cdf = logp.exp().cumsum(-1)  # [n, V]
     u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]  # [n, 1]
@@ -43,7 +45,9 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch
 class NativeEngine(ChunkedEngine):
     """RolloutEngine on `NativeDecoder`; colocated, it reads the learner's parameters directly."""
 
-    def __init__(self, model, tokenizer, compile_decode: bool = False, compute_dtype: torch.dtype | None = None):
+    def __init__(
+        self, model, tokenizer, compile_decode: bool = False, compute_dtype: torch.dtype | None = None
+    ):
         self.model = model
         # Mixed precision: each generate call casts the weights to compute_dtype once (decode_weights;
         # no copy is kept between calls), the prefill casts as it reads.
@@ -52,16 +56,23 @@ class NativeEngine(ChunkedEngine):
         # is a dynamic shape; rows are not dropped when compiled (the group layout stays fixed), so one
         # graph serves every step of every generation of the same batch shape.
         self.compiled = compile_decode
-        self.decode_step = (torch.compile(self.decoder.decode_step, dynamic=True) if compile_decode
-                            else self.decoder.decode_step)
+        self.decode_step = (
+            torch.compile(self.decoder.decode_step, dynamic=True)
+            if compile_decode
+            else self.decoder.decode_step
+        )
         self.tokenizer = tokenizer
         if tokenizer.pad_token_id is None:
-            raise ValueError("The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token).")
+            raise ValueError(
+                "The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token)."
+            )
         self.pad_id = tokenizer.pad_token_id
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-        self.eos_ids = torch.tensor(sorted(set(eos)) or [-1], dtype=torch.long)  # -1: no eos, run to the limit
+        self.eos_ids = torch.tensor(
+            sorted(set(eos)) or [-1], dtype=torch.long
+        )  # -1: no eos, run to the limit
 
     @property
     def exact_logprobs(self) -> bool:
@@ -75,7 +86,9 @@ class NativeEngine(ChunkedEngine):
         rows = p * n
         prompt_cache, first_logits = dec.prefill(prompts, self.pad_id)  # first_logits [P, V]
         # oneDNN's own weight tensors are opaque to torch.compile: a compiled step keeps plain ones.
-        weights = dec.decode_weights(fuse=device.type == "cpu", onednn=device.type == "cpu" and not self.compiled)
+        weights = dec.decode_weights(
+            fuse=device.type == "cpu", onednn=device.type == "cpu" and not self.compiled
+        )
         shape = (rows, dec.num_kv_heads, t_max, dec.head_dim)
         cache_k = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
         cache_v = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
@@ -109,18 +122,24 @@ class NativeEngine(ChunkedEngine):
             if not self.compiled and finished * _COMPACT_FRACTION >= alive.numel():
                 keep = alive.nonzero().squeeze(-1)
                 for cache in (*cache_k, *cache_v):
-                    cache[:keep.numel(), :, :step] = cache[keep.to(device), :, :step]
+                    cache[: keep.numel(), :, :step] = cache[keep.to(device), :, :step]
                 active, alive, tokens = active[keep], alive[keep], tokens[keep.to(device)]
                 layout = GroupLayout(active.to(device) // n, prompt_cache.lengths, p)
             cos, sin = dec.rope(layout.prompt_len_per_row + step, limit=rope_limit)  # [n, D]
             n_rows = tokens.shape[0]
-            caches = [(k[:n_rows, :, :step + 1], v[:n_rows, :, :step + 1]) for k, v in zip(cache_k, cache_v)]
+            caches = [
+                (k[:n_rows, :, : step + 1], v[:n_rows, :, : step + 1]) for k, v in zip(cache_k, cache_v)
+            ]
             logits = self.decode_step(tokens, prompt_cache, layout, caches, weights, cos, sin)
 
         mask = (torch.arange(t_max)[None, :] < lengths[:, None]).float()  # [N, T]
-        return Rollouts(prompt_index=torch.arange(p).repeat_interleave(n),
-                        completion_ids=ids.masked_fill(mask == 0, self.pad_id), completion_mask=mask,
-                        sampling_logprobs=logprobs * mask, truncated=~ended)
+        return Rollouts(
+            prompt_index=torch.arange(p).repeat_interleave(n),
+            completion_ids=ids.masked_fill(mask == 0, self.pad_id),
+            completion_mask=mask,
+            sampling_logprobs=logprobs * mask,
+            truncated=~ended,
+        )
 
 
 class _StopStrings:
@@ -133,7 +152,7 @@ class _StopStrings:
         self.window = max((len(s) for s in self.strings), default=0) + 2
 
     def hits(self, ids: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
-        tails = ids[rows, max(0, step + 1 - self.window):step + 1]
+        tails = ids[rows, max(0, step + 1 - self.window) : step + 1]
         texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
         return torch.tensor([any(s in text for s in self.strings) for text in texts], dtype=torch.bool)
 

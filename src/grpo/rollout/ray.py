@@ -38,8 +38,18 @@ ACTOR_PREFIX = "grpo-rollout-"
 class RolloutWorker:
     """A Ray actor: its own copy of the policy (weights arrive by `load_weights`) and a rollout engine."""
 
-    def __init__(self, model_config, dtype: torch.dtype, lora: dict | None, tokenizer, engine: str, seed: int,
-                 num_threads: int, use_gpu: bool, generation=None):
+    def __init__(
+        self,
+        model_config,
+        dtype: torch.dtype,
+        lora: dict | None,
+        tokenizer,
+        engine: str,
+        seed: int,
+        num_threads: int,
+        use_gpu: bool,
+        generation=None,
+    ):
         from transformers import AutoModelForCausalLM
 
         from grpo.config import LoraSettings
@@ -51,7 +61,9 @@ class RolloutWorker:
         if lora is not None:
             model = apply_lora(model, LoraSettings(**lora))
         model.to("cuda" if use_gpu else "cpu").eval()
-        self.engine = build_engine(engine, model, tokenizer, generation=generation, seed=seed)  # vllm: its own LLM
+        self.engine = build_engine(
+            engine, model, tokenizer, generation=generation, seed=seed
+        )  # vllm: its own LLM
         torch.manual_seed(seed)  # after the random init: sampling noise starts where a colocated run's does
         self.version = -1  # no weights yet
 
@@ -60,8 +72,9 @@ class RolloutWorker:
         self.version = version
         return version
 
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-                 chunk_prompts: int | None) -> tuple[Rollouts, int]:
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, chunk_prompts: int | None
+    ) -> tuple[Rollouts, int]:
         return self.engine.generate(prompt_token_ids, n, sampling, chunk_prompts=chunk_prompts), self.version
 
 
@@ -89,8 +102,17 @@ class _ConsumedStream:
 
 
 class RayRollout:
-    def __init__(self, cfg: GRPOConfig, parts, stream: PromptStream, sampling: SamplingParams, rt: Runtime,
-                 learner, version: int = 0, chunk_prompts: int | None = None):
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        parts,
+        stream: PromptStream,
+        sampling: SamplingParams,
+        rt: Runtime,
+        learner,
+        version: int = 0,
+        chunk_prompts: int | None = None,
+    ):
         import ray
 
         d = cfg.distributed
@@ -110,7 +132,8 @@ class RayRollout:
                     f"Could not join the Ray cluster at ray_address={d.ray_address} ({e}). Is it running (`ray "
                     "status`)? Ray >= 2.59 clusters check a token: a process on the head's machine reads it from "
                     "~/.ray/auth_token (same user, same HOME); elsewhere export RAY_AUTH_TOKEN=$(ray get-auth-token) "
-                    "(run on the head) or RAY_AUTH_TOKEN_PATH=FILE before `ray start --address` and torchrun.") from e
+                    "(run on the head) or RAY_AUTH_TOKEN_PATH=FILE before `ray start --address` and torchrun."
+                ) from e
         from grpo.distributed.roles import plan_roles
 
         plan = plan_roles(cfg, torch.cuda.device_count(), rt.world_size, rt.local_rank)
@@ -118,23 +141,39 @@ class RayRollout:
         self.gpus = plan.rollout_gpus_per_replica
         # On one machine the plan names each replica's GPU; pin it (Ray would pick any free GPU, the
         # learner's included, as it does not know torchrun's processes use them).
-        self.pinned = plan.rollout_devices[rt.rank * replicas:(rt.rank + 1) * replicas] \
-            if plan.rollout_devices and d.ray_address is None else []
+        self.pinned = (
+            plan.rollout_devices[rt.rank * replicas : (rt.rank + 1) * replicas]
+            if plan.rollout_devices and d.ray_address is None
+            else []
+        )
         policy = parts.policy
         base = policy.get_base_model() if is_lora(policy) else policy
         self.lora = asdict(cfg.lora) if is_lora(policy) else None
-        self.spawn_args = (base.config, parts.compute_dtype, self.lora, parts.tokenizer,
-                           cfg.generation.engine, cfg.train.seed + rt.rank, cfg.train.num_threads or 1, self.gpus > 0,
-                           cfg.generation)
+        self.spawn_args = (
+            base.config,
+            parts.compute_dtype,
+            self.lora,
+            parts.tokenizer,
+            cfg.generation.engine,
+            cfg.train.seed + rt.rank,
+            cfg.train.num_threads or 1,
+            self.gpus > 0,
+            cfg.generation,
+        )
         self.spawned = 0
         self.actors = [self._spawn(i) for i in range(replicas)]
         self.pending: deque[_Request] = deque()
         self.restarts = self.dropped = self.staleness_max = self.last_lag = 0
         self.behaviour, self.wait_s = version, 0.0
         self._push(full=True)
-        log.info("Rollout: %d Ray actor(s) (%s), mode %s, weights every %d step(s), max staleness %d.",
-                 replicas, f"{self.gpus} GPU each" if self.gpus else "CPU", d.rollout_mode, d.weight_sync_steps,
-                 d.max_staleness)
+        log.info(
+            "Rollout: %d Ray actor(s) (%s), mode %s, weights every %d step(s), max staleness %d.",
+            replicas,
+            f"{self.gpus} GPU each" if self.gpus else "CPU",
+            d.rollout_mode,
+            d.weight_sync_steps,
+            d.max_staleness,
+        )
 
     # -- actors and weights ----------------------------------------------------------------------
     def _spawn(self, i: int):
@@ -195,8 +234,12 @@ class RayRollout:
                 self.last_lag, self.behaviour = lag, behaviour
                 return request.prompts, rollouts, lag
             self.dropped += len(request.prompts)
-            log.warning("Dropped %d prompts sampled with weights %d steps old (max_staleness %d).",
-                        len(request.prompts), lag, self.cfg.distributed.max_staleness)
+            log.warning(
+                "Dropped %d prompts sampled with weights %d steps old (max_staleness %d).",
+                len(request.prompts),
+                lag,
+                self.cfg.distributed.max_staleness,
+            )
 
     def _collect(self, request: _Request) -> tuple[Rollouts, int]:
         import ray
@@ -208,15 +251,21 @@ class RayRollout:
                 results.append(self._get(request.parts[i], "generate"))
             except ray.exceptions.RayActorError as e:
                 self._replace(i, e)
-                results.append(self._get(self._generate(i, request.prompts.prompt_token_ids[split]), "generate"))
+                results.append(
+                    self._get(self._generate(i, request.prompts.prompt_token_ids[split]), "generate")
+                )
             self.wait_s += time.perf_counter() - start
         versions = [v for _, v in results]
-        return concat_rollouts([r for r, _ in results], [s.stop - s.start for s in request.splits],
-                       self.parts.tokenizer.pad_token_id), min(versions)
+        return concat_rollouts(
+            [r for r, _ in results],
+            [s.stop - s.start for s in request.splits],
+            self.parts.tokenizer.pad_token_id,
+        ), min(versions)
 
     def _generate(self, i: int, prompt_ids: list[list[int]]):
-        return self.actors[i].generate.remote(prompt_ids, self.cfg.generation.num_generations, self.sampling,
-                                              self.chunk_prompts)
+        return self.actors[i].generate.remote(
+            prompt_ids, self.cfg.generation.num_generations, self.sampling, self.chunk_prompts
+        )
 
     def _replace(self, i: int, error: Exception) -> None:
         """Actor i died: start another with the current weights and resend what was queued on it."""
@@ -225,10 +274,17 @@ class RayRollout:
         d = self.cfg.distributed
         self.restarts += 1
         if self.restarts > d.max_actor_restarts:
-            raise RuntimeError(f"Rollout actors died {self.restarts} times (max_actor_restarts="
-                               f"{d.max_actor_restarts}); last error: {error}") from error
-        log.warning("Rollout actor %d died (%s); starting a new one (restart %d of at most %d).", i,
-                    type(error).__name__, self.restarts, d.max_actor_restarts)
+            raise RuntimeError(
+                f"Rollout actors died {self.restarts} times (max_actor_restarts="
+                f"{d.max_actor_restarts}); last error: {error}"
+            ) from error
+        log.warning(
+            "Rollout actor %d died (%s); starting a new one (restart %d of at most %d).",
+            i,
+            type(error).__name__,
+            self.restarts,
+            d.max_actor_restarts,
+        )
         ray.kill(self.actors[i], no_restart=True)
         self.actors[i] = self._spawn(i)
         self._push(full=True, actors=[i])
@@ -242,14 +298,21 @@ class RayRollout:
         try:
             return ray.get(refs, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError as e:
-            raise RuntimeError(f"Ray rollout call '{what}' gave no answer within distributed.timeout_s="
-                               f"{self.timeout:.0f}s; the actor is hung or starved of resources.") from e
+            raise RuntimeError(
+                f"Ray rollout call '{what}' gave no answer within distributed.timeout_s="
+                f"{self.timeout:.0f}s; the actor is hung or starved of resources."
+            ) from e
 
     def metrics(self) -> dict[str, float]:
-        return {"rollout/policy_version": float(self.version), "rollout/behaviour_version": float(self.behaviour),
-                "rollout/staleness": float(self.last_lag), "rollout/staleness_max": float(self.staleness_max),
-                "rollout/dropped_stale": float(self.dropped), "rollout/actor_restarts": float(self.restarts),
-                "time/rollout_wait": self.wait_s}
+        return {
+            "rollout/policy_version": float(self.version),
+            "rollout/behaviour_version": float(self.behaviour),
+            "rollout/staleness": float(self.last_lag),
+            "rollout/staleness_max": float(self.staleness_max),
+            "rollout/dropped_stale": float(self.dropped),
+            "rollout/actor_restarts": float(self.restarts),
+            "time/rollout_wait": self.wait_s,
+        }
 
     def close(self) -> None:
         import ray

@@ -67,7 +67,9 @@ class TransformersEngine(ChunkedEngine):
         self.compute_dtype = compute_dtype  # autocast during generate (float32 masters, bf16/fp16 matmuls)
         self.tokenizer = tokenizer
         if tokenizer.pad_token_id is None:
-            raise ValueError("The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token).")
+            raise ValueError(
+                "The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token)."
+            )
         self.pad_id = tokenizer.pad_token_id
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else tokenizer.eos_token_id
@@ -79,8 +81,8 @@ class TransformersEngine(ChunkedEngine):
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [P, Lp] left-padded
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
-            input_ids[i, width - len(p):] = torch.tensor(p)
-            attention[i, width - len(p):] = 1
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention[i, width - len(p) :] = 1
         recorder = _RecordingSampler(width, sampling)
         was_training = self.model.training
         self.model.eval()
@@ -89,23 +91,29 @@ class TransformersEngine(ChunkedEngine):
         self.model.train(was_training)
         completion = out.sequences[:, width:].cpu()  # [N, T]
         recorder.record(completion[:, -1].to(device))
-        logprobs = torch.stack(recorder.logprobs, dim=1).cpu()[:, :completion.shape[1]]  # [N, T]
+        logprobs = torch.stack(recorder.logprobs, dim=1).cpu()[:, : completion.shape[1]]  # [N, T]
         mask, truncated = self._completion_mask(completion, sampling)
         return Rollouts(
             prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
             completion_ids=completion.masked_fill(mask == 0, self.pad_id),
-            completion_mask=mask, sampling_logprobs=logprobs * mask, truncated=truncated,
+            completion_mask=mask,
+            sampling_logprobs=logprobs * mask,
+            truncated=truncated,
         )
 
     def _sample(self, input_ids, attention, n: int, sampling: SamplingParams, recorder):
         return self.model.generate(
-            input_ids=input_ids, attention_mask=attention,
-            do_sample=not sampling.greedy, num_return_sequences=n, max_new_tokens=sampling.max_new_tokens,
+            input_ids=input_ids,
+            attention_mask=attention,
+            do_sample=not sampling.greedy,
+            num_return_sequences=n,
+            max_new_tokens=sampling.max_new_tokens,
             **({} if sampling.greedy else _WARPERS_OFF),
             logits_processor=LogitsProcessorList([recorder]),
             stop_strings=sampling.stop_strings or None,
             tokenizer=self.tokenizer if sampling.stop_strings else None,
-            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids),
             return_dict_in_generate=True,
         )
 
@@ -126,8 +134,9 @@ class TransformersEngine(ChunkedEngine):
         mask = (torch.arange(t)[None, :] < lengths[:, None]).float()  # [N, T]
         stopped = torch.zeros(n, dtype=torch.bool)
         if sampling.stop_strings:
-            texts = self.tokenizer.batch_decode(completion.masked_fill(mask == 0, self.pad_id),
-                                                skip_special_tokens=True)
+            texts = self.tokenizer.batch_decode(
+                completion.masked_fill(mask == 0, self.pad_id), skip_special_tokens=True
+            )
             stopped = torch.tensor([any(s in txt for s in sampling.stop_strings) for txt in texts])
         truncated = ~has_eos & ~stopped & (lengths >= sampling.max_new_tokens)
         return mask, truncated

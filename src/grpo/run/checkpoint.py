@@ -53,8 +53,11 @@ class CheckpointError(RuntimeError):
 def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     # Tensors and plain tuples only, so the file loads with torch.load(weights_only=True).
-    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -84,9 +87,11 @@ def save_model_dir(path: Path, model, tokenizer, config_yaml: str, training_stat
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     if not path.parent.is_dir():  # not re-created: a new, nearly empty run directory would hide the loss
-        raise CheckpointError(f"Cannot save {path.name}: the directory {path.parent} no longer exists (deleted "
-                              "or moved while the run was going?). Nothing was saved. Restore the directory, "
-                              "then resume with --resume latest.")
+        raise CheckpointError(
+            f"Cannot save {path.name}: the directory {path.parent} no longer exists (deleted "
+            "or moved while the run was going?). Nothing was saved. Restore the directory, "
+            "then resume with --resume latest."
+        )
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -150,15 +155,22 @@ def _save_state(state: dict, target: Path) -> None:
 
 def _save_failure(path: Path, e: BaseException) -> str:
     previous = [p.name for _, p in list_checkpoints(path.parent) if p != path]
-    intact = (f"The previous checkpoint {previous[-1]} is intact." if previous
-              else "No earlier checkpoint was touched.")
+    intact = (
+        f"The previous checkpoint {previous[-1]} is intact."
+        if previous
+        else "No earlier checkpoint was touched."
+    )
     if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e):
         free = shutil.disk_usage(path.parent).free / 2**20
-        return (f"No space left on the device while saving {path.name} in {path.parent} ({free:.0f} MiB "
-                f"free). {intact} Free some space (or set train.save_total_limit to keep fewer "
-                "checkpoints), then resume with --resume latest.")
-    return (f"Could not save {path.name} in {path.parent}: {e}. {intact} Fix the cause, then resume with "
-            "--resume latest.")
+        return (
+            f"No space left on the device while saving {path.name} in {path.parent} ({free:.0f} MiB "
+            f"free). {intact} Free some space (or set train.save_total_limit to keep fewer "
+            "checkpoints), then resume with --resume latest."
+        )
+    return (
+        f"Could not save {path.name} in {path.parent}: {e}. {intact} Fix the cause, then resume with "
+        "--resume latest."
+    )
 
 
 def write_manifest(directory: Path) -> dict[str, Any]:
@@ -208,8 +220,10 @@ def verify_checkpoint(path: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
         return f"its {MANIFEST_FILE} is unreadable"
     if not _manifest_shape_ok(files):
-        return (f"its {MANIFEST_FILE} is not a grpo manifest (\"files\" must map names inside the checkpoint "
-                "to their bytes and sha256)")
+        return (
+            f'its {MANIFEST_FILE} is not a grpo manifest ("files" must map names inside the checkpoint '
+            "to their bytes and sha256)"
+        )
     for name, meta in files.items():
         f = path / name
         if not f.is_file():
@@ -226,9 +240,14 @@ def verify_checkpoint(path: Path) -> str | None:
 
 def _manifest_shape_ok(files: Any) -> bool:
     return isinstance(files, dict) and all(
-        isinstance(name, str) and not Path(name).is_absolute() and ".." not in Path(name).parts
-        and isinstance(meta, dict) and type(meta.get("bytes")) is int and isinstance(meta.get("sha256"), str)
-        for name, meta in files.items())
+        isinstance(name, str)
+        and not Path(name).is_absolute()
+        and ".." not in Path(name).parts
+        and isinstance(meta, dict)
+        and type(meta.get("bytes")) is int
+        and isinstance(meta.get("sha256"), str)
+        for name, meta in files.items()
+    )
 
 
 def _config_problem(path: Path) -> str | None:
@@ -239,8 +258,9 @@ def _config_problem(path: Path) -> str | None:
         saved = yaml.safe_load(f.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         return f"its {CONFIG_FILE} is not valid YAML ({str(e).splitlines()[0]})"
-    if saved is not None and not (isinstance(saved, dict)
-                                  and all(isinstance(saved.get(s), dict | None) for s in SECTIONS)):
+    if saved is not None and not (
+        isinstance(saved, dict) and all(isinstance(saved.get(s), dict | None) for s in SECTIONS)
+    ):
         return f"its {CONFIG_FILE} does not hold a mapping of sections to settings"
     return None
 
@@ -253,8 +273,10 @@ def state_problem(path: Path) -> str | None:
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL (\S+)", str(e))
         what = f" ({found.group(1)})" if found else ""
-        return (f"its {STATE_FILE} holds Python objects other than tensors and plain values{what}; loading them "
-                "could run code, so grpo does not open it")
+        return (
+            f"its {STATE_FILE} holds Python objects other than tensors and plain values{what}; loading them "
+            "could run code, so grpo does not open it"
+        )
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         return f"its {STATE_FILE} is not a readable training state ({str(e).splitlines()[0][:120]})"
     if not isinstance(state, dict) or type(state.get("step")) is not int:
@@ -279,32 +301,51 @@ def find_resume_dir(output_dir: Path, resume: str) -> Path | None:
     if resume != "latest":
         path = Path(resume)
         if "://" in resume:
-            raise CheckpointError(f"--resume {resume}: cloud storage paths are not supported; copy the checkpoint "
-                                  "locally and pass its directory.")
+            raise CheckpointError(
+                f"--resume {resume}: cloud storage paths are not supported; copy the checkpoint "
+                "locally and pass its directory."
+            )
         if not path.is_dir():
-            raise CheckpointError(f"--resume {resume}: no such checkpoint directory. Pass a checkpoint-N "
-                                  "directory or 'latest' (the newest intact one in the output directory).")
+            raise CheckpointError(
+                f"--resume {resume}: no such checkpoint directory. Pass a checkpoint-N "
+                "directory or 'latest' (the newest intact one in the output directory)."
+            )
         if not (path / MANIFEST_FILE).exists() and _is_run_dir(path):
             found = find_resume_dir(path, "latest")
             if found is None:
-                raise CheckpointError(f"--resume {resume}: this run directory holds no checkpoint (none was saved "
-                                      "yet: see train.save_steps), so there is nothing to resume.")
-            log.info("--resume %s is a run directory: resuming from its newest intact checkpoint, %s.",
-                     resume, found.name)
+                raise CheckpointError(
+                    f"--resume {resume}: this run directory holds no checkpoint (none was saved "
+                    "yet: see train.save_steps), so there is nothing to resume."
+                )
+            log.info(
+                "--resume %s is a run directory: resuming from its newest intact checkpoint, %s.",
+                resume,
+                found.name,
+            )
             return found
-        if not CHECKPOINT_RE.match(path.name) and (path / MANIFEST_FILE).is_file() \
-                and not (path / STATE_FILE).exists():
+        if (
+            not CHECKPOINT_RE.match(path.name)
+            and (path / MANIFEST_FILE).is_file()
+            and not (path / STATE_FILE).exists()
+        ):
             newest = [p.name for _, p in list_checkpoints(path.parent)]
-            instead = (f"--resume {path.parent} (its newest checkpoint, {newest[-1]})" if newest
-                       else "--resume latest in the run directory")
-            raise CheckpointError(f"--resume {resume}: {path.name} holds the trained weights but no {STATE_FILE} "
-                                  "(optimizer, scheduler, data position), so training cannot continue from it "
-                                  f"exactly. Pass {instead} to continue the run, or start a new run from these "
-                                  f"weights with --model {resume}.")
+            instead = (
+                f"--resume {path.parent} (its newest checkpoint, {newest[-1]})"
+                if newest
+                else "--resume latest in the run directory"
+            )
+            raise CheckpointError(
+                f"--resume {resume}: {path.name} holds the trained weights but no {STATE_FILE} "
+                "(optimizer, scheduler, data position), so training cannot continue from it "
+                f"exactly. Pass {instead} to continue the run, or start a new run from these "
+                f"weights with --model {resume}."
+            )
         problem = verify_checkpoint(path)
         if problem:
-            raise CheckpointError(f"--resume {resume}: cannot resume from it: {problem}. Pass an earlier "
-                                  "checkpoint, or 'latest' to pick the newest intact one.")
+            raise CheckpointError(
+                f"--resume {resume}: cannot resume from it: {problem}. Pass an earlier "
+                "checkpoint, or 'latest' to pick the newest intact one."
+            )
         return path
     found = list_checkpoints(output_dir)
     rejected = []
@@ -315,8 +356,10 @@ def find_resume_dir(output_dir: Path, resume: str) -> Path | None:
         rejected.append(f"{path.name} ({problem})")
         log.warning("Checkpoint %s is unusable: %s. Falling back to the previous one.", path, problem)
     if rejected:
-        raise CheckpointError(f"No intact checkpoint in {output_dir}: {'; '.join(rejected)}. Start a new run "
-                              "in another --output-dir, or remove these directories to start over here.")
+        raise CheckpointError(
+            f"No intact checkpoint in {output_dir}: {'; '.join(rejected)}. Start a new run "
+            "in another --output-dir, or remove these directories to start over here."
+        )
     return None
 
 
@@ -329,8 +372,10 @@ def load_training_state(path: Path) -> dict[str, Any]:
     problem = state_problem(path)
     if problem is None:
         return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
-    raise CheckpointError(f"Cannot resume from {path}: {problem}. Pass an earlier checkpoint, or 'latest' to "
-                          "pick the newest intact one.")
+    raise CheckpointError(
+        f"Cannot resume from {path}: {problem}. Pass an earlier checkpoint, or 'latest' to "
+        "pick the newest intact one."
+    )
 
 
 def read_saved_config(path: Path) -> str | None:

@@ -21,8 +21,18 @@ from grpo.run.checkpoint import CheckpointError
 
 log = logging.getLogger("grpo")
 
-CONSOLE_KEYS = ("reward", "reward_std", "kl", "loss", "completion_len/mean", "entropy", "grad_norm",
-                "lr", "tokens_per_s", "time/step")
+CONSOLE_KEYS = (
+    "reward",
+    "reward_std",
+    "kl",
+    "loss",
+    "completion_len/mean",
+    "entropy",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "time/step",
+)
 
 
 class StageTimer:
@@ -49,8 +59,10 @@ class MetricsLogger:
         for name in ("metrics.jsonl", "samples.jsonl"):
             path = self.run_dir / name
             if path.exists() and not path.is_file():
-                raise ConfigError(f"{path} is a directory (or another non-file), where grpo appends its "
-                                  f"{name.split('.')[0]} log; move it out of the way, then start again.")
+                raise ConfigError(
+                    f"{path} is a directory (or another non-file), where grpo appends its "
+                    f"{name.split('.')[0]} log; move it out of the way, then start again."
+                )
         keep_until_step(self.run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self.tb = None
@@ -63,15 +75,23 @@ class MetricsLogger:
             try:
                 import wandb
             except ImportError as e:
-                raise RuntimeError("use_wandb is on but wandb is not installed: pip install 'grpo[wandb]'.") from e
-            self.wandb = wandb.init(project=cfg.train.wandb_project, dir=str(self.run_dir),
-                                    name=cfg.train.wandb_run_name or self.run_dir.name, config=config_dict)
+                raise RuntimeError(
+                    "use_wandb is on but wandb is not installed: pip install 'grpo[wandb]'."
+                ) from e
+            self.wandb = wandb.init(
+                project=cfg.train.wandb_project,
+                dir=str(self.run_dir),
+                name=cfg.train.wandb_run_name or self.run_dir.name,
+                config=config_dict,
+            )
 
     def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
         if not self.run_dir.is_dir():  # the open log would go on writing into a deleted file, unseen
-            raise CheckpointError(f"The run directory {self.run_dir} no longer exists (deleted or moved while the "
-                                  f"run was going?); stopped at step {step}. Restore it, then resume with "
-                                  "--resume latest.")
+            raise CheckpointError(
+                f"The run directory {self.run_dir} no longer exists (deleted or moved while the "
+                f"run was going?); stopped at step {step}. Restore it, then resume with "
+                "--resume latest."
+            )
         clean = {k: _clean(v) for k, v in metrics.items()}
         self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self.jsonl.flush()
@@ -116,8 +136,12 @@ def keep_until_step(path: Path, step: int) -> None:
         if step and logged <= step:
             kept.append(line + "\n")
     if unreadable and step:
-        log.warning("%s: dropped %d line(s) that were not JSON objects with a step number (cut short by a "
-                    "kill, or damaged).", path, unreadable)
+        log.warning(
+            "%s: dropped %d line(s) that were not JSON objects with a step number (cut short by a "
+            "kill, or damaged).",
+            path,
+            unreadable,
+        )
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
@@ -159,10 +183,17 @@ def sample_records(scored, advantages, limit: int) -> list[dict[str, Any]]:
     order = firsts + [i for i in range(len(group)) if i not in firsts]
     records = []
     for i in order[:limit]:
-        records.append({
-            "prompt": _prompt_text(scored.prompts.prompts[group[i]]), "completion": scored.texts[i],
-            "reward": _clean(scored.rewards[i]), "advantage": _clean(advantages[i]),
-            "rewards": {n: _clean(scored.scores.per_function[i, j]) for j, n in enumerate(scored.scores.names)},
-            "length": int(scored.rollouts.lengths[i]), "truncated": bool(scored.rollouts.truncated[i]),
-        })
+        records.append(
+            {
+                "prompt": _prompt_text(scored.prompts.prompts[group[i]]),
+                "completion": scored.texts[i],
+                "reward": _clean(scored.rewards[i]),
+                "advantage": _clean(advantages[i]),
+                "rewards": {
+                    n: _clean(scored.scores.per_function[i, j]) for j, n in enumerate(scored.scores.names)
+                },
+                "length": int(scored.rollouts.lengths[i]),
+                "truncated": bool(scored.rollouts.truncated[i]),
+            }
+        )
     return records

@@ -32,18 +32,42 @@ PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 # Settings that may change between a checkpoint and its resume without changing what is trained:
 # where things go, how often they are logged/saved/evaluated, memory knobs (micro-batching is
 # loss-invariant), and the run length (extending a finished run is the usual reason to resume).
-RESUME_SAFE_KEYS = frozenset({
-    "model.hf_token", "model.device", "model.gradient_checkpointing",
-    "data.eval_dataset", "data.eval_max_samples",
-    "generation.batch_size",
-    "train.steps", "train.num_epochs", "train.micro_batch_size", "train.gradient_accumulation_steps",
-    "train.output_dir", "train.base_output_directory", "train.run_name", "train.logging_steps",
-    "train.save_steps", "train.save_total_limit", "train.save_dtype", "train.resume", "train.allow_config_change",
-    "train.stop_after_nonfinite_steps", "train.eval_before", "train.eval_after", "train.eval_steps",
-    "train.eval_batch_size", "train.eval_max_new_tokens", "train.use_wandb", "train.wandb_project",
-    "train.wandb_run_name", "train.tensorboard", "train.progress_bar", "train.num_threads",
-    "distributed.profiler",
-})
+RESUME_SAFE_KEYS = frozenset(
+    {
+        "model.hf_token",
+        "model.device",
+        "model.gradient_checkpointing",
+        "data.eval_dataset",
+        "data.eval_max_samples",
+        "generation.batch_size",
+        "train.steps",
+        "train.num_epochs",
+        "train.micro_batch_size",
+        "train.gradient_accumulation_steps",
+        "train.output_dir",
+        "train.base_output_directory",
+        "train.run_name",
+        "train.logging_steps",
+        "train.save_steps",
+        "train.save_total_limit",
+        "train.save_dtype",
+        "train.resume",
+        "train.allow_config_change",
+        "train.stop_after_nonfinite_steps",
+        "train.eval_before",
+        "train.eval_after",
+        "train.eval_steps",
+        "train.eval_batch_size",
+        "train.eval_max_new_tokens",
+        "train.use_wandb",
+        "train.wandb_project",
+        "train.wandb_run_name",
+        "train.tensorboard",
+        "train.progress_bar",
+        "train.num_threads",
+        "distributed.profiler",
+    }
+)
 
 
 def check_model_paths(cfg: GRPOConfig, *, model_given: bool, tokenizer_given: bool) -> None:
@@ -65,8 +89,10 @@ def check_model_paths(cfg: GRPOConfig, *, model_given: bool, tokenizer_given: bo
         key = "model.tokenizer_path" if m.tokenizer_path else "model.name_or_path"
         path = _local_dir(key, m.tokenizer_path or m.name_or_path)
         if path is not None and not any((path / f).is_file() for f in TOKENIZER_FILES):
-            raise ConfigError(f"{key} = {path}: no tokenizer files there (looked for {', '.join(TOKENIZER_FILES)}). "
-                              "Point model.tokenizer_path at a directory saved with tokenizer.save_pretrained.")
+            raise ConfigError(
+                f"{key} = {path}: no tokenizer files there (looked for {', '.join(TOKENIZER_FILES)}). "
+                "Point model.tokenizer_path at a directory saved with tokenizer.save_pretrained."
+            )
 
 
 def _local_dir(key: str, spec: str) -> Path | None:
@@ -74,18 +100,26 @@ def _local_dir(key: str, spec: str) -> Path | None:
     if spec == BUNDLED_MODEL:
         return None
     if "://" in spec:
-        raise ConfigError(f"{key} = {spec}: cloud storage paths are not supported; copy the checkpoint locally "
-                          "(e.g. gsutil -m cp -r / aws s3 cp --recursive) and pass its directory.")
+        raise ConfigError(
+            f"{key} = {spec}: cloud storage paths are not supported; copy the checkpoint locally "
+            "(e.g. gsutil -m cp -r / aws s3 cp --recursive) and pass its directory."
+        )
     path = Path(spec).expanduser()
     if not (_looks_local(spec) or path.exists()):
         return None  # a hub id (org/name): checked when it is downloaded
     if not path.exists():
-        raise ConfigError(f"{key} = {spec}: no such file or directory. Pass a hub id (org/name), a directory "
-                          f"saved with save_pretrained, or '{BUNDLED_MODEL}'.")
+        raise ConfigError(
+            f"{key} = {spec}: no such file or directory. Pass a hub id (org/name), a directory "
+            f"saved with save_pretrained, or '{BUNDLED_MODEL}'."
+        )
     if not path.is_dir():
-        raise ConfigError(f"{key} = {spec} is a file; pass the directory that holds config.json and the weights.")
+        raise ConfigError(
+            f"{key} = {spec} is a file; pass the directory that holds config.json and the weights."
+        )
     if not os.access(path, os.R_OK | os.X_OK):
-        raise ConfigError(f"{key} = {spec} cannot be read (permission denied); fix its permissions or copy it.")
+        raise ConfigError(
+            f"{key} = {spec} cannot be read (permission denied); fix its permissions or copy it."
+        )
     return path
 
 
@@ -93,8 +127,14 @@ def _looks_local(spec: str) -> bool:
     """A path, not a hub id: hub ids are `name` or `org/name`, never `a/b/c`, and never named like our own
     output directories (a `checkpoint-6` pruned a moment ago is a missing directory, not a repo)."""
     name = spec.rstrip("/").rpartition("/")[2]
-    return (spec.startswith((".", "/", "~")) or spec.count("/") >= 2 or spec.endswith("/") or "\\" in spec
-            or CHECKPOINT_RE.match(name) is not None or name in ("final_model", "best_model"))
+    return (
+        spec.startswith((".", "/", "~"))
+        or spec.count("/") >= 2
+        or spec.endswith("/")
+        or "\\" in spec
+        or CHECKPOINT_RE.match(name) is not None
+        or name in ("final_model", "best_model")
+    )
 
 
 def _check_model_dir(key: str, path: Path, trust_remote_code: bool) -> None:
@@ -104,20 +144,26 @@ def _check_model_dir(key: str, path: Path, trust_remote_code: bool) -> None:
     if not any(path.glob("*.safetensors")):
         pickles = sorted(p.name for pattern in PICKLE_WEIGHTS for p in path.glob(pattern))
         found = f"only {', '.join(pickles)}" if pickles else "no weight files"
-        raise ConfigError(f"{key} = {path} has {found}: grpo loads weights from .safetensors files only, because "
-                          "a pickled checkpoint can run code when it is opened. If you trust the file, convert it "
-                          "once with AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir).")
+        raise ConfigError(
+            f"{key} = {path} has {found}: grpo loads weights from .safetensors files only, because "
+            "a pickled checkpoint can run code when it is opened. If you trust the file, convert it "
+            "once with AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir)."
+        )
     try:
         settings = json.loads(config.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"{key}: {config} is not valid JSON ({e}).") from e
     if not isinstance(settings, dict):
-        raise ConfigError(f"{key}: {config} holds a JSON {type(settings).__name__}, not the object of settings "
-                          "save_pretrained writes; the directory is not a saved model.")
+        raise ConfigError(
+            f"{key}: {config} holds a JSON {type(settings).__name__}, not the object of settings "
+            "save_pretrained writes; the directory is not a saved model."
+        )
     auto_map = settings.get("auto_map")
     if auto_map and not trust_remote_code:
-        raise ConfigError(f"{key} = {path} needs its own Python code to load (auto_map in config.json). Set "
-                          "model.trust_remote_code=true only if you trust that code.")
+        raise ConfigError(
+            f"{key} = {path} needs its own Python code to load (auto_map in config.json). Set "
+            "model.trust_remote_code=true only if you trust that code."
+        )
 
 
 def plan_resume(cfg: GRPOConfig, run_dir: Path, clean_up: bool = True) -> Path | None:
@@ -129,8 +175,10 @@ def plan_resume(cfg: GRPOConfig, run_dir: Path, clean_up: bool = True) -> Path |
     if not cfg.train.resume:
         existing = list_checkpoints(run_dir)
         if existing:
-            raise ConfigError(f"{run_dir} already holds a run ({', '.join(p.name for _, p in existing[-3:])}). "
-                              "Pass --resume latest to continue it, or another --output-dir to start afresh.")
+            raise ConfigError(
+                f"{run_dir} already holds a run ({', '.join(p.name for _, p in existing[-3:])}). "
+                "Pass --resume latest to continue it, or another --output-dir to start afresh."
+            )
         return None
     path = find_resume_dir(run_dir, cfg.train.resume)
     if path is None:
@@ -138,16 +186,22 @@ def plan_resume(cfg: GRPOConfig, run_dir: Path, clean_up: bool = True) -> Path |
     saved = read_saved_config(path)
     differences = config_differences(yaml.safe_load(saved) if saved else {}, cfg.to_dict())
     if differences and not cfg.train.allow_config_change:
-        raise ConfigError(f"Cannot resume from {path}: these settings differ from the checkpoint's "
-                          f"({path / 'config.yaml'}): {'; '.join(differences)}. Resume with the checkpoint's "
-                          "values, start a new run in another --output-dir, or set "
-                          "train.allow_config_change=true to resume with the new values anyway.")
+        raise ConfigError(
+            f"Cannot resume from {path}: these settings differ from the checkpoint's "
+            f"({path / 'config.yaml'}): {'; '.join(differences)}. Resume with the checkpoint's "
+            "values, start a new run in another --output-dir, or set "
+            "train.allow_config_change=true to resume with the new values anyway."
+        )
     if differences:
         log.warning("Resuming with settings that differ from the checkpoint's: %s.", "; ".join(differences))
     newer = [p.name for step, p in list_checkpoints(run_dir) if step > _step(path)]
     if newer:
-        log.warning("Resuming from %s although newer checkpoints exist (%s); they will be replaced as the "
-                    "run reaches their steps.", path.name, ", ".join(newer))
+        log.warning(
+            "Resuming from %s although newer checkpoints exist (%s); they will be replaced as the "
+            "run reaches their steps.",
+            path.name,
+            ", ".join(newer),
+        )
     return path
 
 

@@ -18,8 +18,9 @@ log = logging.getLogger("grpo")
 
 
 class StepProfiler:
-    def __init__(self, enabled: bool, run_dir: Path, total_steps: int, rank: int = 0, first: int = 2,
-                 last: int = 3):
+    def __init__(
+        self, enabled: bool, run_dir: Path, total_steps: int, rank: int = 0, first: int = 2, last: int = 3
+    ):
         self.enabled = enabled
         self.dir = Path(run_dir) / "profile"
         self.first, self.last = min(first, total_steps), min(last, total_steps)
@@ -51,5 +52,11 @@ class StepProfiler:
         torch.profiler.tensorboard_trace_handler(str(self.dir), worker_name=f"rank{self.rank}")(prof)
         written = sorted(set(self.dir.glob("*.pt.trace.json")) - before)
         self.trace = written[-1] if written else None
-        log.info("Profiler trace of steps %d-%d: %s (open in TensorBoard: tensorboard --logdir %s, or in "
-                 "Perfetto: ui.perfetto.dev)", self.first, self.last, self.trace, self.dir)
+        log.info(
+            "Profiler trace of steps %d-%d: %s (open in TensorBoard: tensorboard --logdir %s, or in "
+            "Perfetto: ui.perfetto.dev)",
+            self.first,
+            self.last,
+            self.trace,
+            self.dir,
+        )

@@ -36,16 +36,29 @@ PANELS = [
     Panel("reward.png", "Reward (total and per function)", [("reward", "total")], "reward"),
     Panel("accuracy.png", "Held-out accuracy", [("eval/accuracy", "accuracy")], "accuracy"),
     Panel("kl.png", "KL to the reference", [("kl", "KL (k3)")], "nats/token"),
-    Panel("completion_length.png", "Completion length",
-          [("completion_len/mean", "mean"), ("completion_len/max", "max"), ("completion_len/min", "min")],
-          "tokens"),
-    Panel("clip_fraction.png", "Clipped tokens",
-          [("clip/low_frac", "low (ρ < 1−ε, Â < 0)"), ("clip/high_frac", "high (ρ > 1+ε, Â > 0)")], "fraction"),
+    Panel(
+        "completion_length.png",
+        "Completion length",
+        [("completion_len/mean", "mean"), ("completion_len/max", "max"), ("completion_len/min", "min")],
+        "tokens",
+    ),
+    Panel(
+        "clip_fraction.png",
+        "Clipped tokens",
+        [("clip/low_frac", "low (ρ < 1−ε, Â < 0)"), ("clip/high_frac", "high (ρ > 1+ε, Â > 0)")],
+        "fraction",
+    ),
     Panel("entropy.png", "Policy entropy", [("entropy", "entropy")], "nats/token"),
     Panel("tokens_per_s.png", "Throughput", [("tokens_per_s", "completion tokens / s")], "tokens/s"),
-    Panel("groups.png", "Groups with reward spread",
-          [("groups/informative_frac", "informative / generated"), ("frac_zero_std_groups", "zero-spread in batch")],
-          "fraction"),
+    Panel(
+        "groups.png",
+        "Groups with reward spread",
+        [
+            ("groups/informative_frac", "informative / generated"),
+            ("frac_zero_std_groups", "zero-spread in batch"),
+        ],
+        "fraction",
+    ),
 ]
 
 
@@ -66,8 +79,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in rows
-              if isinstance(r.get(key), int | float) and isinstance(r.get("step"), int | float)]
+    points = [
+        (r["step"], r[key])
+        for r in rows
+        if isinstance(r.get(key), int | float) and isinstance(r.get("step"), int | float)
+    ]
     return [s for s, _ in points], [v for _, v in points]
 
 
@@ -84,13 +100,16 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     if not rows:
-        raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no metrics to report (no step has been logged yet, "
-                          "or no line of it is a JSON object).")
+        raise ConfigError(
+            f"{run_dir / 'metrics.jsonl'} has no metrics to report (no step has been logged yet, "
+            "or no line of it is a JSON object)."
+        )
     reward_keys = sorted({k for r in rows for k in r if k.startswith("reward/") and k != "reward/skipped"})
     figures = []
     for panel in PANELS:
-        wanted = panel.series + ([(k, k.removeprefix("reward/")) for k in reward_keys]
-                                 if panel.file == "reward.png" else [])
+        wanted = panel.series + (
+            [(k, k.removeprefix("reward/")) for k in reward_keys] if panel.file == "reward.png" else []
+        )
         drawn = [(label, *series(rows, key)) for key, label in wanted]
         drawn = [d for d in drawn if d[1]]
         if not drawn:
@@ -116,7 +135,10 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
 
 
 def _mark_eval_phases(ax, rows: list[dict[str, Any]]) -> None:
-    for key, label, marker in (("eval/accuracy_before", "before", "s"), ("eval/accuracy_after", "after", "D")):
+    for key, label, marker in (
+        ("eval/accuracy_before", "before", "s"),
+        ("eval/accuracy_after", "after", "D"),
+    ):
         steps, values = series(rows, key)
         if steps:
             ax.scatter(steps, values, marker=marker, s=60, zorder=3, label=f"{label}: {values[-1]:.1%}")
@@ -130,16 +152,26 @@ def _summary(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple[str, str]]
     config = config if isinstance(config, dict) else {}
     section_of = lambda name: config.get(name) if isinstance(config.get(name), dict) else {}
     get = lambda section, key: str(section_of(section).get(key, "?"))
-    items = [("model", get("model", "name_or_path")), ("dataset", get("data", "dataset")),
-             ("rewards", ", ".join(map(str, section_of("algorithm").get("reward_funcs") or [])) or "?"),
-             ("prompts × generations", f"{get('train', 'prompts_per_step')} × {get('generation', 'num_generations')}"),
-             ("learning rate", get("optim", "learning_rate")), ("β (KL)", get("algorithm", "beta")),
-             ("loss", get("algorithm", "loss_variant")),
-             ("dynamic sampling", get("algorithm", "dynamic_sampling"))]
+    items = [
+        ("model", get("model", "name_or_path")),
+        ("dataset", get("data", "dataset")),
+        ("rewards", ", ".join(map(str, section_of("algorithm").get("reward_funcs") or [])) or "?"),
+        (
+            "prompts × generations",
+            f"{get('train', 'prompts_per_step')} × {get('generation', 'num_generations')}",
+        ),
+        ("learning rate", get("optim", "learning_rate")),
+        ("β (KL)", get("algorithm", "beta")),
+        ("loss", get("algorithm", "loss_variant")),
+        ("dynamic sampling", get("algorithm", "dynamic_sampling")),
+    ]
     steps = [r["step"] for r in rows if isinstance(r.get("step"), int | float) and "reward" in r]
     if steps:
         items.append(("steps logged", f"{min(steps)}–{max(steps)}"))
-    for key, label in (("eval/accuracy_before", "accuracy before"), ("eval/accuracy_after", "accuracy after")):
+    for key, label in (
+        ("eval/accuracy_before", "accuracy before"),
+        ("eval/accuracy_after", "accuracy after"),
+    ):
         _, values = series(rows, key)
         if values:
             items.append((label, f"{values[-1]:.1%}"))
@@ -155,7 +187,9 @@ def _html(run_dir: Path, out_dir: Path, rows: list[dict[str, Any]], figures: lis
     images = "\n".join(
         f'<figure><img alt="{esc(p.title)}" src="data:image/png;base64,'
         f'{base64.b64encode((out_dir / p.file).read_bytes()).decode()}"><figcaption>{esc(p.title)} '
-        f'(<a href="{p.file}">{p.file}</a>)</figcaption></figure>' for p in figures)
+        f'(<a href="{p.file}">{p.file}</a>)</figcaption></figure>'
+        for p in figures
+    )
     summary = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _summary(run_dir, rows))
     samples = read_jsonl(run_dir / "samples.jsonl")[-SAMPLES_SHOWN:]
     names = sorted({n for s in samples for n in (s.get("rewards") or {})})
@@ -165,10 +199,14 @@ def _html(run_dir: Path, out_dir: Path, rows: list[dict[str, Any]], figures: lis
         f"<td class=text>{esc(str(s.get('completion', '')))}</td><td>{_fmt(s.get('reward'))}</td>"
         + "".join(f"<td>{_fmt((s.get('rewards') or {}).get(n))}</td>" for n in names)
         + f"<td>{_fmt(s.get('advantage'))}</td><td>{s.get('length', '')}{' ✂' if s.get('truncated') else ''}</td></tr>"
-        for s in reversed(samples))
-    table = (f"<table class=samples><tr><th>step</th><th>prompt</th><th>completion</th><th>reward</th>{head}"
-             f"<th>advantage</th><th>tokens</th></tr>{body}</table>" if samples
-             else "<p>No samples.jsonl in this run (train.log_samples = 0).</p>")
+        for s in reversed(samples)
+    )
+    table = (
+        f"<table class=samples><tr><th>step</th><th>prompt</th><th>completion</th><th>reward</th>{head}"
+        f"<th>advantage</th><th>tokens</th></tr>{body}</table>"
+        if samples
+        else "<p>No samples.jsonl in this run (train.log_samples = 0).</p>"
+    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>grpo run report: {esc(run_dir.name)}</title>
 <style>
@@ -193,4 +231,8 @@ table.samples td {{ font-size: 0.85em; }}
 
 
 def _fmt(value: Any) -> str:
-    return f"{value:.3g}" if isinstance(value, int | float) and not isinstance(value, bool) else html.escape(str(value))
+    return (
+        f"{value:.3g}"
+        if isinstance(value, int | float) and not isinstance(value, bool)
+        else html.escape(str(value))
+    )

@@ -51,13 +51,18 @@ class RunLock:
                 f"{self.path.parent} is in use by another grpo run ({holder}); two runs writing one directory "
                 "would overwrite each other's checkpoints and logs. Wait for it to finish (or stop it: "
                 f"kill {_pid(self.path) or 'PID'}, which saves a checkpoint), then --resume latest continues "
-                "it; or pass another --output-dir.") from None
+                "it; or pass another --output-dir."
+            ) from None
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
-                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": " ".join(sys.argv),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         return self
@@ -94,8 +99,10 @@ def lock_run_dir(run_dir: Path, rt=None) -> RunLock | NoLock:
     except ConfigError as e:
         error = e
     if rt is not None and rt.active and rt.any(error is not None):
-        raise error or ConfigError(f"{run_dir} is in use by another grpo run (rank 0 could not lock "
-                                   f"{Path(run_dir) / LOCK_FILE}; its message says which).")
+        raise error or ConfigError(
+            f"{run_dir} is in use by another grpo run (rank 0 could not lock "
+            f"{Path(run_dir) / LOCK_FILE}; its message says which)."
+        )
     if error is not None:
         raise error
     return lock
@@ -120,7 +127,7 @@ def holding_run_lock(method):
 def _describe(path: Path) -> str:
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
-        return (f"pid {info['pid']} on {info['host']}, started {info['started']}: {info['command']}")
+        return f"pid {info['pid']} on {info['host']}, started {info['started']}: {info['command']}"
     except (OSError, ValueError, KeyError, TypeError):
         return f"its lock file {path} does not say which process holds it"
 
