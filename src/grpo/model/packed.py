@@ -58,7 +58,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             g = g.div_(ctx.temperature).to(hidden.dtype)
             if grad_h is not None:
                 grad_h[s:e] = linear(g, weight.t())
-            if grad_w is not None:
+            if grad_w is None:
+                continue
+            if hidden.dtype == grad_w.dtype:  # in place: `gᵀh` first would be a second [V, d] (0.5 GiB here)
+                grad_w.addmm_(g.T, hidden[s:e])
+            else:  # bf16/fp16 compute: each chunk's product in that dtype, summed in float32
                 grad_w.add_(g.T @ hidden[s:e])
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
