@@ -1,0 +1,56 @@
+"""CPU memory: the optimizer step allocates no parameter-sized temporaries, and freed tensors leave RSS.
+
+Peaks are read from the kernel (VmHWM, reset through /proc/self/clear_refs), since torch's CPU
+allocations are invisible to tracemalloc."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.config import GRPOConfig
+from grpo.learner import Learner
+from grpo.model.memory import release_large_frees
+from tests.conftest import tiny_llama
+
+STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+pytestmark = pytest.mark.skipif(not CLEAR_REFS.exists(), reason="needs Linux /proc peak-RSS reset")
+
+
+def _kb(field: str) -> int:
+    line = next(x for x in STATUS.read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def peak_growth(fn) -> int:
+    """Bytes by which RSS peaked above its level before fn()."""
+    before = _kb("VmRSS")
+    CLEAR_REFS.write_text("5")  # VmHWM := VmRSS
+    fn()
+    return _kb("VmHWM") - before
+
+
+def test_optimizer_step_allocates_no_parameter_sized_temporaries():
+    # A 67 MB tied embedding: torch's default (foreach) AdamW would hold √v̂ for it, +67 MB at its peak.
+    model = tiny_llama(vocab_size=1 << 19)
+    cfg = GRPOConfig(batch_size=2, num_generations=4, learning_rate=1e-3, max_grad_norm=1.0).validate()
+    learner = Learner(model, None, cfg, total_optimizer_steps=4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    size = sum(p.numel() * p.element_size() for p in params)
+    for step in range(2):  # the first step creates AdamW's state; the second is any later step
+        for p in params:
+            p.grad = torch.randn_like(p)
+        growth = peak_growth(learner._optimizer_step)
+    assert growth < 0.1 * size, f"the step's peak rose {growth / 2**20:.0f} MiB over {size / 2**20:.0f} MiB"
+
+
+def test_freed_activation_sized_tensors_leave_rss():
+    release_large_frees()
+    # Without a fixed threshold glibc raises its mmap threshold to this freed 30 MB chunk, and the 8 MB
+    # tensors below come from the heap, where the freed ones stay resident as holes between live ones.
+    torch.ones(30 << 18)
+    tensors = [torch.ones(2 << 20) for _ in range(20)]  # 20 × 8 MB, pages touched
+    freed = 10 * (8 << 20)
+    before = _kb("VmRSS")
+    del tensors[::2]
+    assert before - _kb("VmRSS") > 0.9 * freed
