@@ -4,7 +4,10 @@
     PYTHONPATH=src .venv/bin/python benchmarks/real_size.py --models all --frameworks grpo
 
 Settings (both sides): float32 on the CPU, β 0.04, 4 prompts × 4 completions, 64 new tokens, 2 steps,
-temperature 1, the bundled tiny_math prompts through the chat template, evaluation off. Each run is a
+temperature 1, the bundled tiny_math prompts through the chat template, evaluation off. Llama-3.2-1B
+trains LoRA adapters (peft's defaults for the architecture, r 8, α 16) on both sides: its full float32
+weights, gradients and AdamW state with a reference (≈ 24.7 GB) do not fit this machine; with LoRA the
+reference is the base model with the adapters off, on both sides. Each run is a
 fresh process; a sampler reads its /proc status every 0.2 s for the RSS timeline and the high-water mark
 (VmHWM, the peak RSS). Step times: grpo's metrics.jsonl `time/step`, TRL's trainer step callback.
 Writes benchmarks/results/real_size.json (appended per run) and prints a markdown table.
@@ -30,11 +33,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from build_real_model import ARCHITECTURES, PARAMS, build
 
 PROMPTS, GENERATIONS, NEW_TOKENS, BETA, STEPS = 4, 4, 64, 0.04, 2
+LORA = {"llama-3.2-1b"}  # models trained through LoRA adapters (see above)
 RESULTS = HERE / "results" / "real_size.json"
 TRL_PYTHON = HERE / ".venv-trl" / "bin" / "python"
 
 
-def grpo_command(model: Path, out: Path) -> list[str]:
+def grpo_command(model: Path, out: Path, lora: bool) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -73,10 +77,11 @@ def grpo_command(model: Path, out: Path) -> list[str]:
         "2",
         "--output-dir",
         str(out),
+        *(["lora.enabled=true"] if lora else []),
     ]
 
 
-def trl_command(model: Path, out: Path) -> list[str]:
+def trl_command(model: Path, out: Path, lora: bool) -> list[str]:
     return [
         str(TRL_PYTHON),
         str(HERE / "trl_real_step.py"),
@@ -94,6 +99,7 @@ def trl_command(model: Path, out: Path) -> list[str]:
         str(STEPS),
         "--out",
         str(out),
+        *(["--lora"] if lora else []),
     ]
 
 
@@ -128,7 +134,8 @@ class RssSampler(threading.Thread):
 def run_one(framework: str, name: str, model: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        cmd = grpo_command(model, out) if framework == "grpo" else trl_command(model, out)
+        make = grpo_command if framework == "grpo" else trl_command
+        cmd = make(model, out, name in LORA)
         env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{HERE}", OMP_NUM_THREADS="2")
         log = Path(tmp) / "log.txt"
         start = time.perf_counter()
@@ -154,6 +161,7 @@ def run_one(framework: str, name: str, model: Path) -> dict:
         "framework": framework,
         "model": name,
         "params": PARAMS[name],
+        "lora": name in LORA,
         "step_times_s": step_times,
         "stage_times_s": stages,
         "peak_rss_mb": round(sampler.hwm_kb / 1024),

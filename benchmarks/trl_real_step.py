@@ -35,6 +35,13 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self.start)
 
 
+def lora_config():
+    from peft import LoraConfig, TaskType
+
+    # grpo's lora.* defaults: peft's target modules for the architecture, no dropout.
+    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -45,6 +52,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--lora", action="store_true", help="peft LoRA, r 8, α 16 (grpo's lora.* defaults)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import trl
@@ -92,6 +100,7 @@ def main() -> None:
         train_dataset=data,
         processing_class=tok,
         callbacks=[timer],
+        peft_config=lora_config() if args.lora else None,
     )
     trainer.train()
     print(
