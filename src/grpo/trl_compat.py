@@ -482,7 +482,7 @@ class RewardState:
 def reward_inputs(prompts: PromptBatch, rollouts: Rollouts, texts: list[str]) -> tuple[list, list, dict]:
     """Prompts, completions and `completion_ids` as TRL gives reward functions: one entry per completion; a
     conversational prompt's completion is `[{"role": "assistant", "content": text}]`, plain text stays text."""
-    group = rollouts.prompt_index.tolist()  # [N]
+    group = rollouts.group_ids.tolist()  # [N]
     reward_prompts = [prompts.prompts[i] for i in group]
     completions = [
         [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text

@@ -175,16 +175,16 @@ def test_bf16_forward_matches_transformers_own_bf16_forward():
 
 
 def test_bf16_rollout_log_probs_are_not_reused_as_pi_old():
-    """The loop reuses sampling log-probs as π_old only when bitwise the learner's (train._logprobs_match_policy)."""
+    """The loop reuses sampling log-probs as π_old only when bitwise the learner's (rollout.engine.logprobs_match_policy)."""
     from grpo.records import SamplingParams
     from grpo.rollout import build_engine
-    from grpo.train import _logprobs_match_policy
+    from grpo.rollout.engine import logprobs_match_policy
     from tests.conftest import IdTokenizer
 
     model, sampling = tiny_llama(), SamplingParams(max_new_tokens=4, temperature=1.0)
-    assert _logprobs_match_policy(build_engine("native", model, IdTokenizer()), sampling)
+    assert logprobs_match_policy(build_engine("native", model, IdTokenizer()), sampling)
     bf16 = build_engine("native", model, IdTokenizer(), compute_dtype=torch.bfloat16)
-    assert not _logprobs_match_policy(bf16, sampling)
+    assert not logprobs_match_policy(bf16, sampling)
     rollouts = bf16.generate([[3, 4, 5]], 2, sampling)
     assert rollouts.sampling_logprobs.isfinite().all()
     assert {p.dtype for p in model.parameters()} == {
