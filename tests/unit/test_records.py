@@ -32,7 +32,12 @@ def test_build_train_batch_left_pads_prompts_and_spreads_advantages():
         [6, 7, 8, 14, 15],
         [6, 7, 8, 16, 17],
     ]
-    assert batch.attention_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert batch.attention_mask.tolist() == [
+        [0, 0, 1, 1, 1],
+        [0, 0, 1, 1, 0],
+        [1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1],
+    ]
     assert batch.position_ids[0].tolist() == [0, 0, 0, 1, 2]  # real tokens only, as generate counted them
     # γ = 0.5: the token before the last gets half the terminal advantage; padding gets nothing.
     assert batch.advantages.tolist() == [[0.5, 1.0], [-1.0, 0.0], [0.25, 0.5], [-0.25, -0.5]]
@@ -45,7 +50,12 @@ def test_build_train_batch_masks_truncated_completions_and_places_sampler_logpro
     rollouts = _rollouts(groups=1, n=2, lengths=[2, 1], width=2)  # row 0 hit the limit
     kept = build_train_batch(prompts, rollouts, torch.ones(2), PAD)
     masked = build_train_batch(
-        prompts, rollouts, torch.ones(2), PAD, mask_truncated=True, behaviour_logprobs=rollouts.sampling_logprobs
+        prompts,
+        rollouts,
+        torch.ones(2),
+        PAD,
+        mask_truncated=True,
+        behaviour_logprobs=rollouts.sampling_logprobs,
     )
     assert kept.completion_mask.tolist() == [[1.0, 1.0], [1.0, 0.0]]
     assert masked.completion_mask.tolist() == [[0.0, 0.0], [1.0, 0.0]]

@@ -56,7 +56,12 @@ def test_colocated_rollout_draws_prompts_in_order_and_samples_them():
     engine = FakeEngine()
     source = _source(engine)
     prompts, rollouts, lag = source.next_batch()
-    assert (prompts.prompts, prompts.columns, prompts.indices, lag) == (["q0", "q1"], {"answer": ["0", "1"]}, [0, 1], 0)
+    assert (prompts.prompts, prompts.columns, prompts.indices, lag) == (
+        ["q0", "q1"],
+        {"answer": ["0", "1"]},
+        [0, 1],
+        0,
+    )
     assert engine.calls == [([[100], [101]], 3, 1)]  # G = 3 per prompt, one prompt per chunk
     assert rollouts.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
     assert source.data_state()["position"] == 2
@@ -77,7 +82,9 @@ def test_colocated_rollout_syncs_by_reference_or_pushes_gathered_weights():
     _source(engine).sync_weights(3, policy)
     assert engine.synced == [policy] and engine.loaded == []
     engine = FakeEngine()
-    _source(engine, gather=lambda m: [(n, p.detach()) for n, p in m.named_parameters()]).sync_weights(3, policy)
+    _source(engine, gather=lambda m: [(n, p.detach()) for n, p in m.named_parameters()]).sync_weights(
+        3, policy
+    )
     assert engine.synced == [] and [n for n, _ in engine.loaded[0]] == ["weight", "bias"]
 
 
@@ -94,7 +101,9 @@ class ScriptedSource:
         p, g = len(rewards), len(rewards[0])
         prompts = PromptBatch(prompts=[f"q{self.drawn + i}" for i in range(p)], prompt_token_ids=[[1]] * p)
         self.drawn += p
-        ids = torch.tensor([[int(10 * r) + 2] for group in rewards for r in group])  # the reward, in the token
+        ids = torch.tensor(
+            [[int(10 * r) + 2] for group in rewards for r in group]
+        )  # the reward, in the token
         rollouts = Rollouts(
             group_ids=torch.arange(p).repeat_interleave(g),
             completion_ids=ids,
