@@ -182,11 +182,11 @@ class GRPOTrainer:
                 scored, sampling_stats = collect(source, score, p.tokenizer, a, t.prompts_per_step, timer)
                 group_ids = scored.rollouts.group_ids  # [N]
                 advantages = group_advantages(scored.rewards, group_ids, a.advantage_scale, a.advantage_eps)
-                sampled = scored.rollouts.sampling_logprobs  # [N, T]
-                off_policy = scored.lag > 0 or source.sampler_differs  # correct with importance weights
-                as_old = (
-                    not off_policy and a.num_iterations == 1 and source.exact_logprobs
-                )  # π_old as sampled
+                # The sampler's log-probs [N, T] are π_old itself when they are the learner's own (exact engine,
+                # one pass), or a behaviour policy to correct for (stale weights, other kernels).
+                sampled = scored.rollouts.sampling_logprobs
+                off_policy = scored.lag > 0 or source.sampler_differs
+                as_old = not off_policy and a.num_iterations == 1 and source.exact_logprobs
                 batch = build_train_batch(
                     scored.prompts, scored.rollouts, advantages, p.tokenizer.pad_token_id, gamma=a.gamma,
                     mask_truncated=a.mask_truncated_completions, old_logprobs=sampled if as_old else None,
