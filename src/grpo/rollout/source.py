@@ -13,14 +13,17 @@ checkpoint must record) stays behind these five calls. DAPO's dynamic sampling s
 from __future__ import annotations
 
 import importlib
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from grpo.data import PromptFormatter, PromptStream, make_prompt_batch
 from grpo.distributed.runtime import Runtime
 from grpo.records import PromptBatch, Rollouts, SamplingParams
 
+if TYPE_CHECKING:  # grpo.data reads the config, whose choices for rollout.mode are SOURCES' keys
+    from grpo.data import PromptFormatter, PromptStream
+
+# rollout.mode → the module:function that builds its source; import paths, so listing them imports none.
 SOURCES: dict[str, str] = {
     "colocated": "grpo.rollout.colocated:build",
     "sync": "grpo.rollout.ray:build",
@@ -58,6 +61,8 @@ class PromptFeed:
         self.stream, self.formatter, self.rt, self.per_step = stream, formatter, rt, per_step
 
     def next(self) -> PromptBatch:
+        from grpo.data import make_prompt_batch
+
         indices, rows = self.rt.shard(*self.stream.next_rows(self.per_step))
         return make_prompt_batch(indices, rows, self.formatter)
 
