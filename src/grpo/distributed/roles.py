@@ -11,13 +11,12 @@ Three spellings reach the same plan:
 
 The learner is the torchrun process group: one process per learner device. Colocated rollout samples
 on the learner's devices; sync/async rollout runs in Ray actors on devices of their own. Checks that
-need no hardware run with the config (`validate_roles`); the device count is checked at start-up
+need no hardware run with the config (grpo/config/validate.py); the device count is checked at start-up
 (`plan_roles`), and both say what to change.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -47,114 +46,6 @@ class RolePlan:
             f"learner: {self.learner_processes} process(es) on {', '.join(self.learner_devices)}; "
             f"reference: {self.reference}; rollout: {where}"
         )
-
-
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def validate_roles(cfg: GRPOConfig) -> None:
-    """Everything about roles that can be checked without looking at the hardware."""
-    d, lora = cfg.distributed, cfg.lora
-    world = _world_size()
-    if not (0 < d.trainer_devices_fraction <= 1 and 0 < d.sampler_devices_fraction <= 1):
-        raise ConfigError("trainer_devices_fraction and sampler_devices_fraction must be in (0, 1].")
-    shared = d.trainer_devices_fraction == 1.0 and d.sampler_devices_fraction == 1.0
-    if not shared and d.trainer_devices_fraction + d.sampler_devices_fraction > 1.0 + 1e-9:
-        raise ConfigError(
-            f"trainer_devices_fraction ({d.trainer_devices_fraction}) + sampler_devices_fraction "
-            f"({d.sampler_devices_fraction}) > 1: the two sets would overlap. Use 1.0 and 1.0 to "
-            "share every device, or fractions that add up to at most 1."
-        )
-    separate = {
-        k: v
-        for k, v in {
-            "inference_replicas": d.inference_replicas,
-            "inference_model.num_devices": d.inference_devices,
-            "inference_model.devices": d.inference_device_ids,
-            "sampler_devices_fraction": None if shared else d.sampler_devices_fraction,
-        }.items()
-        if v not in (None, 1)
-    }
-    learners = len(d.train_device_ids) if d.train_device_ids is not None else d.train_devices
-    if separate and d.rollout_mode == "colocated":
-        settings = ", ".join(f"{k}={v}" for k, v in separate.items())
-        launch = (
-            f" With {learners} learner devices, launch one process per device: `torchrun --nproc_per_node "
-            f"{learners} -m grpo train rollout.mode=async ...` (docs/scaling.md)."
-            if learners != world
-            else ""
-        )
-        raise ConfigError(
-            f"{settings}: rollout on devices of its own runs in Ray actors; add rollout.mode=sync "
-            f"(on-policy) or rollout.mode=async (overlapped with training).{launch}"
-        )
-    if d.inference_devices_per_replica != 1 or d.ici_tensor_parallelism not in (-1, 1):
-        raise ConfigError(
-            "inference_devices_per_replica / ici_tensor_parallelism > 1 ask for tensor-parallel "
-            "rollout replicas; the transformers rollout engine runs one device per replica. Use "
-            "more replicas instead (inference_replicas=N, or rollout.replicas=N)."
-        )
-    if d.train_device_ids is not None:
-        if len(set(d.train_device_ids)) != len(d.train_device_ids):
-            raise ConfigError(f"train_model.devices {d.train_device_ids} lists a device twice.")
-        if d.train_devices != 1 and d.train_devices != len(d.train_device_ids):
-            raise ConfigError(
-                f"train_model.num_devices={d.train_devices} but train_model.devices lists "
-                f"{len(d.train_device_ids)}; give one of the two."
-            )
-    if learners != 1 and learners != world:
-        raise ConfigError(
-            f"The learner is asked for {learners} devices but runs as {world} process(es): one "
-            f"process per learner device. Launch with `torchrun --nproc_per_node {learners} -m grpo "
-            "train ...` (or leave train_model.num_devices at 1)."
-        )
-    fsdp_degree = d.ici_fsdp_parallelism
-    if fsdp_degree not in (-1, 1) and (d.strategy != "fsdp2" or fsdp_degree != world):
-        raise ConfigError(
-            f"ici_fsdp_parallelism={fsdp_degree} means FSDP over that many learner processes: "
-            f"set distributed.strategy=fsdp2 and launch `torchrun --nproc_per_node {fsdp_degree} "
-            f"-m grpo train ...` (now {world} process(es), strategy {d.strategy})."
-        )
-    if d.ref_devices not in (1, learners):
-        raise ConfigError(
-            f"ref_model.num_devices={d.ref_devices}: each learner process keeps one reference "
-            f"replica, so use 1 or the learner's device count ({learners})."
-        )
-    if d.ref_device_ids is not None and len(d.ref_device_ids) != learners:
-        raise ConfigError(
-            f"ref_model.devices {d.ref_device_ids}: give one device per learner process ({learners})."
-        )
-    if not (d.ref_device in ("auto", "cpu", "offload") or d.ref_device.startswith("cuda")):
-        raise ConfigError(f"distributed.ref_device={d.ref_device!r}: use auto, cpu, offload or cuda:N.")
-    if d.max_staleness < 0 or d.importance_cap < 1 or d.timeout_s <= 0 or d.max_actor_restarts < 0:
-        raise ConfigError(
-            "max_staleness and max_actor_restarts must be >= 0, importance_cap >= 1 and timeout_s > 0."
-        )
-    if d.rollout_mode != "colocated":
-        # Weights reach the actors every weight_sync_steps steps, so a batch requested just before a push
-        # is sampled with weights up to weight_sync_steps old (async adds one step in flight).
-        worst = d.weight_sync_steps - (1 if d.rollout_mode == "sync" else 0)
-        if d.max_staleness < worst:
-            raise ConfigError(
-                f"rollout.mode={d.rollout_mode} with weight_sync_steps={d.weight_sync_steps} samples "
-                f"with weights up to {worst} step(s) old, but max_staleness={d.max_staleness}: every "
-                f"such batch would be dropped. Raise max_staleness to {worst} or lower "
-                "weight_sync_steps."
-            )
-        if importlib.util.find_spec("ray") is None:
-            raise ConfigError(
-                f"rollout.mode={d.rollout_mode} runs rollout workers on Ray, which is not installed: "
-                "pip install 'grpo[ray]'."
-            )
-    if lora.enabled:
-        if lora.r < 1 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
-            raise ConfigError(
-                f"LoRA needs r >= 1, alpha > 0 and 0 <= dropout < 1; got r={lora.r}, "
-                f"alpha={lora.alpha}, dropout={lora.dropout}."
-            )
-        if importlib.util.find_spec("peft") is None:
-            raise ConfigError("lora.enabled needs peft: pip install 'grpo[lora]'.")
 
 
 def plan_roles(cfg: GRPOConfig, num_gpus: int, world_size: int = 1, local_rank: int = 0) -> RolePlan:
