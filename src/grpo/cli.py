@@ -175,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(train)
     train.set_defaults(overrides=[])
 
+    _add_eval_parser(sub)
+    rep = sub.add_parser("report", help="Write RUN_DIR/report/index.html and PNG plots from a run's logs.")
+    rep.add_argument("run_dir", help="A run directory (with metrics.jsonl).")
+    rep.add_argument("--output", default=None, help="Report directory (default: RUN_DIR/report).")
+    return parser
+
+
+def _add_eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="Accuracy of a model on a dataset (greedy pass@1, or pass@k/maj@k).")
     ev.add_argument("--model", default=None, help="Model directory or hub id (default: the bundled model).")
     ev.add_argument("--dataset", default=None, help="Dataset spec (default: the bundled held-out split).")
@@ -194,11 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--dump", default=None, help="Write every completion and its score to this JSONL file.")
     ev.add_argument("--json", action="store_true", help="Print one JSON object (accuracy, n, ...) only.")
-
-    rep = sub.add_parser("report", help="Write RUN_DIR/report/index.html and PNG plots from a run's logs.")
-    rep.add_argument("run_dir", help="A run directory (with metrics.jsonl).")
-    rep.add_argument("--output", default=None, help="Report directory (default: RUN_DIR/report).")
-    return parser
 
 
 def _overrides(args) -> dict[str, str]:

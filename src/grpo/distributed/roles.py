@@ -53,37 +53,9 @@ def plan_roles(cfg: GRPOConfig, num_gpus: int, world_size: int = 1, local_rank: 
     d = cfg.distributed
     ray_rollout = d.rollout_mode != "colocated"
     if num_gpus == 0:
-        if any(
-            ids for ids in (d.train_device_ids, d.ref_device_ids, d.inference_device_ids)
-        ) or d.ref_device.startswith("cuda"):
-            raise ConfigError(
-                "Device ids were given (train_model/ref_model/inference_model.devices or "
-                "ref_device=cuda:N) but no GPU is visible here."
-            )
-        reference = {"auto": "with policy", "offload": "cpu"}.get(d.ref_device, d.ref_device)
-        return RolePlan(
-            world_size,
-            ["cpu"] * world_size,
-            reference,
-            "ray" if ray_rollout else "colocated",
-            rollout_replicas=max(d.inference_replicas, d.inference_devices) if ray_rollout else 1,
-        )
-
-    all_ids = list(range(num_gpus))
+        return _cpu_plan(cfg, world_size)
     fractions = (d.trainer_devices_fraction, d.sampler_devices_fraction) != (1.0, 1.0)
-    if d.train_device_ids is not None:
-        learner_ids = list(d.train_device_ids)
-    elif fractions:
-        learner_ids = all_ids[: max(1, int(num_gpus * d.trainer_devices_fraction))]
-    else:
-        learner_ids = all_ids[:world_size]
-    if len(learner_ids) < world_size:
-        raise ConfigError(
-            f"{world_size} learner processes but only {len(learner_ids)} learner GPU(s) "
-            f"({learner_ids}) of {num_gpus} visible; launch fewer processes or give more devices."
-        )
-    learner_ids = learner_ids[:world_size]
-
+    learner_ids = _learner_gpus(cfg, num_gpus, world_size, fractions)
     used = set(learner_ids)
     if d.ref_device_ids is not None:
         reference = f"cuda:{d.ref_device_ids[local_rank]}"
@@ -94,34 +66,14 @@ def plan_roles(cfg: GRPOConfig, num_gpus: int, world_size: int = 1, local_rank: 
         reference = d.ref_device
         if reference.startswith("cuda"):
             used.add(int(reference.split(":")[1]) if ":" in reference else 0)
-
-    rollout_devices: list[list[int]] = []
-    replicas, per_replica = 1, 0
-    if ray_rollout:
-        if d.inference_device_ids is not None:
-            rollout_devices = [[i] for i in d.inference_device_ids]
-        elif fractions:
-            first = num_gpus - max(1, int(num_gpus * d.sampler_devices_fraction))
-            rollout_devices = [[i] for i in all_ids[first:]]
-        else:
-            free = [i for i in all_ids if i not in used]
-            wanted = max(d.inference_replicas, d.inference_devices)
-            rollout_devices = [[i] for i in free[:wanted]]
-            if len(rollout_devices) < wanted:
-                raise ConfigError(
-                    f"Rollout wants {wanted} GPU(s) of its own, but of {num_gpus} visible GPUs "
-                    f"{sorted(used)} are taken by the learner/reference, leaving "
-                    f"{len(free)}. Lower inference_replicas / inference_model.num_devices, "
-                    "use fewer learner processes, or rollout.mode=colocated."
-                )
-        replicas, per_replica = len(rollout_devices), 1
-    taken = sorted(used)
-    bad = [i for i in taken + [i for r in rollout_devices for i in r] if i >= num_gpus]
+    rollout_devices = _rollout_gpus(cfg, num_gpus, used, fractions) if ray_rollout else []
+    rollout_ids = [i for r in rollout_devices for i in r]
+    bad = [i for i in sorted(used) + rollout_ids if i >= num_gpus]
     if bad:
         raise ConfigError(
             f"GPU ids {sorted(set(bad))} do not exist: {num_gpus} GPU(s) are visible (0..{num_gpus - 1})."
         )
-    overlap = sorted(set(learner_ids) & {i for r in rollout_devices for i in r})
+    overlap = sorted(set(learner_ids) & set(rollout_ids))
     if overlap:
         raise ConfigError(
             f"GPUs {overlap} are given both to the learner and to rollout actors; give them "
@@ -132,10 +84,67 @@ def plan_roles(cfg: GRPOConfig, num_gpus: int, world_size: int = 1, local_rank: 
         [f"cuda:{i}" for i in learner_ids],
         reference,
         "ray" if ray_rollout else "colocated",
-        rollout_replicas=replicas,
-        rollout_gpus_per_replica=per_replica,
+        rollout_replicas=len(rollout_devices) if ray_rollout else 1,
+        rollout_gpus_per_replica=1 if ray_rollout else 0,
         rollout_devices=rollout_devices,
     )
+
+
+def _cpu_plan(cfg: GRPOConfig, world_size: int) -> RolePlan:
+    d = cfg.distributed
+    ray_rollout = d.rollout_mode != "colocated"
+    if any(ids for ids in (d.train_device_ids, d.ref_device_ids, d.inference_device_ids)) or (
+        d.ref_device.startswith("cuda")
+    ):
+        raise ConfigError(
+            "Device ids were given (train_model/ref_model/inference_model.devices or "
+            "ref_device=cuda:N) but no GPU is visible here."
+        )
+    reference = {"auto": "with policy", "offload": "cpu"}.get(d.ref_device, d.ref_device)
+    return RolePlan(
+        world_size,
+        ["cpu"] * world_size,
+        reference,
+        "ray" if ray_rollout else "colocated",
+        rollout_replicas=max(d.inference_replicas, d.inference_devices) if ray_rollout else 1,
+    )
+
+
+def _learner_gpus(cfg: GRPOConfig, num_gpus: int, world_size: int, fractions: bool) -> list[int]:
+    """One GPU per learner process: the listed ids, the first trainer_devices_fraction, or the first few."""
+    d = cfg.distributed
+    if d.train_device_ids is not None:
+        learner_ids = list(d.train_device_ids)
+    elif fractions:
+        learner_ids = list(range(max(1, int(num_gpus * d.trainer_devices_fraction))))
+    else:
+        learner_ids = list(range(min(world_size, num_gpus)))
+    if len(learner_ids) < world_size:
+        raise ConfigError(
+            f"{world_size} learner processes but only {len(learner_ids)} learner GPU(s) "
+            f"({learner_ids}) of {num_gpus} visible; launch fewer processes or give more devices."
+        )
+    return learner_ids[:world_size]
+
+
+def _rollout_gpus(cfg: GRPOConfig, num_gpus: int, used: set[int], fractions: bool) -> list[list[int]]:
+    """One GPU per Ray rollout replica: the listed ids, the last sampler_devices_fraction, or free ones."""
+    d = cfg.distributed
+    if d.inference_device_ids is not None:
+        return [[i] for i in d.inference_device_ids]
+    if fractions:
+        first = num_gpus - max(1, int(num_gpus * d.sampler_devices_fraction))
+        return [[i] for i in range(first, num_gpus)]
+    free = [i for i in range(num_gpus) if i not in used]
+    wanted = max(d.inference_replicas, d.inference_devices)
+    if len(free) < wanted:
+        raise ConfigError(
+            f"Rollout wants {wanted} GPU(s) of its own, but of {num_gpus} visible GPUs "
+            f"{sorted(used)} are taken by the learner/reference, leaving "
+            f"{len(free)}. Lower inference_replicas / inference_model.num_devices, "
+            "use fewer learner processes, or rollout.mode=colocated."
+        )
+    return [[i] for i in free[:wanted]]
 
 
 class OffloadedModel:
