@@ -27,12 +27,12 @@ from grpo.config import (
     SECTIONS,
     ConfigError,
     GRPOConfig,
+    hint_of,
     load_config,
     preset_names,
     read_config_file,
     resolve_key,
 )
-from grpo.config.keys import hint_of
 from grpo.redact import redact, redact_mapping, remember_from_argv
 
 log = logging.getLogger("grpo")

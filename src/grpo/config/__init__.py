@@ -14,7 +14,7 @@ names the closest valid one, a bad value names the violated constraint.
 """
 
 from grpo.config.errors import ConfigError, TRLConfigError
-from grpo.config.keys import ALIASES, TRL_ALIASES, all_paths, coerce, resolve_key, section_hints
+from grpo.config.keys import ALIASES, all_paths, hint_of, resolve_key
 from grpo.config.schema import (
     BUNDLED_MODEL,
     SECTIONS,
@@ -27,21 +27,12 @@ from grpo.config.schema import (
     OptimConfig,
     TrainConfig,
 )
-from grpo.config.tree import (
-    GRPOConfig,
-    apply_user_precedence,
-    flatten,
-    load_config,
-    preset_names,
-    read_config_file,
-)
-from grpo.config.validate import validate
+from grpo.config.tree import GRPOConfig, flatten, load_config, preset_names, read_config_file
 
 __all__ = [
     "ALIASES",
     "BUNDLED_MODEL",
     "SECTIONS",
-    "TRL_ALIASES",
     "AlgorithmConfig",
     "ConfigError",
     "DataConfig",
@@ -54,13 +45,10 @@ __all__ = [
     "TRLConfigError",
     "TrainConfig",
     "all_paths",
-    "apply_user_precedence",
-    "coerce",
     "flatten",
+    "hint_of",
     "load_config",
     "preset_names",
     "read_config_file",
     "resolve_key",
-    "section_hints",
-    "validate",
 ]
