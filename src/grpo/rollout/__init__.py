@@ -16,10 +16,10 @@ from grpo.rollout.engine import RolloutEngine
 __all__ = ["ENGINES", "RolloutEngine", "build_engine", "resolve_auto"]
 
 ENGINES: dict[str, str] = {
-    "auto": "grpo.rollout:build_auto",  # vllm on CUDA when installed, else native
     "native": "grpo.rollout.native:build",  # falls back to transformers on a model it does not support
     "transformers": "grpo.rollout.transformers:build",
     "vllm": "grpo.rollout.vllm:build",  # in-process, or a server (generation.vllm_server_url)
+    "auto": "grpo.rollout:build_auto",  # vllm on CUDA when installed, else native
 }
 
 
