@@ -256,7 +256,3 @@ def ifeval_strict(
         None if not ids else float(check_instructions(c, ids, a, p).prompt_strict)
         for p, c, ids, a in zip(prompts, completions, instruction_id_list, kwargs, strict=True)
     ]
-
-
-def is_ifeval_row(row: dict[str, Any]) -> bool:
-    return "instruction_id_list" in row
