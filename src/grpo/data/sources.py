@@ -1,11 +1,11 @@
-"""Prompt sources → rows → PromptBatch.
+"""Prompt sources → rows.
 
 A row is a dict with a `prompt` (text, or a list of chat messages as TRL's conversational datasets have
 it) plus the dataset's other columns, which reach reward functions as keyword arguments under their own
 names. A reference-answer column named otherwise (`solution`, `ground_truth`, `target`) is also copied
-to `answer`, the name this package's rewards read. Sources: a task of the registry (data/tasks.py: the bundled `tiny_math`, GSM8K
-and IFEval from the hub), local JSONL/JSON/Parquet/CSV files or hub-layout folders, any hub dataset (through
-`datasets`), or a Python list (`SimplePromptDataset`).
+to `answer`, the name this package's rewards read. Sources: a task of the registry (data/tasks.py: the
+bundled `tiny_math`, GSM8K and IFEval from the hub), local JSONL/JSON/Parquet/CSV files or hub-layout
+folders, any hub dataset (through `datasets`), or a Python list (`SimplePromptDataset`).
 """
 
 from __future__ import annotations
