@@ -26,8 +26,9 @@ __all__ = [
     "weighted_advantages",
 ]
 
-# distributed.importance_correction: "none" turns the correction off; "tis" is token_truncate's short name.
-CORRECTIONS = ("none", "tis", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# distributed.importance_correction's choices: "tis" is token_truncate's short name; "none" turns the
+# correction off (the learner then applies no weights).
+CORRECTIONS = ("tis", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
 
 
 def importance_weights(log_ratio: Tensor, mask: Tensor, mode: str, cap: float) -> tuple[Tensor, Tensor]:
@@ -39,7 +40,7 @@ def importance_weights(log_ratio: Tensor, mask: Tensor, mode: str, cap: float) -
     min(w, cap) (truncated IS); *_mask: w where w ≤ cap, else 0 (the token or sequence drops out).
     Computed in log space, so a long sequence's product cannot overflow."""
     if mode not in CORRECTIONS or mode == "none":
-        raise ValueError(f"unknown importance correction {mode!r}; valid: {CORRECTIONS[1:]}")
+        raise ValueError(f"unknown importance correction {mode!r}; valid: {CORRECTIONS[:-1]}")
     level, _, how = ("token_truncate" if mode == "tis" else mode).partition("_")
     log_w = log_ratio * mask  # [B, T]
     if level == "sequence":
