@@ -41,7 +41,7 @@ class _EchoEngine:
     def generate(self, prompt_ids, n, sampling, chunk_prompts=None):
         ids = torch.tensor([[ids[0]] for ids in prompt_ids for _ in range(n)])
         return Rollouts(
-            prompt_index=torch.arange(len(prompt_ids)).repeat_interleave(n),
+            group_ids=torch.arange(len(prompt_ids)).repeat_interleave(n),
             completion_ids=ids,
             completion_mask=torch.ones_like(ids, dtype=torch.float),
             sampling_logprobs=torch.zeros(ids.shape),
