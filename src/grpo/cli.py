@@ -42,7 +42,7 @@ DEFAULT_PRESET = "tiny_math"
 class _Override(argparse.Action):
     """Collect `--key value` into an ordered list of (key, value) so later flags win."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, _parser, namespace, values, _option_string=None):  # argparse passes all positionally
         # a new list: appending would change the parser's shared default and leak into the next parse
         namespace.overrides = [*namespace.overrides, (self.dest, values)]
 
