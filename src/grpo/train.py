@@ -41,6 +41,7 @@ from grpo.algorithm.filters import (
     select_groups,
     truncate_prompts,
 )
+from grpo.algorithm.importance import mismatch_metrics
 from grpo.algorithm.loss import apply_truncation_mask
 from grpo.config import GRPOConfig
 from grpo.data import PromptStream, make_prompt_batch
@@ -49,7 +50,7 @@ from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
 from grpo.distributed.roles import apply_role_plan
 from grpo.distributed.runtime import SilentLogger
 from grpo.evaluation import EvalResult, evaluate
-from grpo.learner import Learner, mismatch_metrics
+from grpo.learner import Learner
 from grpo.records import PromptBatch, Rollouts, SamplingParams, TrainBatch
 from grpo.rewards import score_completions
 from grpo.rollout import build_engine
@@ -287,7 +288,7 @@ class GRPOTrainer:
                     "advantage/abs_max": advantages.abs().max().item(),
                     **stats.as_dict(),
                     **rollout_metrics(rollouts),
-                    **mismatch_metrics(rollouts.sampling_logprobs, batch.old_logprobs, batch.completion_mask),
+                    **mismatch_metrics(rollouts.sampling_logprobs, stats.old_logprobs, batch.completion_mask),
                     "nonfinite_steps_total": self.nonfinite_total,
                     "lr": learner.scheduler.get_last_lr()[0],
                     "epoch": stream.epoch,
@@ -298,7 +299,7 @@ class GRPOTrainer:
                 }
                 if "is/ess" not in metrics:  # on-policy: how far the sampler's log-probs are from π_old's
                     metrics["is/ess"] = sampler_ess(
-                        batch.old_logprobs, rollouts.sampling_logprobs, batch.completion_mask
+                        stats.old_logprobs, rollouts.sampling_logprobs, batch.completion_mask
                     )
                 metrics = rt.reduce_metrics(metrics)
                 summary.update(metrics)

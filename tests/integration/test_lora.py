@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.learner import token_logprobs
+from grpo.model.forward import token_logprobs
 from grpo.model.loading import bundled_model_path
 from grpo.train import build_train_batch
 

@@ -20,7 +20,7 @@ trl = pytest.importorskip("trl")
 from grpo import GRPOConfig
 from grpo.algorithm.advantages import group_advantages
 from grpo.algorithm.loss import LossNorm, grpo_loss
-from grpo.learner import token_logprobs
+from grpo.model.forward import token_logprobs
 from grpo.model.loading import resolve_path
 from grpo.records import PromptBatch, Rollouts
 from grpo.rewards import score_completions

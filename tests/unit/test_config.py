@@ -148,6 +148,7 @@ def test_cli_accepts_key_value_overrides_between_flags():
         ("grpo.algorithm.loss", "KL_ESTIMATORS", "algorithm.kl_estimator"),
         ("grpo.algorithm.loss", "LOSS_AGGREGATIONS", "algorithm.loss_aggregation"),
         ("grpo.algorithm.advantages", "ADVANTAGE_SCALINGS", "algorithm.advantage_scale"),
+        ("grpo.algorithm.schedules", "LR_SCHEDULES", "optim.lr_scheduler"),
     ],
 )
 def test_a_registry_entry_is_a_valid_choice(monkeypatch, module, registry, key):

@@ -306,8 +306,7 @@ class OptimConfig:
     lr_scheduler: str = _f(
         "constant",
         "Schedule after warmup: constant, linear (to 0) or cosine (to 0).",
-        # Becomes Registry("grpo.algorithm.schedules:LR_SCHEDULES") once that module exists.
-        choices=("constant", "linear", "cosine"),
+        choices=Registry("grpo.algorithm.schedules:LR_SCHEDULES"),
     )
     warmup_steps: int = _f(100, "Linear warmup from 0 over this many optimizer steps.")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 disables clipping).")
@@ -451,8 +450,7 @@ class DistributedConfig:
         "weight π_old/π_behaviour, capped at importance_cap), token_mask (weight 0 "
         "above the cap), sequence_truncate / sequence_mask (one weight per completion, "
         "the product of its token ratios), or none (docs/algorithm.md).",
-        # Becomes Registry("grpo.algorithm.importance:CORRECTIONS") once that module exists.
-        choices=("tis", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"),
+        choices=Registry("grpo.algorithm.importance:CORRECTIONS"),
     )
     importance_cap: float = _f(
         2.0,

@@ -222,8 +222,8 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
     * Competing keys: `--num-epochs 3` under a preset with `train.steps: 80` would run 80 steps (steps win
       over epochs), so the preset's steps are dropped. When the user gives both, the winner is named.
     * Task switch: a dataset set to a registered task (`env.dataset=ifeval`) brings that task's rewards,
-      evaluation split and system prompt, except where the user set those too (grpo.tasks)."""
-    from grpo.tasks import task_settings
+      evaluation split and system prompt, except where the user set those too (grpo.data.tasks)."""
+    from grpo.data.tasks import task_settings
 
     notes = []
     explicit = cfg.explicit_keys

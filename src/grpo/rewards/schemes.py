@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import re
 
+from grpo.rewards.tags import ANSWER_BLOCK
+
+
 # -- TorchRL --------------------------------------------------------------------------------------
-_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
 def _torchrl_normalize(answer: str) -> str:
     answer = answer.strip().replace(",", "").replace("$", "").replace("%", "").rstrip(".")
     if "." in answer:
@@ -48,7 +47,7 @@ def torchrl_gsm8k(prompts: list[str], completions: list[str], answer: list, **_:
         if truth is None:
             rewards.append(None)
             continue
-        found = _ANSWER.search(completion.removesuffix("<|im_end|>"))
+        found = ANSWER_BLOCK.search(completion.removesuffix("<|im_end|>"))
         guess = found.group(1).strip() if found else ""
         if guess and _torchrl_normalize(guess) == _torchrl_normalize(truth):
             rewards.append(1.0)
