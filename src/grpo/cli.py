@@ -42,7 +42,7 @@ DEFAULT_PRESET = "tiny_math"
 class _Override(argparse.Action):
     """Collect `--key value` into an ordered list of (key, value) so later flags win."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, _parser, namespace, values, _option_string=None):  # argparse passes all positionally
         # a new list: appending would change the parser's shared default and leak into the next parse
         namespace.overrides = [*namespace.overrides, (self.dest, values)]
 
@@ -370,6 +370,10 @@ def _assignments_first(parser: argparse.ArgumentParser, argv: list[str]) -> list
 
 
 def main(argv: list[str] | None = None) -> int:
+    remember_from_argv(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(_assignments_first(parser, sys.argv[1:] if argv is None else list(argv)))
+    # Imported only now: these pull in torch, which `grpo --help` and usage errors need not wait for.
     from grpo.learner import NonFiniteWeightsError
     from grpo.rewards import RewardError
     from grpo.run.assemble import setup_logging
@@ -377,9 +381,6 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.train import TrainingHalted
 
     setup_logging()
-    remember_from_argv(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(_assignments_first(parser, sys.argv[1:] if argv is None else list(argv)))
     try:
         return {"train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.command](args)
     except ConfigError as e:

@@ -55,7 +55,7 @@ def test_aliases(key, path):
 
 
 def test_unknown_key_suggests_the_closest():
-    with pytest.raises(ConfigError, match="Unknown config key 'lerning_rate'.*learning_rate"):
+    with pytest.raises(ConfigError, match=r"Unknown config key 'lerning_rate'.*learning_rate"):
         GRPOConfig(lerning_rate=1e-5)
 
 
@@ -108,9 +108,9 @@ def test_presets_and_files(tmp_path):
     cfg = load_config(str(path), {"train.steps": 9})
     assert cfg.optim.learning_rate == 0.001 and cfg.train.steps == 9  # overrides win over the file
     path.write_text("optim:\n  lr_typo: 1\n")
-    with pytest.raises(ConfigError, match="Unknown config key 'optim.lr_typo'"):
+    with pytest.raises(ConfigError, match=r"Unknown config key 'optim\.lr_typo'"):
         load_config(str(path))
-    with pytest.raises(ConfigError, match="No preset or file named 'tiny_mth'.*tiny_math"):
+    with pytest.raises(ConfigError, match=r"No preset or file named 'tiny_mth'.*tiny_math"):
         load_config("tiny_mth")
 
 

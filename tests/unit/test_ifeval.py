@@ -62,7 +62,7 @@ def test_checkers_on_the_fixture(key, response, p_strict, p_loose, i_strict, i_l
 
 
 def test_unknown_instruction_and_missing_arguments_are_errors_not_silent_skips():
-    with pytest.raises(ValueError, match="unknown IFEval instruction 'punctuation:no_comas'.*no_comma"):
+    with pytest.raises(ValueError, match=r"unknown IFEval instruction 'punctuation:no_comas'.*no_comma"):
         check_instructions("x", ["punctuation:no_comas"], [{}])
     with pytest.raises(ValueError, match="needs kwargs \\['num_sentences', 'relation'\\]"):
         check_instructions("x", ["length_constraints:number_sentences"], [{}])

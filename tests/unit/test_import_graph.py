@@ -8,7 +8,15 @@ packages (every `grpo.x` would otherwise reach `grpo/__init__.py`, which re-expo
 from __future__ import annotations
 
 import ast
+import importlib
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+
+import grpo
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "grpo"
 
@@ -123,3 +131,39 @@ def test_config_imports_no_torch():
             elif imported in modules:
                 todo.append(imported)
     assert not heavy, sorted(heavy)
+
+
+_HEAVY = ("torch", "transformers", "numpy")
+_HELP = "from grpo.cli import main\ntry:\n    main({argv})\nexcept SystemExit:\n    pass"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import grpo.config",
+        "from grpo import GRPOConfig",
+        _HELP.format(argv=["--help"]),
+        _HELP.format(argv=["train", "--help"]),
+    ],
+    ids=["import grpo.config", "from grpo import GRPOConfig", "grpo --help", "grpo train --help"],
+)
+def test_light_entry_points_load_no_torch(code):
+    """What really runs, grpo/__init__.py included (the graph above leaves package parents out): the CLI's
+    help and the config stay quick because nothing on their way imports torch."""
+    report = f"import sys; print(sorted(m for m in {_HEAVY!r} if m in sys.modules))"
+    done = subprocess.run(
+        [sys.executable, "-c", f"{code}\n{report}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(SRC.parent)},
+    )
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout
+
+
+def test_every_public_name_loads_from_its_home():
+    assert sorted(grpo.__all__) == sorted(grpo._HOMES)
+    for name, home in grpo._HOMES.items():
+        assert getattr(grpo, name) is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError, match="no attribute 'GRPOTrainr'"):
+        grpo.GRPOTrainr  # noqa: B018 - the attribute access is what is tested

@@ -231,19 +231,9 @@ def set_path(cfg: Any, path: str, value: Any) -> None:
 
 def coerce(path: str, value: Any) -> Any:
     """Convert `value` (possibly a string from the command line) to the field's type, or explain."""
-    hint = hint_of(path)
-    args = typing.get_args(hint)
-    optional = type(None) in args and (typing.get_origin(hint) in (typing.Union, types.UnionType))
-    if optional:
-        hint = next(a for a in args if a is not type(None))
+    hint, optional = _without_none(hint_of(path))
     if isinstance(value, str):
-        if optional and value.strip().lower() in ("none", "null", "~", ""):
-            return None
-        if hint is not str:
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError:
-                pass
+        value = _from_text(value, hint, optional)
     if value is None:
         if optional:
             return None
@@ -264,6 +254,26 @@ def coerce(path: str, value: Any) -> Any:
         return _scalar(hint, value)
     except (TypeError, ValueError, OverflowError) as e:
         raise ConfigError(f"{path} expects {_type_name(hint)}, got {value!r}.") from e
+
+
+def _without_none(hint: Any) -> tuple[Any, bool]:
+    """`X | None` → (X, True); any other hint → (hint, False)."""
+    args = typing.get_args(hint)
+    if type(None) in args and typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return next(a for a in args if a is not type(None)), True
+    return hint, False
+
+
+def _from_text(text: str, hint: Any, optional: bool) -> Any:
+    """A command-line string read as YAML would read it (`3`, `true`, `[a, b]`), unless the field is text."""
+    if optional and text.strip().lower() in ("none", "null", "~", ""):
+        return None
+    if hint is str:
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:  # e.g. an unbalanced bracket: left as text for the type check to name
+        return text
 
 
 def _scalar(hint: type, value: Any) -> Any:

@@ -247,7 +247,8 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
                 if path not in explicit and get_path(cfg, path) != value:
                     set_path(cfg, path, value)
                     notes.append(
-                        f"{key} = {get_path(cfg, key)} sets {path} = {value!r} (the task's; set it to change)."
+                        f"{key} = {get_path(cfg, key)} sets {path} = {value!r} "
+                        "(the task's; set it to change)."
                     )
             break
     for note in notes:

@@ -259,7 +259,8 @@ def _loss(trl: dict[str, Any], out: dict[str, Any]) -> None:
     high = epsilon if high is None else high
     out["algorithm.epsilon_low"] = epsilon
     if variant == "cispo":
-        # TRL's cispo caps the ratio at epsilon_high itself (ScaleRL's ε_max, 5.0 recommended); ours at 1 + ε_high.
+        # TRL's cispo caps the ratio at epsilon_high itself (ScaleRL's ε_max, 5.0 recommended); ours at
+        # 1 + ε_high.
         if high <= 1:
             raise TRLConfigError(
                 f"loss_type='cispo' with epsilon_high={high}: TRL caps the importance ratio at "
@@ -299,10 +300,11 @@ def _batch(trl: dict[str, Any], out: dict[str, Any]) -> None:
     per_generation = accumulation if per_generation is None else per_generation
     if per_generation != accumulation:
         raise TRLConfigError(
-            f"steps_per_generation={per_generation} with gradient_accumulation_steps={accumulation} reuses one "
-            "generation batch for several optimizer steps, which grpo does not do: each rollout batch here is one "
-            "optimizer step (num_iterations passes over it). Set steps_per_generation to gradient_accumulation_steps "
-            "(or leave it unset), and use num_iterations for more updates per rollout."
+            f"steps_per_generation={per_generation} with gradient_accumulation_steps={accumulation} reuses "
+            "one generation batch for several optimizer steps, which grpo does not do: each rollout batch "
+            "here is one optimizer step (num_iterations passes over it). Set steps_per_generation to "
+            "gradient_accumulation_steps (or leave it unset), and use num_iterations for more updates per "
+            "rollout."
         )
     completions = per_device * accumulation * world
     generations = trl.get("num_generations", TRL_DEFAULTS["generation.num_generations"])

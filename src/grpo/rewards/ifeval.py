@@ -1,4 +1,4 @@
-"""IFEval: instruction-following checks (through the `if-verifiable` package), accuracies and TorchRL's reward.
+"""IFEval: instruction-following checks (through the `if-verifiable` package), accuracies, TorchRL's reward.
 
 Rows follow the google/IFEval schema: `key`, `prompt`, `instruction_id_list` (e.g.
 `["punctuation:no_comma", "length_constraints:number_words"]`) and `kwargs` (one dict of checker
@@ -17,8 +17,8 @@ rare abbreviations the trained model knows. Install the data (`python -m nltk.do
 punkt`) to use the trained model: it is picked up automatically.
 
 Language checks (`language:response_language`, `change_case:english_*`) use langdetect, seeded here so
-that one response always gets one score. Unknown instruction ids and missing checker arguments are errors (if-verifiable would silently skip the
-former and draw random thresholds for the latter).
+that one response always gets one score. Unknown instruction ids and missing checker arguments are errors
+(if-verifiable would silently skip the former and draw random thresholds for the latter).
 """
 
 from __future__ import annotations

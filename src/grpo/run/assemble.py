@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -35,6 +34,7 @@ from grpo.model.loading import (
 from grpo.redact import RedactingFilter
 from grpo.rewards import resolve_rewards
 from grpo.rollout import RolloutEngine, build_engine
+from grpo.run.console import StderrHandler
 from grpo.run.preflight import check_model_paths, plan_resume
 from grpo.run.runlock import lock_run_dir
 
@@ -96,7 +96,7 @@ def setup_logging(run_dir: Path | None = None) -> None:
         isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
         for h in logger.handlers
     ):
-        console = logging.StreamHandler(sys.stderr)
+        console = StderrHandler()
         console.setFormatter(logging.Formatter("%(message)s"))
         console.addFilter(RedactingFilter())
         logger.addHandler(console)
