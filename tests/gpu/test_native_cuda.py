@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from grpo.learner import token_logprobs
 from grpo.model.decoder import GroupLayout, NativeDecoder
+from grpo.model.forward import token_logprobs
 from grpo.model.packed import shared_prompt_logprobs
 from grpo.records import SamplingParams
 from grpo.rollout.native import NativeEngine

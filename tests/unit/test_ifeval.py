@@ -62,7 +62,7 @@ def test_checkers_on_the_fixture(key, response, p_strict, p_loose, i_strict, i_l
 
 
 def test_unknown_instruction_and_missing_arguments_are_errors_not_silent_skips():
-    with pytest.raises(ValueError, match="unknown IFEval instruction 'punctuation:no_comas'.*no_comma"):
+    with pytest.raises(ValueError, match=r"unknown IFEval instruction 'punctuation:no_comas'.*no_comma"):
         check_instructions("x", ["punctuation:no_comas"], [{}])
     with pytest.raises(ValueError, match="needs kwargs \\['num_sentences', 'relation'\\]"):
         check_instructions("x", ["length_constraints:number_sentences"], [{}])
@@ -141,7 +141,7 @@ class _CannedEngine:
     def generate(self, prompt_ids, n, sampling, chunk_prompts=None):
         ids = torch.tensor([[ids[0]] for ids in prompt_ids for _ in range(n)])
         return Rollouts(
-            prompt_index=torch.arange(len(prompt_ids)).repeat_interleave(n),
+            group_ids=torch.arange(len(prompt_ids)).repeat_interleave(n),
             completion_ids=ids,
             completion_mask=torch.ones_like(ids, dtype=torch.float),
             sampling_logprobs=torch.zeros(ids.shape),

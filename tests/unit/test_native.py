@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from grpo.learner import token_logprobs
 from grpo.model import decoder as decoder_module
 from grpo.model import packed as native_logprobs
 from grpo.model.decoder import GroupLayout, NativeDecoder, unsupported_reason
+from grpo.model.forward import token_logprobs
 from grpo.model.packed import ChunkedTokenLogprobs, shared_prompt_logprobs
 from tests.unit.test_learner import random_batch
 

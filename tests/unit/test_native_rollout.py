@@ -5,8 +5,9 @@ import torch
 
 from grpo.records import SamplingParams
 from grpo.rollout import build_engine
-from grpo.rollout.native import NativeEngine, sample_tokens
-from grpo.rollout.transformers import TransformersEngine, filter_logits
+from grpo.rollout.native import NativeEngine
+from grpo.rollout.sampling import filter_logits, sample_tokens
+from grpo.rollout.transformers import TransformersEngine
 
 
 def _distribution(model, ids, temperature, top_k, top_p):
@@ -62,7 +63,7 @@ def test_eos_truncation_logprobs_and_dropped_rows(tiny_model, id_tokenizer):
     torch.manual_seed(3)
     prompts = [[2, 9, 4], [2, 3], [2, 5, 6, 7, 8, 9]]
     out = engine.generate(prompts, 6, SamplingParams(max_new_tokens=10, temperature=1.0))
-    assert out.prompt_index.tolist() == [0] * 6 + [1] * 6 + [2] * 6
+    assert out.group_ids.tolist() == [0] * 6 + [1] * 6 + [2] * 6
     lengths = out.completion_mask.sum(-1).long()
     assert 1 < len(set(lengths.tolist())), "expected rows to finish at different steps"
     for row in range(18):
@@ -71,7 +72,7 @@ def test_eos_truncation_logprobs_and_dropped_rows(tiny_model, id_tokenizer):
         assert out.truncated[row].item() == (not ends)
         assert ((ids[: length - 1] < 1) | (ids[: length - 1] >= 12)).all(), "generated past an eos"
         assert (ids[length:] == 0).all() and (out.sampling_logprobs[row, length:] == 0).all()
-        prompt = prompts[out.prompt_index[row]]
+        prompt = prompts[out.group_ids[row]]
         full = torch.tensor(prompt + ids[:length].tolist())
         with torch.no_grad():
             logp = tiny_model(full[None]).logits[0].log_softmax(-1)

@@ -31,6 +31,7 @@ __all__ = [
     "RatioStats",
     "apply_truncation_mask",
     "cispo_policy_loss",
+    "clipped_surrogate",
     "grpo_loss",
     "kl_penalty",
     "per_token_policy_loss",
@@ -110,6 +111,21 @@ class PolicyLoss(Protocol):
     ) -> tuple[Tensor, RatioStats]: ...
 
 
+def clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, RatioStats]:
+    """PPO's pessimistic clipped objective per token, −min(ρ Â, clip(ρ, 1 − ε_low, 1 + ε_high) Â), for any
+    ratio ρ [B, T] (per token, or one per sequence broadcast) and advantages Â [B, T]. Returns the loss
+    [B, T] (unmasked) and RatioStats: which tokens the clip cut off from the gradient."""
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
+    # The clip only ever removes incentive, never adds it, so a token already moved past the trust region
+    # in the advantage's direction gets no more gradient.
+    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)  # [B, T]
+    clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)  # [B, T]
+    clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)  # [B, T]
+    return loss, RatioStats(ratio, clipped_low, clipped_high)
+
+
 def per_token_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -125,14 +141,7 @@ def per_token_policy_loss(
     clip_high > clip_low is DAPO's clip-higher. `mask` is accepted for the PolicyLoss contract and
     not needed: every token's ratio stands alone.
     """
-    ratio = torch.exp(logp - old_logp)  # [B, T]
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
-    # The pessimistic bound: the clip only ever removes incentive, never adds it, so a token
-    # already moved past the trust region in the advantage's direction gets no more gradient.
-    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)  # [B, T]
-    clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)  # [B, T]
-    clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)  # [B, T]
-    return loss, RatioStats(ratio, clipped_low, clipped_high)
+    return clipped_surrogate(torch.exp(logp - old_logp), advantages, clip_low, clip_high)  # [B, T]
 
 
 def sequence_policy_loss(
@@ -157,11 +166,7 @@ def sequence_policy_loss(
     log_ratio = ((logp - old_logp) * mask).sum(-1) / length  # [B] mean token log-ratio
     ratio = torch.exp(log_ratio)[:, None].expand_as(logp)  # [B, T] s_i on every token
     advantage = advantages[:, :1].expand_as(logp)  # [B, T]
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
-    loss = -torch.minimum(ratio * advantage, clipped_ratio * advantage)  # [B, T]
-    clipped_low = (ratio < 1.0 - clip_low) & (advantage < 0)  # [B, T]
-    clipped_high = (ratio > 1.0 + clip_high) & (advantage > 0)  # [B, T]
-    return loss, RatioStats(ratio, clipped_low, clipped_high)
+    return clipped_surrogate(ratio, advantage, clip_low, clip_high)  # [B, T]
 
 
 def cispo_policy_loss(

@@ -97,25 +97,13 @@ class Runtime:
     def any(self, flag: bool) -> bool:
         return self.sum(1.0 if flag else 0.0) > 0
 
-    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Per-rank metrics → global: max/min for extremes and times, sums for throughputs, else the
-        mean over ranks (exact for means over equal-sized shards, which every step has)."""
-        if not self.active:
-            return metrics
-        keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
-        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-        how = [_reduction(k) for k in keys]
-        out = dict(metrics)
-        for op, name in ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.MIN, "min")):
-            pick = [i for i, h in enumerate(how) if h == name or (name == "sum" and h == "mean")]
-            if not pick:
-                continue
-            part = values[pick].clone()
-            dist.all_reduce(part, op=op)
-            for j, i in enumerate(pick):
-                v = part[j].item()
-                out[keys[i]] = v / self.world_size if how[i] == "mean" else v
-        return out
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place "sum", "max" or "min" over ranks of a CPU tensor (returns it)."""
+        if self.active:
+            dist.all_reduce(
+                t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+            )
+        return t
 
     def barrier(self) -> None:
         if self.active:
@@ -267,29 +255,6 @@ class Runtime:
     def close(self) -> None:
         if self.active and dist.is_initialized():
             dist.destroy_process_group()
-
-
-class SilentLogger:
-    """The metrics logger of ranks other than 0: rank 0 writes for everyone."""
-
-    def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
-        pass
-
-    def log_samples(self, step: int, records: list[dict]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _reduction(key: str) -> str:
-    if key.endswith("/max") or key.startswith("time/") or key in ("rollout/staleness_max",):
-        return "max"
-    if key.endswith("/min"):
-        return "min"
-    if key in ("tokens_per_s",) or key.startswith("count/"):
-        return "sum"
-    return "mean"
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -82,7 +82,8 @@ def reward_name(fn: RewardFunction) -> str:
 
 
 def unique_names(names: list[str]) -> list[str]:
-    """Metric names with repeats numbered (two lambdas: `<lambda>`, `<lambda>_2`), so none overwrites another."""
+    """Metric names with repeats numbered (two lambdas: `<lambda>`, `<lambda>_2`), so none overwrites
+    another."""
     taken: set[str] = set()
     out = []
     for name in names:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,6 +18,7 @@ import torch
 
 from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptFormatter, load_rows, rows_from_dataset
+from grpo.data.tasks import missing_reward_columns, scorer_for_rows, task_of_rows
 from grpo.model.loading import (
     float32_masters,
     load_causal_lm,
@@ -34,9 +34,9 @@ from grpo.model.loading import (
 from grpo.redact import RedactingFilter
 from grpo.rewards import resolve_rewards
 from grpo.rollout import RolloutEngine, build_engine
+from grpo.run.console import StderrHandler
 from grpo.run.preflight import check_model_paths, plan_resume
 from grpo.run.runlock import lock_run_dir
-from grpo.tasks import missing_reward_columns, task_of_rows
 
 log = logging.getLogger("grpo")
 
@@ -96,7 +96,7 @@ def setup_logging(run_dir: Path | None = None) -> None:
         isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
         for h in logger.handlers
     ):
-        console = logging.StreamHandler(sys.stderr)
+        console = StderrHandler()
         console.setFormatter(logging.Formatter("%(message)s"))
         console.addFilter(RedactingFilter())
         logger.addHandler(console)
@@ -372,11 +372,11 @@ def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
         rows = load_rows(cfg.data.eval_dataset, cfg.data, split="test", token=token)
     else:
         return []
-    if rows and "answer" not in rows[0] and "instruction_id_list" not in rows[0]:
-        raise ConfigError(
-            "The evaluation dataset has no answer column; evaluation needs reference answers "
-            "(or IFEval rows with instruction_id_list)."
-        )
+    try:
+        if rows:
+            scorer_for_rows(rows)  # found out now, not after the first training steps
+    except ValueError as e:
+        raise ConfigError(f"The evaluation dataset cannot be scored: {e}") from e
     return rows[: cfg.data.eval_max_samples] if cfg.data.eval_max_samples else rows
 
 
