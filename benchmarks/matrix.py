@@ -112,7 +112,8 @@ def main() -> None:
     for name in args.cells:  # build every model before timing anything
         cell = matrix_cell(name)
         make_matrix_model(cell["eos"], cell["completion"])
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "TOKENIZERS_PARALLELISM": "false"}
+    src = os.environ.get("GRPO_SRC", str(HERE.parent / "src"))  # another checkout's grpo, e.g. a frozen copy
+    env = {**os.environ, "PYTHONPATH": src, "TOKENIZERS_PARALLELISM": "false"}
     results: dict[str, dict[str, list[dict]]] = {}
     loads = [load()]
     started = time.time()
