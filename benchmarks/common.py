@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import resource
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -124,8 +125,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def emit(result: dict) -> None:
-    print("RESULT " + json.dumps(result), flush=True)
+# Every matrix run's RESULT is also appended here, so an interrupted matrix keeps what it measured
+# (benchmarks/matrix.py --from-runs builds the table from it).
+MATRIX_RUNS = HERE / "results" / "matrix_runs.jsonl"
+
+
+def emit(result: dict, log: Path | None = None) -> None:
+    line = json.dumps(result)
+    print("RESULT " + line, flush=True)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as f:
+            f.write(json.dumps({**result, "time": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
 
 
 # -- the workload matrix (benchmarks/matrix.py) ---------------------------------------------------------

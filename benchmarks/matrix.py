@@ -27,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MATRIX_PROMPTS, MATRIX_VARIATIONS, make_matrix_model, matrix_cell
+from common import MATRIX_PROMPTS, MATRIX_RUNS, MATRIX_VARIATIONS, make_matrix_model, matrix_cell
 
 STAGES = ("rollout", "reward", "reference", "update")
 
@@ -108,7 +108,23 @@ def main() -> None:
     ap.add_argument("--trl-python", default=str(HERE / ".venv-trl" / "bin" / "python"))
     ap.add_argument("--skip-trl", action="store_true", help="only grpo (e.g. while iterating)")
     ap.add_argument("--out", default=str(HERE / "results" / "matrix.json"))
+    ap.add_argument(
+        "--from-runs",
+        metavar="SINCE",
+        help=f"no runs: tabulate the runs {MATRIX_RUNS.name} logged since this time (YYYY-MM-DD HH:MM)",
+    )
     args = ap.parse_args()
+    if args.from_runs:
+        results: dict[str, dict[str, list[dict]]] = {}
+        for line in MATRIX_RUNS.read_text().splitlines():
+            r = json.loads(line)
+            if r["time"] >= args.from_runs and r["cell"] in args.cells:
+                side = "grpo" if r["framework"] == "grpo" else "trl"
+                results.setdefault(r["cell"], {}).setdefault(side, []).append(r)
+        rows = [summarise(name, results[name]) for name in args.cells if name in results]
+        meta = {"command": " ".join(["python", "benchmarks/matrix.py", *sys.argv[1:]]), "from_runs": True}
+        write(args.out, meta, rows)
+        return
     for name in args.cells:  # build every model before timing anything
         cell = matrix_cell(name)
         make_matrix_model(cell["eos"], cell["completion"])
@@ -129,7 +145,7 @@ def main() -> None:
                 print(
                     f"# repeat {repeat} {name} {side}: {r['median_s']:.2f} s/step, steps "
                     f"{[round(t, 2) for t in r['step_times']]}, len {r['completion_len']:.1f}, "
-                    f"RSS {r['peak_rss_mb']:.0f} MB, load {loads[-1]:.2f}",
+                    f"RSS {r['peak_rss_mb']:.0f} MB, load {loads[-1]:.2f}, stages {r.get('stages', {})}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -142,10 +158,14 @@ def main() -> None:
         "wall_s": round(time.time() - started),
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "cells": rows}, indent=1) + "\n")
+    write(args.out, meta, rows)
+
+
+def write(out: str, meta: dict, rows: list[dict]) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"meta": meta, "cells": rows}, indent=1) + "\n")
     table = markdown(rows)
-    Path(args.out).with_suffix(".md").write_text(table + "\n")
+    Path(out).with_suffix(".md").write_text(table + "\n")
     print(json.dumps(meta))
     print(table)
 

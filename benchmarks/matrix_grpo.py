@@ -18,6 +18,7 @@ import torch
 from common import (
     MATRIX_LEARNING_RATE,
     MATRIX_PROMPTS,
+    MATRIX_RUNS,
     MATRIX_VARIATIONS,
     TEMPERATURE,
     emit,
@@ -81,7 +82,8 @@ def main() -> None:
             "micro_batch": cfg.resolved_micro_batch_size,
             "threads": torch.get_num_threads(),
             "peak_rss_mb": vm_hwm_mb(),
-        }
+        },
+        log=MATRIX_RUNS,
     )
 
 

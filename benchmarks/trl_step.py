@@ -24,6 +24,7 @@ from common import (
     LEARNING_RATE,
     MATRIX_LEARNING_RATE,
     MATRIX_PROMPTS,
+    MATRIX_RUNS,
     MATRIX_VARIATIONS,
     PROMPTS,
     TEMPERATURE,
@@ -150,7 +151,8 @@ def main() -> None:
             "completion_tokens": statistics.median(lengths) * rows_per_step,
             "threads": torch.get_num_threads(),
             "peak_rss_mb": vm_hwm_mb() if args.cell else peak_rss_mb(),
-        }
+        },
+        log=MATRIX_RUNS if args.cell else None,
     )
 
 
