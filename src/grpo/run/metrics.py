@@ -242,7 +242,8 @@ class StepReport:
         if self.t.progress_bar:
             self.bar.write(
                 f"step {step}: reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f} "
-                f"| kl {metrics['kl']:.4f} | len {metrics['completion_len/mean']:.1f} | {metrics['time/step']:.2f}s"
+                f"| kl {metrics['kl']:.4f} | len {metrics['completion_len/mean']:.1f} "
+                f"| {metrics['time/step']:.2f}s"
             )
 
     def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
