@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo.algorithm.advantages import group_reward_stats
+from grpo.algorithm.importance import mismatch_metrics
 from grpo.config import ConfigError
 from grpo.distributed.runtime import Runtime
 from grpo.records import Rollouts, ScoredRollouts
@@ -319,6 +320,18 @@ def sampler_ess(
     w = log_w.clamp(max=20).exp() * m  # [N, T]
     n = m.sum().clamp(min=1)
     return (w.sum().square() / (n * w.square().sum().clamp(min=1e-12))).item()
+
+
+def sampler_metrics(
+    sampling_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, mask: torch.Tensor, importance: dict
+) -> dict[str, float]:
+    """How far the sampler's log-probs [N, T] are from the learner's π_old [N, T] on the mask [N, T]: the
+    mismatch metrics, and is/ess when the learner's importance-weight metrics (`importance`) have none
+    (it weighed no token: on-policy), so every run logs how close its sampler is."""
+    metrics = mismatch_metrics(sampling_logprobs, old_logprobs, mask)
+    if "is/ess" not in importance:
+        metrics["is/ess"] = sampler_ess(old_logprobs, sampling_logprobs, mask)
+    return metrics
 
 
 def nanmean(x: torch.Tensor) -> float:
