@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo.algorithm.advantages import group_reward_stats
-from grpo.algorithm.importance import mismatch_metrics
+from grpo.algorithm.importance import mismatch_metrics, sampler_ess
 from grpo.config import ConfigError
 from grpo.distributed.runtime import Runtime
 from grpo.records import Rollouts, ScoredRollouts
@@ -305,21 +305,6 @@ def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
         "completion_len/min": lengths.min().item(),
         "truncated_frac": rollouts.truncated.float().mean().item(),
     }
-
-
-def sampler_ess(
-    old_logprobs: torch.Tensor | None, sampling_logprobs: torch.Tensor | None, mask: torch.Tensor
-) -> float:
-    """Kish effective sample size, as a fraction in (0, 1], of the token weights π_old / π_sampler: 1.0
-    when the sampler's log-probs are the learner's (TorchRL logs this ESS in every mode)."""
-    if old_logprobs is None or sampling_logprobs is None:
-        return float("nan")
-    width = min(old_logprobs.shape[1], sampling_logprobs.shape[1], mask.shape[1])
-    m = mask[:, :width].float()  # [N, T]
-    log_w = (old_logprobs[:, :width].float() - sampling_logprobs[:, :width].float()) * m  # [N, T]
-    w = log_w.clamp(max=20).exp() * m  # [N, T]
-    n = m.sum().clamp(min=1)
-    return (w.sum().square() / (n * w.square().sum().clamp(min=1e-12))).item()
 
 
 def sampler_metrics(
