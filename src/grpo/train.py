@@ -102,7 +102,7 @@ class GRPOTrainer:
             self.cfg.update(trl_compat.lora_from_peft(peft_config)).validate()
         d = self.cfg.distributed
         self.rt = init_runtime(d.strategy, d.backend, d.timeout_s)  # one process unless torchrun started us
-        self.roles = apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
+        apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
         if not self.rt.is_main:  # rank 0 speaks for the group, from the first header line on
             logging.getLogger("grpo").setLevel(logging.WARNING)
         self.parts: RunParts = build_run(
