@@ -21,7 +21,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo.learner import logprob_function
+from grpo.model.forward import PolicyForward
 from grpo.model.loading import bundled_model_path
 from grpo.records import SamplingParams
 from grpo.rollout import build_engine
@@ -83,12 +83,12 @@ def main() -> None:
         return run
 
     for engine, native in (("native", True), ("transformers", False)):
-        out[f"train_{engine}_fp32_s"] = timed(step(logprob_function(masters, native)), args.repeats, dev)
+        out[f"train_{engine}_fp32_s"] = timed(step(PolicyForward(masters, native=native)), args.repeats, dev)
         out[f"train_{engine}_masters_bf16_compute_s"] = timed(
-            step(logprob_function(masters, native, compute_dtype=bf16)), args.repeats, dev
+            step(PolicyForward(masters, native=native, compute_dtype=bf16)), args.repeats, dev
         )
         out[f"train_{engine}_bf16_working_copy_s"] = timed(
-            step(logprob_function(copy16, native)), args.repeats, dev
+            step(PolicyForward(copy16, native=native)), args.repeats, dev
         )
     out["torch"] = torch.__version__
     out["device"] = torch.cuda.get_device_name() if dev == "cuda" else "cpu"

@@ -1,6 +1,7 @@
 """Real architectures with random weights, saved as from_pretrained directories (no hub access needed).
 
-    PYTHONPATH=src .venv/bin/python scripts/build_real_model.py qwen2.5-0.5b   # → benchmarks/.cache/real/qwen2.5-0.5b
+    # writes benchmarks/.cache/real/qwen2.5-0.5b
+    PYTHONPATH=src .venv/bin/python scripts/build_real_model.py qwen2.5-0.5b
     PYTHONPATH=src .venv/bin/python scripts/build_real_model.py all --out /tmp/real
 
 Importable: `from build_real_model import build, ARCHITECTURES` (tests add scripts/ to sys.path).

@@ -2,7 +2,7 @@
 on the `tiny_math` train split so that it is *partially* competent in a way GRPO can fix.
 
     .venv/bin/python scripts/make_tiny_math.py     # first, if the task data is missing
-    .venv/bin/python scripts/build_tiny_model.py   # ~15 min on 2 quiet CPU cores; writes src/grpo/assets/tiny-math-lm/
+    .venv/bin/python scripts/build_tiny_model.py   # writes src/grpo/assets/tiny-math-lm/ in ~15 min (2 cores)
     .venv/bin/python scripts/build_tiny_model.py --steps 0 --init-from DIR --out /tmp/m   # phase 2 only
 
 Stages: (1) train a byte-level BPE tokenizer whose digits are always single tokens (so arithmetic is
@@ -140,10 +140,11 @@ def encode_examples(
     tokenizer: PreTrainedTokenizerFast, rows: list[dict], completions: list[str]
 ) -> list[tuple[list[int], int]]:
     """(token ids of prompt + completion + eos, prompt length). Prompt and completion are tokenized
-    separately, exactly as at generation time, so the model learns the token boundaries it sees in rollouts."""
+    separately, exactly as at generation time, so the model learns the token boundaries it sees in
+    rollouts."""
     prompts = tokenizer([chat_prompt(tokenizer, r["question"]) for r in rows], add_special_tokens=False)
     answers = tokenizer([c + EOS for c in completions], add_special_tokens=False)
-    return [(p + a, len(p)) for p, a in zip(prompts.input_ids, answers.input_ids)]
+    return [(p + a, len(p)) for p, a in zip(prompts.input_ids, answers.input_ids, strict=True)]
 
 
 def collate(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -245,7 +246,7 @@ def evaluate(model, tokenizer, rows: list[dict], args: argparse.Namespace) -> di
     questions = [r["question"] for r in rows]
     targets = [extract_answer(r["answer"]) for r in rows]
     greedy = generate(model, tokenizer, questions, 1, args.max_new_tokens, args.eval_batch_size)
-    correct = [extract_answer(text) == t for (_, text), t in zip(greedy, targets)]
+    correct = [extract_answer(text) == t for (_, text), t in zip(greedy, targets, strict=True)]
     # Well formatted: stopped with eos right after a final "#### <number>" line.
     formatted = [
         ids[-1:] == [tokenizer.eos_token_id] and re.search(r"#### \d+$", text) is not None
@@ -268,8 +269,9 @@ def evaluate(model, tokenizer, rows: list[dict], args: argparse.Namespace) -> di
         "greedy_accuracy": sum(correct) / len(rows),
         "format_rate": sum(formatted) / len(rows),
         "shows_work_rate": n_worked / len(rows),
-        "accuracy_when_showing_work": sum(c for c, w in zip(correct, worked) if w) / max(1, n_worked),
-        "accuracy_when_terse": sum(c for c, w in zip(correct, worked) if not w)
+        "accuracy_when_showing_work": sum(c for c, w in zip(correct, worked, strict=True) if w)
+        / max(1, n_worked),
+        "accuracy_when_terse": sum(c for c, w in zip(correct, worked, strict=True) if not w)
         / max(1, len(rows) - n_worked),
         f"pass@{k}": sum(pass_k) / n_pass,
         "sample_accuracy": sum(sample_correct) / len(sampled),
@@ -371,7 +373,7 @@ def main() -> None:
             tokenizer, train_rows, terse_completions(train_rows, args.terse_fraction, args.seed + 1)
         )
         floor = args.lr * 0.1
-        sft(model, tokenizer, mixed, test_rows, args, args.terse_steps, lambda step: floor, "terse-mix")
+        sft(model, tokenizer, mixed, test_rows, args, args.terse_steps, lambda _step: floor, "terse-mix")
     metrics = evaluate(model, tokenizer, test_rows, args)
     metrics["build_seconds"] = time.time() - start
     save(model, tokenizer, args.out, metrics, args)

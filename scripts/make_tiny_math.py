@@ -1,7 +1,8 @@
 """Generate the bundled `tiny_math` task: short arithmetic word problems in the GSM8K schema.
 
-    .venv/bin/python scripts/make_tiny_math.py            # writes src/grpo/assets/tiny_math/{train,test}.jsonl
-    .venv/bin/python scripts/make_tiny_math.py --seed 1234 --train-size 12000 --out-dir src/grpo/assets/tiny_math
+    .venv/bin/python scripts/make_tiny_math.py   # writes src/grpo/assets/tiny_math/{train,test}.jsonl
+    .venv/bin/python scripts/make_tiny_math.py --seed 1234 --train-size 12000 \
+        --out-dir src/grpo/assets/tiny_math
 
 Each row is `{"question": str, "answer": str}`; the answer is one terse equation per step and ends in
 `#### <number>`, exactly like GSM8K, so the same reward functions serve both datasets:

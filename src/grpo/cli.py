@@ -27,11 +27,11 @@ from grpo.config import (
     SECTIONS,
     ConfigError,
     GRPOConfig,
+    hint_of,
     load_config,
     preset_names,
     read_config_file,
     resolve_key,
-    section_hints,
 )
 from grpo.redact import redact, redact_mapping, remember_from_argv
 
@@ -42,7 +42,7 @@ DEFAULT_PRESET = "tiny_math"
 class _Override(argparse.Action):
     """Collect `--key value` into an ordered list of (key, value) so later flags win."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, _parser, namespace, values, _option_string=None):  # argparse passes all positionally
         # a new list: appending would change the parser's shared default and leak into the next parse
         namespace.overrides = [*namespace.overrides, (self.dest, values)]
 
@@ -76,13 +76,28 @@ def _default_text(path: str, built_in, preset: dict) -> str:
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    defaults = GRPOConfig()
-    aliases = _aliases_by_path()
+    """Every field as `--leaf-name` (when unique) and `--section.leaf`, in one group per section, plus the
+    aliases as hidden flags."""
     preset = {resolve_key(k)[0]: v for k, v in read_config_file(DEFAULT_PRESET).items()}
-    taken = set()
+    taken = _add_field_flags(parser, GRPOConfig(), _aliases_by_path(), preset)
+    for alias, target in ALIASES.items():
+        is_bool = hint_of(target if isinstance(target, str) else target[0]) is bool
+        for spelling in {f"--{alias}", f"--{alias.replace('_', '-')}"} - taken:
+            parser.add_argument(
+                spelling,
+                dest=alias,
+                action=_Override,
+                help=argparse.SUPPRESS,
+                nargs="?" if is_bool else None,
+                const="true" if is_bool else None,
+            )
+            taken.add(spelling)
+
+
+def _add_field_flags(parser, defaults: GRPOConfig, aliases: dict[str, list[str]], preset: dict) -> set[str]:
+    taken: set[str] = set()
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} settings")
-        hints = section_hints(section)
         for f in dataclasses.fields(cls):
             path = f"{section}.{f.name}"
             names = [f"--{path}"]
@@ -94,44 +109,24 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             default = getattr(getattr(defaults, section), f.name)
             extra = [a for a in aliases.get(path, []) if a != f.name]
             alias_text = f" Also: {', '.join('--' + a.replace('_', '-') for a in extra)}." if extra else ""
-            is_bool = hints[f.name] is bool
+            is_bool = hint_of(path) is bool
             const = "true" if is_bool else _BARE_FLAG_VALUES.get(path)
+            bare = {"nargs": "?" if const is not None else None, "const": const}
+            help_text = f"{f.metadata['help']}{alias_text} ({_default_text(path, default, preset)})"
             group.add_argument(
                 *names,
                 dest=path,
                 action=_Override,
                 metavar="" if is_bool else "VALUE",
-                nargs="?" if const is not None else None,
-                const=const,
-                help=f"{f.metadata['help']}{alias_text} ({_default_text(path, default, preset)})".replace(
-                    "%", "%%"
-                ),
+                help=help_text.replace("%", "%%"),
+                **bare,
             )
             taken.update(names)
             underscore = f"--{f.name}"  # MaxText's spelling (--use_pathways) of a unique leaf name
             if "_" in f.name and len(names) > 1 and underscore not in taken:
-                group.add_argument(
-                    underscore,
-                    dest=path,
-                    action=_Override,
-                    help=argparse.SUPPRESS,
-                    nargs="?" if const is not None else None,
-                    const=const,
-                )
+                group.add_argument(underscore, dest=path, action=_Override, help=argparse.SUPPRESS, **bare)
                 taken.add(underscore)
-    for alias, target in ALIASES.items():
-        for spelling in {f"--{alias}", f"--{alias.replace('_', '-')}"} - taken:
-            first = target if isinstance(target, str) else target[0]
-            is_bool = section_hints(first.split(".")[0])[first.split(".")[1]] is bool
-            parser.add_argument(
-                spelling,
-                dest=alias,
-                action=_Override,
-                help=argparse.SUPPRESS,
-                nargs="?" if is_bool else None,
-                const="true" if is_bool else None,
-            )
-            taken.add(spelling)
+    return taken
 
 
 class _Parser(argparse.ArgumentParser):
@@ -180,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(train)
     train.set_defaults(overrides=[])
 
+    _add_eval_parser(sub)
+    rep = sub.add_parser("report", help="Write RUN_DIR/report/index.html and PNG plots from a run's logs.")
+    rep.add_argument("run_dir", help="A run directory (with metrics.jsonl).")
+    rep.add_argument("--output", default=None, help="Report directory (default: RUN_DIR/report).")
+    return parser
+
+
+def _add_eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="Accuracy of a model on a dataset (greedy pass@1, or pass@k/maj@k).")
     ev.add_argument("--model", default=None, help="Model directory or hub id (default: the bundled model).")
     ev.add_argument("--dataset", default=None, help="Dataset spec (default: the bundled held-out split).")
@@ -199,11 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--dump", default=None, help="Write every completion and its score to this JSONL file.")
     ev.add_argument("--json", action="store_true", help="Print one JSON object (accuracy, n, ...) only.")
-
-    rep = sub.add_parser("report", help="Write RUN_DIR/report/index.html and PNG plots from a run's logs.")
-    rep.add_argument("run_dir", help="A run directory (with metrics.jsonl).")
-    rep.add_argument("--output", default=None, help="Report directory (default: RUN_DIR/report).")
-    return parser
 
 
 def _overrides(args) -> dict[str, str]:
@@ -226,15 +224,10 @@ def _overrides(args) -> dict[str, str]:
 def _sweep(overrides: dict[str, str]) -> list[dict[str, str]]:
     axes = []
     for key, value in overrides.items():
-        is_list = typing.get_origin(_hint_of(key)) is list
+        is_list = typing.get_origin(hint_of(resolve_key(key)[0])) is list
         values = [value] if is_list or "," not in value else value.split(",")
         axes.append([(key, v) for v in values])
     return [dict(combo) for combo in itertools.product(*axes)]
-
-
-def _hint_of(key: str):
-    section, name = resolve_key(key)[0].split(".")
-    return section_hints(section)[name]
 
 
 def cmd_train(args) -> int:
@@ -377,6 +370,10 @@ def _assignments_first(parser: argparse.ArgumentParser, argv: list[str]) -> list
 
 
 def main(argv: list[str] | None = None) -> int:
+    remember_from_argv(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(_assignments_first(parser, sys.argv[1:] if argv is None else list(argv)))
+    # Imported only now: these pull in torch, which `grpo --help` and usage errors need not wait for.
     from grpo.learner import NonFiniteWeightsError
     from grpo.rewards import RewardError
     from grpo.run.assemble import setup_logging
@@ -384,9 +381,6 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.train import TrainingHalted
 
     setup_logging()
-    remember_from_argv(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(_assignments_first(parser, sys.argv[1:] if argv is None else list(argv)))
     try:
         return {"train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.command](args)
     except ConfigError as e:

@@ -1,95 +1,30 @@
 """The policy's optimisation step: micro-batched forward/backward of the GRPO loss, then AdamW.
 
-A step sees one TrainBatch (P × G completions). It makes `num_iterations` optimizer steps over it;
-each splits the rows into micro-batches whose loss contributions sum to the full-batch loss
-(`LossNorm` carries the global normalisers), so `micro_batch_size` changes memory, not the update.
+A step sees one TrainBatch (P × G completions), which it only reads. It makes `num_iterations` optimizer
+steps over it; each splits the rows into micro-batches whose loss contributions sum to the full-batch loss
+(`LossNorm` carries the global normalisers), so `micro_batch_size` changes memory, not the update. The
+math is in algorithm/ (loss, importance weights, schedules) and the forward pass in model/forward.py.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 
 import torch
 
-from grpo.algorithm.loss import LossNorm, grpo_loss
+from grpo.algorithm.importance import WeightSums, importance_metrics, weighted_advantages
+from grpo.algorithm.loss import LossNorm, LossOutput, grpo_loss
+from grpo.algorithm.schedules import lr_lambda
 from grpo.config import GRPOConfig
 from grpo.distributed.runtime import Runtime
-from grpo.model.decoder import NativeDecoder, unsupported_reason
-from grpo.model.loading import autocast, resolve_dtype
-from grpo.model.packed import ChunkedTokenLogprobs, plain_lm_head, shared_prompt_logprobs
+from grpo.model.forward import PolicyForward
+from grpo.model.loading import resolve_dtype
 from grpo.records import TrainBatch
 
 
 class NonFiniteWeightsError(RuntimeError):
     """The policy's weights hold NaN/inf after an optimizer step: training cannot go on from here."""
-
-
-def token_logprobs(
-    model,
-    batch: TrainBatch,
-    temperature: float,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    compute_dtype: torch.dtype | None = None,
-):
-    """log π(completion token | prefix) for every completion position: [N, T] (and entropy [N, T],
-    differentiable when `entropy_grad`, for the entropy bonus).
-
-    A plain Hugging Face model runs its decoder here and its LM head in row chunks (`ChunkedTokenLogprobs`,
-    logits recomputed chunk by chunk in backward), so no [N, T, vocab] tensor exists: 0.6 GB per copy for
-    16 × 64 tokens of a 151,936-token vocabulary. Wrapped models (DDP/FSDP2, peft), heads that rescale
-    their logits, autocast, and the entropy bonus's differentiable entropy take the model's own
-    full-logits forward."""
-    width = batch.prompt_width
-    t = batch.input_ids.shape[1] - width
-    device = next(model.parameters()).device
-    inputs = {
-        "input_ids": batch.input_ids.to(device),
-        "attention_mask": batch.attention_mask.to(device),
-        "position_ids": batch.position_ids.to(device),
-        "use_cache": False,
-    }
-    targets = batch.input_ids[:, width:].to(device)  # [N, T]
-    # Under autocast the head's backward would mix dtypes: the model's own forward handles that case.
-    mixed = compute_dtype not in (None, torch.float32) or torch.is_autocast_enabled(device.type)
-    head = None if entropy_grad or mixed else plain_lm_head(model)
-    if head is not None:
-        hidden = model.get_decoder()(**inputs).last_hidden_state[:, width - 1 : -1]  # [N, T, d]
-        n, d = hidden.shape[0], hidden.shape[-1]
-        logp, entropy = ChunkedTokenLogprobs.apply(
-            hidden.reshape(n * t, d), head.weight, targets.reshape(-1), temperature, with_entropy
-        )  # [N·T]
-        return logp.view(n, t), (entropy.view(n, t) if with_entropy else None)
-    with autocast(device, compute_dtype):
-        out = model(
-            **inputs, logits_to_keep=t + 1
-        )  # the lm head runs only where completion tokens are predicted
-    logits = out.logits[:, :-1].float() / temperature  # [N, T, V]
-    logp_all = torch.log_softmax(logits, dim=-1)  # [N, T, V]
-    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # [N, T]
-    if not (with_entropy or entropy_grad):
-        return logp, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, T]
-    return logp, entropy
-
-
-def logprob_function(
-    model, native: bool, gradient_checkpointing: bool = False, compute_dtype: torch.dtype | None = None
-):
-    """`fn(batch, temperature, with_entropy)` for this model: the native shared-prompt forward when asked
-    for and the architecture is supported, else the transformers forward; both compute in
-    `compute_dtype` (None: the weights' dtype)."""
-    if native and unsupported_reason(model) is None:
-        decoder = NativeDecoder(model, compute_dtype)
-        decoder.gradient_checkpointing = gradient_checkpointing
-        return lambda batch, temperature, with_entropy=False: shared_prompt_logprobs(
-            decoder, batch, temperature, with_entropy
-        )
-    return lambda batch, temperature, with_entropy=False: token_logprobs(
-        model, batch, temperature, with_entropy, compute_dtype=compute_dtype
-    )
 
 
 def trim(batch: TrainBatch) -> TrainBatch:
@@ -115,18 +50,27 @@ def micro_batches(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def lr_lambda(warmup: int, total: int, schedule: str):
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if schedule == "linear":
-            return 1.0 - progress
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
+@dataclass
+class _LossSums:
+    """The first pass's statistics as sums (with their token count), added over micro-batches and
+    processes before they are divided."""
 
-    return factor
+    loss: float = 0.0
+    kl: float = 0.0
+    ratio: float = 0.0
+    clip_low: float = 0.0
+    clip_high: float = 0.0
+    entropy: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, out: LossOutput, entropy_sum: float) -> None:
+        self.loss += out.loss.item()
+        self.kl += out.kl_sum.item()
+        self.ratio += out.ratio_sum.item()
+        self.clip_low += out.clipped_low_sum.item()
+        self.clip_high += out.clipped_high_sum.item()
+        self.entropy += entropy_sum
+        self.tokens += out.num_tokens.item()
 
 
 @dataclass
@@ -141,6 +85,8 @@ class StepStats:
     skipped: bool
     importance: dict[str, float] = field(default_factory=dict)  # off-policy correction, when applied
     amp: dict[str, float] = field(default_factory=dict)  # float16 loss scaling: scale, overflow
+    # [N, T] π_old as the step used it (the batch's own, or the first pass's log-probs); not a metric
+    old_logprobs: torch.Tensor | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -158,6 +104,8 @@ class StepStats:
 
 
 class Learner:
+    """AdamW on the policy's trainable parameters, stepped by the GRPO loss of one TrainBatch at a time."""
+
     def __init__(
         self, policy, ref_model, cfg: GRPOConfig, total_optimizer_steps: int, runtime: Runtime | None = None
     ):
@@ -170,7 +118,6 @@ class Learner:
         # forward/backward compute in model.dtype. FSDP2 casts through its MixedPrecisionPolicy instead.
         self.compute_dtype = resolve_dtype(cfg.model.dtype, device)
         self.model = self.rt.wrap(policy, param_dtype=self.compute_dtype)
-        forward_dtype = None if self.rt.sharded else self.compute_dtype
         # float16's 5 exponent bits underflow small gradients: scale the loss (Micikevicius et al. 2018).
         self.scaler = torch.amp.GradScaler(device.type) if self.compute_dtype == torch.float16 else None
         o = cfg.optim
@@ -190,11 +137,14 @@ class Learner:
         # The native forward reads parameters directly, skipping module hooks: DDP and FSDP2 rely on their
         # wrapper's forward, so several processes train through the transformers forward.
         native = cfg.generation.engine != "transformers" and not self.rt.active
-        self._forward_dtype = forward_dtype
-        self._policy_logprob_fn = logprob_function(
-            self.model, native, cfg.model.gradient_checkpointing, forward_dtype
+        self.policy_forward = PolicyForward(
+            self.model,
+            native=native,
+            compute_dtype=None if self.rt.sharded else self.compute_dtype,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+            entropy_grad=cfg.algorithm.entropy_coef != 0,  # the bonus's gradient flows through the entropy
         )
-        self._ref_logprob_fn = None if ref_model is None else logprob_function(ref_model, native)
+        self.reference_forward = None if ref_model is None else PolicyForward(ref_model, native=native)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -202,50 +152,55 @@ class Learner:
         out = torch.zeros(len(batch), t)
         for rows in micro_batches(len(batch), self.micro_batch_size):
             mb = trim(batch.rows(rows))
-            logp, _ = self._ref_logprob_fn(mb, self.cfg.generation.temperature)
+            logp, _ = self.reference_forward(mb, self.cfg.generation.temperature)
             out[rows, : logp.shape[1]] = logp.float().cpu()
         return out  # [N, T]
 
     def train_step(self, batch: TrainBatch) -> StepStats:
-        a = self.cfg.algorithm
+        """`num_iterations` optimizer steps on `batch`, which is only read. π_old is the batch's own
+        (an exact engine's sampling log-probs) or the first pass's log-probs, and comes back in the stats."""
+        a, d = self.cfg.algorithm, self.cfg.distributed
         rt = self.rt
         norm = LossNorm(
             num_sequences=int(rt.sum(len(batch))),
             num_tokens=int(rt.sum(batch.completion_mask.sum().item())),
             max_completion_length=self.cfg.effective_max_new_tokens,
         )
-        # π_old may arrive as the engine's sampling log-probs (exact engine); else the first pass records it.
+        # The first pass fills π_old and, for rollouts of another policy, the importance-weighted
+        # advantages; later passes (num_iterations > 1) read them from `work`, a copy of the batch's record.
         old_given = batch.old_logprobs is not None
-        if not old_given:
-            batch.old_logprobs = torch.zeros_like(batch.completion_mask)
-        totals: dict[str, float] = {}
+        old_logprobs = batch.old_logprobs if old_given else torch.zeros_like(batch.completion_mask)  # [N, T]
+        reweight = batch.behaviour_logprobs is not None and d.importance_correction != "none"
+        advantages = batch.advantages.clone() if reweight else batch.advantages  # [N, T]
+        work = replace(batch, old_logprobs=old_logprobs, advantages=advantages)
+        sums, weight_sums = _LossSums(), WeightSums()
         grad_norm, skipped, overflow = 0.0, False, False
         for iteration in range(a.num_iterations):
             first_pass, loss_finite = iteration == 0, True
             slices = micro_batches(len(batch), self.micro_batch_size)
             for k, rows in enumerate(slices):
-                mb = trim(batch.rows(rows))
+                mb = trim(work.rows(rows))
                 rt.set_grad_sync(self.model, k == len(slices) - 1)  # all-reduce once, after the last
-                if a.entropy_coef != 0:  # the bonus needs entropy with a gradient: the transformers forward
-                    logp, entropy = token_logprobs(
-                        self.model,
-                        mb,
-                        self.cfg.generation.temperature,
-                        with_entropy=first_pass,
-                        entropy_grad=True,
-                        compute_dtype=self._forward_dtype,
-                    )
-                else:
-                    logp, entropy = self._policy_logprob_fn(
-                        mb, self.cfg.generation.temperature, with_entropy=first_pass
-                    )
+                logp, entropy = self.policy_forward(
+                    mb, self.cfg.generation.temperature, with_entropy=first_pass
+                )
                 device = logp.device
+                mb_advantages = mb.advantages  # [B, T']
                 if first_pass and not old_given:
                     # No update has happened yet in this step: the current policy *is* π_old.
-                    old = logp.detach()
-                    batch.old_logprobs[rows, : old.shape[1]] = old.float().cpu()
-                    if mb.behaviour_logprobs is not None:
-                        mb.advantages = self._importance_weighted(batch, rows, mb, old.float().cpu(), totals)
+                    old = logp.detach()  # [B, T']
+                    old_logprobs[rows, : old.shape[1]] = old.float().cpu()
+                    if reweight:
+                        mb_advantages, sums_w = weighted_advantages(
+                            mb.advantages,
+                            old.float().cpu(),
+                            mb.behaviour_logprobs,
+                            mb.completion_mask,
+                            d.importance_correction,
+                            d.importance_cap,
+                        )
+                        advantages[rows, : mb_advantages.shape[1]] = mb_advantages
+                        weight_sums = weight_sums + sums_w
                 else:
                     old = mb.old_logprobs.to(device)
                 mask = mb.completion_mask.to(device)
@@ -253,7 +208,7 @@ class Learner:
                     logp,
                     old,
                     None if mb.ref_logprobs is None else mb.ref_logprobs.to(device),
-                    mb.advantages.to(device),
+                    mb_advantages.to(device),
                     mask,
                     variant=a.loss_variant,
                     clip_low=a.epsilon_low,
@@ -274,62 +229,31 @@ class Learner:
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 loss_finite = loss_finite and math.isfinite(out.loss.item())
                 if first_pass:
-                    _add(
-                        totals,
-                        loss=out.loss.item(),
-                        kl=out.kl_sum.item(),
-                        ratio=out.ratio_sum.item(),
-                        clip_low=out.clipped_low_sum.item(),
-                        clip_high=out.clipped_high_sum.item(),
-                        entropy=(entropy.detach() * mask).sum().item(),
-                        tokens=out.num_tokens.item(),
-                    )
+                    sums.add(out, (entropy.detach() * mask).sum().item())
             grad_norm, step_skipped = self._optimizer_step(loss_finite)
             skipped = skipped or step_skipped
             overflow = overflow or self._overflowed
-        if rt.active:
-            keys = sorted(totals)
-            summed = rt.sum_tensor(torch.tensor([totals[k] for k in keys], dtype=torch.float64))
-            totals = dict(zip(keys, summed.tolist(), strict=True))
-        tokens = max(totals.get("tokens", 0.0), 1.0)
+        if rt.active:  # one all-reduce for every statistic
+            local = torch.tensor([*astuple(sums), *astuple(weight_sums)], dtype=torch.float64)
+            summed = rt.sum_tensor(local).tolist()
+            n = len(astuple(sums))
+            sums, weight_sums = _LossSums(*summed[:n]), WeightSums(*summed[n:])
+        tokens = max(sums.tokens, 1.0)
         return StepStats(
-            loss=totals.get("loss", 0.0),
-            kl=totals.get("kl", 0.0) / tokens,
-            ratio_mean=totals.get("ratio", 0.0) / tokens,
-            clip_low_frac=totals.get("clip_low", 0.0) / tokens,
-            clip_high_frac=totals.get("clip_high", 0.0) / tokens,
-            entropy=totals.get("entropy", 0.0) / tokens,
+            loss=sums.loss,
+            kl=sums.kl / tokens,
+            ratio_mean=sums.ratio / tokens,
+            clip_low_frac=sums.clip_low / tokens,
+            clip_high_frac=sums.clip_high / tokens,
+            entropy=sums.entropy / tokens,
             grad_norm=grad_norm,
             skipped=skipped,
-            importance=_importance_stats(totals),
+            importance=importance_metrics(weight_sums),
             amp={}
             if self.scaler is None
             else {"amp/loss_scale": float(self.scaler.get_scale()), "amp/overflow": float(overflow)},
+            old_logprobs=old_logprobs,
         )
-
-    def _importance_weighted(
-        self, batch: TrainBatch, rows: slice, mb: TrainBatch, old: torch.Tensor, totals: dict[str, float]
-    ) -> torch.Tensor:
-        """Rollouts from another policy (an older one in async mode; vLLM's numerics): weight each token's
-        advantage by π_old / π_behaviour (`importance_weights`: per token or per sequence, truncated or
-        masked at importance_cap), so the surrogate still estimates the gradient at π_old. The weighted
-        advantages are written back for later passes."""
-        d = self.cfg.distributed
-        mask = mb.completion_mask  # [B, T]
-        if d.importance_correction == "none":
-            return mb.advantages
-        log_ratio = (old - mb.behaviour_logprobs) * mask  # [B, T]
-        w, over = importance_weights(log_ratio, mask, d.importance_correction, d.importance_cap)  # [B, T] ×2
-        weighted = mb.advantages * w  # [B, T]
-        batch.advantages[rows, : weighted.shape[1]] = weighted
-        _add(
-            totals,
-            is_w=(w * mask).sum().item(),
-            is_w2=(w.square() * mask).sum().item(),
-            is_clipped=(over.float() * mask).sum().item(),
-            is_tokens=mask.sum().item(),
-        )
-        return weighted
 
     def _optimizer_step(self, loss_finite: bool = True) -> tuple[float, bool]:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -389,61 +313,3 @@ class Learner:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
-
-
-def importance_weights(
-    log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Importance weights w = π_old / π_behaviour from log_ratio = log π_old − log π_behaviour [B, T] (0 off
-    the mask), and where the raw weight exceeded `cap` [B, T] bool.
-
-    token_* (tis = token_truncate): one weight per token, exp(log_ratio). sequence_*: one weight per
-    completion, the product of its token ratios exp(Σ_t log_ratio), on each of its tokens. *_truncate:
-    min(w, cap) (truncated IS); *_mask: w where w ≤ cap, else 0 (the token or sequence drops out).
-    Computed in log space, so a long sequence's product cannot overflow."""
-    level, _, how = ("token_truncate" if mode == "tis" else mode).partition("_")
-    log_w = log_ratio * mask  # [B, T]
-    if level == "sequence":
-        log_w = log_w.sum(-1, keepdim=True).expand_as(log_ratio)  # [B, T]
-    log_cap = math.log(cap)
-    over = log_w > log_cap  # [B, T]
-    if how == "truncate":
-        w = log_w.clamp(max=log_cap).exp()  # [B, T]
-    else:
-        w = torch.where(over, torch.zeros_like(log_w), log_w.exp())  # [B, T]
-    return w * mask, over & (mask > 0)
-
-
-def mismatch_metrics(
-    sampling_logprobs: torch.Tensor, policy_logprobs: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
-    """How far the sampler's log-probs [N, T] are from the learner's π_old [N, T] on the masked tokens:
-    mean and max |Δ| and the k3 estimate of KL(π_sampler ‖ π_old), E[exp(Δ) − Δ − 1] with
-    Δ = log π_old − log π_sampler (tokens drawn from the sampler, so the estimate is unbiased)."""
-    n = mask.sum()
-    if n == 0:
-        return {}
-    delta = (policy_logprobs - sampling_logprobs) * mask  # [N, T]
-    k3 = (torch.expm1(delta) - delta) * mask  # [N, T]; expm1: no rounding below 0 for tiny Δ
-    return {
-        "mismatch/logp_abs_mean": (delta.abs().sum() / n).item(),
-        "mismatch/logp_abs_max": delta.abs().max().item(),
-        "mismatch/kl": (k3.sum() / n).item(),
-    }
-
-
-def _importance_stats(totals: dict[str, float]) -> dict[str, float]:
-    """Kish effective sample size of the token weights, as a fraction: (Σw)² / (n Σw²) ∈ (0, 1]."""
-    n = totals.get("is_tokens", 0.0)
-    if not n:
-        return {}
-    return {
-        "is/ess": totals["is_w"] ** 2 / (n * max(totals["is_w2"], 1e-12)),
-        "is/weight_mean": totals["is_w"] / n,
-        "is/clipped_frac": totals["is_clipped"] / n,
-    }
-
-
-def _add(totals: dict[str, float], **values: float) -> None:
-    for k, v in values.items():
-        totals[k] = totals.get(k, 0.0) + v

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import load_config
-from grpo.learner import Learner, logprob_function, token_logprobs
+from grpo.learner import Learner
+from grpo.model.forward import PolicyForward, token_logprobs
 from grpo.model.loading import bundled_model_path
 from tests.unit.test_precision import bundled_batch
 
@@ -61,8 +62,8 @@ def test_bf16_forward_on_cuda_matches_transformers_own_bf16_forward():
     masters = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.float32).cuda().eval()
     with torch.no_grad():
         expected, _ = token_logprobs(own, batch, 1.0)
-        native, _ = logprob_function(masters, True, compute_dtype=torch.bfloat16)(batch, 1.0)
-        autocast, _ = logprob_function(masters, False, compute_dtype=torch.bfloat16)(batch, 1.0)
+        native, _ = PolicyForward(masters, native=True, compute_dtype=torch.bfloat16)(batch, 1.0)
+        autocast, _ = PolicyForward(masters, native=False, compute_dtype=torch.bfloat16)(batch, 1.0)
     # CPU tolerances (tests/unit/test_precision.py); CUDA's bf16 kernels round in the same places.
     assert (native - expected).abs().max() < 0.1 and (native - expected).abs().mean() < 0.01
     assert (autocast - expected).abs().max() < 0.1 and (autocast - expected).abs().mean() < 0.03

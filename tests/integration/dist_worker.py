@@ -42,12 +42,18 @@ def shortness(prompts, completions, **_):
 class ScriptedEngine:
     """Completions drawn from a generator seeded by (prompt ids, index): the same on any rank layout."""
 
+    exact_logprobs = sampler_differs = False
+    needs_weight_sync = True  # it does not read the policy's parameters (so FSDP2 makes no copy of them)
+
     def __init__(self, vocab: int, pad_id: int, eos_id: int):
         self.vocab, self.pad_id, self.eos_id = vocab, pad_id, eos_id
 
     def load_weights(self, named_tensors) -> None:
         for _ in named_tensors:  # consume: under FSDP2 each item is a collective
             pass
+
+    def sync_weights(self, policy) -> None:
+        pass
 
     def generate(self, prompt_token_ids, n, sampling, chunk_prompts=None) -> Rollouts:
         t = sampling.max_new_tokens
@@ -62,7 +68,7 @@ class ScriptedEngine:
                 masks.append((torch.arange(t) < length).float())
         mask = torch.stack(masks)
         return Rollouts(
-            prompt_index=torch.arange(len(prompt_token_ids)).repeat_interleave(n),
+            group_ids=torch.arange(len(prompt_token_ids)).repeat_interleave(n),
             completion_ids=torch.stack(rows),
             completion_mask=mask,
             sampling_logprobs=torch.zeros_like(mask),

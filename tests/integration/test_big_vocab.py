@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.learner import token_logprobs
+from grpo.model.forward import token_logprobs
 from grpo.model.packed import CHUNK_ELEMENTS
 from grpo.records import TrainBatch
 from grpo.rewards.model import CausalLMLikelihoodReward

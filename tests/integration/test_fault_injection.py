@@ -1,5 +1,5 @@
-"""A training process (24 steps) SIGKILLed 13 times — 7 times inside a checkpoint save, at every point of it, and 6
-times at random moments — and resumed each time finishes bitwise equal to a run never interrupted,
+"""A training process (24 steps) SIGKILLed 13 times — 7 times inside a checkpoint save, at every point of
+it, and 6 times at random moments — and resumed each time finishes bitwise equal to a run never interrupted,
 with identical metrics, and never resumes from a checkpoint that differs from the reference run's
 (two of them are deliberately damaged on disk along the way). The driver is fault_driver.py."""
 

@@ -8,9 +8,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.learner import token_logprobs
+from grpo.model.forward import token_logprobs
 from grpo.model.loading import bundled_model_path
-from grpo.train import build_train_batch
 
 pytestmark = pytest.mark.slow
 
@@ -89,17 +88,17 @@ def test_lora_resume_continues_exactly(tmp_path):
 
 def test_reference_logprobs_are_the_base_models(tmp_path):
     t = trainer(tmp_path / "ref", steps=1)
-    from grpo.records import PromptBatch, Rollouts
+    from grpo.records import PromptBatch, Rollouts, build_train_batch
 
     prompts = PromptBatch(prompts=["a", "b"], prompt_token_ids=[[5, 6, 7], [8, 9]])
     rollouts = Rollouts(
-        prompt_index=torch.tensor([0, 0, 1, 1]),
+        group_ids=torch.tensor([0, 0, 1, 1]),
         completion_ids=torch.randint(3, 50, (4, 5)),
         completion_mask=torch.ones(4, 5),
         sampling_logprobs=torch.zeros(4, 5),
         truncated=torch.zeros(4, dtype=torch.bool),
     )
-    batch = build_train_batch(prompts, rollouts, torch.zeros(4), t.cfg, 0)
+    batch = build_train_batch(prompts, rollouts, torch.zeros(4), 0)
     with torch.no_grad():
         for p in t.parts.policy.parameters():
             if p.requires_grad:

@@ -1,5 +1,5 @@
-"""One writer per run directory (grpo/run/runlock.py): a second run is refused at once, naming the first, and the
-first finishes untouched; the kernel drops the lock when its holder dies, even by SIGKILL; with several
+"""One writer per run directory (grpo/run/runlock.py): a second run is refused at once, naming the first, and
+the first finishes untouched; the kernel drops the lock when its holder dies, even by SIGKILL; with several
 processes every rank stops when rank 0 could not lock."""
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ head of docs/scaling.md) use a 1-layer random model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -638,10 +639,8 @@ def _kill_ray_started_under(root: Path, port: int) -> None:
             mine.add(int(proc.name))
     mine |= {pid for pid, parent in parents.items() if parent in mine}
     for pid in mine:
-        try:
+        with contextlib.suppress(OSError):  # already gone
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 @pytest.mark.slow
@@ -684,7 +683,8 @@ def test_scaling_doc_torchrl_translation_with_a_ray_head(files, tmp_path):
         "--disable-usage-stats",
     ]
     try:
-        # Ray's token-auth guide: generate the token, then start the head (2.60 turns auth on when one exists).
+        # Ray's token-auth guide: generate the token, then start the head (2.60 turns auth on when one
+        # exists).
         subprocess.run(
             [str(bin_dir / "ray"), "get-auth-token", "--generate"],
             env=env,

@@ -76,7 +76,8 @@ def test_trls_six_reward_functions_train_unchanged_on_a_conversational_dataset(t
 
     def vandal(prompts, completions, solution, completion_ids, trainer_state, **_):
         # TRL's contract: prompts as the dataset gave them, completions as assistant messages, every column
-        # under its own name, token ids, the trainer state. Then it edits its inputs: nobody else may see that.
+        # under its own name, token ids, the trainer state. Then it edits its inputs: nobody else may see
+        # that.
         seen.update(
             prompt=prompts[0],
             completion=completions[0],
@@ -101,7 +102,7 @@ def test_trls_six_reward_functions_train_unchanged_on_a_conversational_dataset(t
     )
     trainer.train()
     metrics = _last_metrics(tmp_path)
-    # each function ran on every completion and is logged on its own; accuracy rewards may be 0 but not missing
+    # each function ran on every completion and is logged on its own; accuracy rewards may be 0, not missing
     for name in rewards:
         assert math.isfinite(metrics[f"reward/{name}"]), name
     assert seen["prompt"] in [[{"role": "user", "content": q}] for q, _ in PROBLEMS]
@@ -143,8 +144,10 @@ from datasets import Dataset
 from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
-dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "solution": str(2 * i)}
-                             for i in range(8)])
+dataset = Dataset.from_list(
+    [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "solution": str(2 * i)}
+     for i in range(8)]
+)
 
 
 def reward_len(completions, **kwargs):
@@ -155,7 +158,8 @@ training_args = GRPOConfig(output_dir="Qwen2-0.5B-GRPO", per_device_train_batch_
                            max_completion_length=16, max_steps=2, logging_steps=1, learning_rate=1e-5,
                            report_to="none", save_strategy="no", gradient_checkpointing=False)
 trainer = GRPOTrainer(model="Qwen/Qwen2-0.5B-Instruct", reward_funcs=reward_len, args=training_args,
-                      train_dataset=dataset, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+                      train_dataset=dataset,
+                      peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
 trainer.train()
 trainer.save_model("Qwen2-0.5B-GRPO/saved")
 """

@@ -2,7 +2,8 @@
 advantages, loss and gradients (float32) for every setting both libraries have. Skipped without trl.
 
 TRL's rollout (`_generate`) is replaced by fixed completions; everything after it is TRL's own code:
-reward scoring and advantages (`_generate_and_score_completions`), the loss (`_compute_loss`) and its backward.
+reward scoring and advantages (`_generate_and_score_completions`), the loss (`_compute_loss`) and its
+backward.
 Our side: `score_completions` → `group_advantages` → `build_train_batch` → `grpo_loss`, with the settings
 that `GRPOConfig(**trl_kwargs)` (trl_compat) maps TRL's to.
 """
@@ -20,11 +21,10 @@ trl = pytest.importorskip("trl")
 from grpo import GRPOConfig
 from grpo.algorithm.advantages import group_advantages
 from grpo.algorithm.loss import LossNorm, grpo_loss
-from grpo.learner import token_logprobs
+from grpo.model.forward import token_logprobs
 from grpo.model.loading import resolve_path
-from grpo.records import PromptBatch, Rollouts
+from grpo.records import PromptBatch, Rollouts, build_train_batch
 from grpo.rewards import score_completions
-from grpo.train import build_train_batch
 
 G, T = 4, 6  # generations per prompt, max completion length
 PROMPTS = ["Maya has 6 stamps. How many?", "2 + 3 = ?", "Hugo sells 4 of 9 marbles. How many are left?"]
@@ -113,7 +113,7 @@ def _our_run(setup, trl_kwargs):
         ids[row, : len(c)], mask[row, : len(c)] = torch.tensor(c), 1.0
     group = torch.arange(len(PROMPTS)).repeat_interleave(G)
     rollouts = Rollouts(
-        prompt_index=group,
+        group_ids=group,
         completion_ids=ids,
         completion_mask=mask,
         sampling_logprobs=torch.zeros((n, width)),
@@ -125,7 +125,14 @@ def _our_run(setup, trl_kwargs):
         [id_reward], None, [PROMPTS[i] for i in group], texts, {"completion_ids": completions}
     )
     advantages = group_advantages(scores.total, group, a.advantage_scale, a.advantage_eps)
-    batch = build_train_batch(prompts, rollouts, advantages, cfg, tokenizer.pad_token_id)
+    batch = build_train_batch(
+        prompts,
+        rollouts,
+        advantages,
+        tokenizer.pad_token_id,
+        gamma=a.gamma,
+        mask_truncated=a.mask_truncated_completions,
+    )
     logp, _ = token_logprobs(policy, batch, 1.0)
     ref = None
     if a.beta > 0:

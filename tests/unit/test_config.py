@@ -55,7 +55,7 @@ def test_aliases(key, path):
 
 
 def test_unknown_key_suggests_the_closest():
-    with pytest.raises(ConfigError, match="Unknown config key 'lerning_rate'.*learning_rate"):
+    with pytest.raises(ConfigError, match=r"Unknown config key 'lerning_rate'.*learning_rate"):
         GRPOConfig(lerning_rate=1e-5)
 
 
@@ -108,9 +108,9 @@ def test_presets_and_files(tmp_path):
     cfg = load_config(str(path), {"train.steps": 9})
     assert cfg.optim.learning_rate == 0.001 and cfg.train.steps == 9  # overrides win over the file
     path.write_text("optim:\n  lr_typo: 1\n")
-    with pytest.raises(ConfigError, match="Unknown config key 'optim.lr_typo'"):
+    with pytest.raises(ConfigError, match=r"Unknown config key 'optim\.lr_typo'"):
         load_config(str(path))
-    with pytest.raises(ConfigError, match="No preset or file named 'tiny_mth'.*tiny_math"):
+    with pytest.raises(ConfigError, match=r"No preset or file named 'tiny_mth'.*tiny_math"):
         load_config("tiny_mth")
 
 
@@ -139,3 +139,25 @@ def test_cli_accepts_key_value_overrides_between_flags():
     ]
     args = parser.parse_args(_assignments_first(parser, argv))
     assert args.assignments == ["optimizer.lr=1e-3", "beta=0.1"]
+
+
+@pytest.mark.parametrize(
+    ("module", "registry", "key"),
+    [
+        ("grpo.algorithm.loss", "POLICY_LOSSES", "algorithm.loss_variant"),
+        ("grpo.algorithm.loss", "KL_ESTIMATORS", "algorithm.kl_estimator"),
+        ("grpo.algorithm.loss", "LOSS_AGGREGATIONS", "algorithm.loss_aggregation"),
+        ("grpo.algorithm.advantages", "ADVANTAGE_SCALINGS", "algorithm.advantage_scale"),
+        ("grpo.algorithm.schedules", "LR_SCHEDULES", "optim.lr_scheduler"),
+    ],
+)
+def test_a_registry_entry_is_a_valid_choice(monkeypatch, module, registry, key):
+    """A new variant is one dict entry: the config's choices are the registry's keys, read at validation."""
+    import importlib
+
+    entries = getattr(importlib.import_module(module), registry)
+    with pytest.raises(ConfigError, match=f"is not one of {', '.join(entries)}"):
+        load_config(None, {key: "new_variant"})
+    monkeypatch.setitem(entries, "new_variant", next(iter(entries.values())))
+    section, name = key.split(".")
+    assert getattr(getattr(load_config(None, {key: "new_variant"}), section), name) == "new_variant"

@@ -1,20 +1,14 @@
-"""DAPO dynamic sampling and overlong shaping, GSPO's sequence ratio and the entropy bonus, on worked numbers."""
+"""DAPO dynamic sampling and overlong shaping, GSPO's sequence ratio and the entropy bonus, on worked
+numbers."""
 
 import math
 
 import pytest
 import torch
 
-from grpo.algorithm.filters import (
-    ScoredRollouts,
-    concat_rounds,
-    informative_prompts,
-    overlong_penalty,
-    select_groups,
-    truncate_prompts,
-)
+from grpo.algorithm.filters import informative_prompts, overlong_penalty
 from grpo.algorithm.loss import LossNorm, grpo_loss
-from grpo.records import PromptBatch, Rollouts
+from grpo.records import PromptBatch, Rollouts, ScoredRollouts, concat_rounds, first_groups, select_groups
 from grpo.rewards import RewardScores
 
 
@@ -30,8 +24,8 @@ def test_overlong_penalty_worked_numbers():
 
 def test_informative_prompts_are_those_with_reward_spread():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.2])
-    prompt_index = torch.tensor([0, 0, 1, 1, 2, 2, 3])  # prompt 3 has a single completion
-    assert informative_prompts(rewards, prompt_index, 4).tolist() == [False, True, False, False]
+    group_ids = torch.tensor([0, 0, 1, 1, 2, 2, 3])  # prompt 3 has a single completion
+    assert informative_prompts(rewards, group_ids, 4).tolist() == [False, True, False, False]
 
 
 def _round(rewards: list[list[float]], width: int, tag: str) -> ScoredRollouts:
@@ -46,7 +40,7 @@ def _round(rewards: list[list[float]], width: int, tag: str) -> ScoredRollouts:
         indices=list(range(n_prompts)),
     )
     rollouts = Rollouts(
-        prompt_index=torch.arange(n_prompts).repeat_interleave(g),
+        group_ids=torch.arange(n_prompts).repeat_interleave(g),
         completion_ids=torch.arange(n * width).reshape(n, width) + 10,
         completion_mask=torch.ones(n, width),
         sampling_logprobs=torch.zeros(n, width),
@@ -60,19 +54,19 @@ def test_select_then_concat_keeps_groups_together_and_renumbers_them():
     first = _round([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]], width=2, tag="A")  # only prompt 1 is informative
     second = _round([[1.0, 0.0], [0.5, 0.5]], width=3, tag="B")  # only prompt 0
     kept = [
-        select_groups(q, informative_prompts(q.rewards, q.rollouts.prompt_index, q.num_prompts))
+        select_groups(q, informative_prompts(q.rewards, q.rollouts.group_ids, q.num_prompts))
         for q in (first, second)
     ]
     batch = concat_rounds(kept, pad_id=0)
     assert batch.prompts.prompts == ["A1", "B0"]
     assert batch.prompts.columns == {"answer": ["aA1", "aB0"]}
-    assert batch.rollouts.prompt_index.tolist() == [0, 0, 1, 1]
+    assert batch.rollouts.group_ids.tolist() == [0, 0, 1, 1]
     assert batch.texts == ["Ac2", "Ac3", "Bc0", "Bc1"]
     assert batch.rewards.tolist() == [0.0, 1.0, 1.0, 0.0]
     assert batch.rollouts.completion_ids.shape == (4, 3)  # padded to the longer round
     assert batch.rollouts.completion_ids[0].tolist() == [14, 15, 0]  # A's row 2, right-padded with pad_id
     assert batch.rollouts.completion_mask[:, 2].tolist() == [0.0, 0.0, 1.0, 1.0]
-    assert truncate_prompts(batch, 1).prompts.prompts == ["A1"]
+    assert first_groups(batch, 1).prompts.prompts == ["A1"]
 
 
 def _loss(logp, old, adv, variant="grpo", **kw):

@@ -1,10 +1,13 @@
 """The learner's update does not depend on micro_batch_size, and π_old is the rollout policy."""
 
+import math
+
 import pytest
 import torch
 
 from grpo.config import GRPOConfig
-from grpo.learner import Learner, lr_lambda, token_logprobs
+from grpo.learner import Learner
+from grpo.model.forward import token_logprobs
 from grpo.records import TrainBatch
 from tests.conftest import tiny_llama
 
@@ -117,9 +120,38 @@ def test_temperature_scales_the_policy_logprobs():
     assert not torch.allclose(logp1, logp2)
 
 
-def test_learning_rate_schedule():
-    warm = lr_lambda(warmup=4, total=12, schedule="linear")
-    assert [round(warm(s), 4) for s in (0, 3, 4, 8, 12)] == [0.25, 1.0, 1.0, 0.5, 0.0]
-    cosine = lr_lambda(warmup=0, total=10, schedule="cosine")
-    assert cosine(5) == pytest.approx(0.5) and cosine(10) == pytest.approx(0.0)
-    assert lr_lambda(2, 10, "constant")(7) == 1.0
+def test_train_step_only_reads_its_batch_and_returns_pi_old():
+    """π_old and the importance-weighted advantages stay inside the step, also over several passes."""
+    model = tiny_llama()
+    cfg = GRPOConfig(
+        batch_size=2,
+        num_generations=4,
+        micro_batch_size=3,
+        num_iterations=2,
+        max_new_tokens=7,
+        warmup_steps=0,
+    ).validate()
+    batch = random_batch()
+    with torch.no_grad():
+        pi_old, _ = token_logprobs(model, batch, cfg.generation.temperature)
+    batch.behaviour_logprobs = (pi_old - 0.3) * batch.completion_mask  # an older sampler: IS weights e^0.3
+    before = {k: v.clone() for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
+    stats = Learner(model, None, cfg, total_optimizer_steps=2).train_step(batch)
+    assert batch.old_logprobs is None
+    assert all(torch.equal(getattr(batch, k), v) for k, v in before.items())
+    assert torch.allclose(
+        stats.old_logprobs * batch.completion_mask, pi_old * batch.completion_mask, atol=1e-5
+    )
+    assert stats.importance["is/weight_mean"] == pytest.approx(math.exp(0.3), rel=1e-4)
+
+
+def test_on_policy_batches_have_no_importance_statistics():
+    cfg = GRPOConfig(batch_size=2, num_generations=4, gradient_accumulation_steps=1, beta=0.0)
+    stats = Learner(tiny_llama(), None, cfg, total_optimizer_steps=1).train_step(random_batch())
+    assert not any(k.startswith("is/") for k in stats.as_dict())
+
+
+@pytest.mark.parametrize(("entropy_coef", "kind"), [(0.0, "native"), (0.01, "transformers")])
+def test_the_forward_is_chosen_once_and_the_entropy_bonus_takes_the_transformers_one(entropy_coef, kind):
+    cfg = GRPOConfig(batch_size=2, num_generations=4, entropy_coef=entropy_coef, engine="native").validate()
+    assert Learner(tiny_llama(), None, cfg, total_optimizer_steps=1).policy_forward.kind == kind

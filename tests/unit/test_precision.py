@@ -62,7 +62,7 @@ def test_bf16_compute_is_really_bf16_and_close_to_float32(engine):
     for dtype in ("float32", "bfloat16"):
         learner = make_learner(dtype, engine=engine)
         with torch.no_grad():
-            logp[dtype], _ = learner._policy_logprob_fn(batch, 0.9)
+            logp[dtype], _ = learner.policy_forward(batch, 0.9)
     diff = ((logp["bfloat16"] - logp["float32"]) * batch.completion_mask).abs().max().item()
     assert 1e-4 < diff < 0.02  # measured 2.0e-3 (native), 1.2e-3 (transformers): bf16 rounding only
 
@@ -157,7 +157,7 @@ def test_bf16_forward_matches_transformers_own_bf16_forward():
     keeps norms and the residual stream in float32, so it sits between); float32 0.079 / 0.021."""
     from transformers import AutoModelForCausalLM
 
-    from grpo.learner import logprob_function, token_logprobs
+    from grpo.model.forward import PolicyForward, token_logprobs
     from grpo.model.loading import bundled_model_path
 
     batch = bundled_batch()
@@ -165,9 +165,9 @@ def test_bf16_forward_matches_transformers_own_bf16_forward():
     masters = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.float32).eval()
     with torch.no_grad():
         expected, _ = token_logprobs(own, batch, 1.0)  # [N, T]
-        native, _ = logprob_function(masters, True, compute_dtype=torch.bfloat16)(batch, 1.0)
-        autocast, _ = logprob_function(masters, False, compute_dtype=torch.bfloat16)(batch, 1.0)
-        fp32, _ = logprob_function(masters, True)(batch, 1.0)
+        native, _ = PolicyForward(masters, native=True, compute_dtype=torch.bfloat16)(batch, 1.0)
+        autocast, _ = PolicyForward(masters, native=False, compute_dtype=torch.bfloat16)(batch, 1.0)
+        fp32, _ = PolicyForward(masters, native=True)(batch, 1.0)
     assert {p.dtype for p in masters.parameters()} == {torch.float32}
     err = {k: (v - expected).abs() for k, v in {"native": native, "autocast": autocast, "fp32": fp32}.items()}
     assert err["native"].max() < 0.1 and err["native"].mean() < 0.01
@@ -175,16 +175,17 @@ def test_bf16_forward_matches_transformers_own_bf16_forward():
 
 
 def test_bf16_rollout_log_probs_are_not_reused_as_pi_old():
-    """The loop reuses sampling log-probs as π_old only when bitwise the learner's (train._logprobs_match_policy)."""
+    """The loop reuses sampling log-probs as π_old only when bitwise the learner's
+    (rollout.engine.logprobs_match_policy)."""
     from grpo.records import SamplingParams
     from grpo.rollout import build_engine
-    from grpo.train import _logprobs_match_policy
+    from grpo.rollout.engine import logprobs_match_policy
     from tests.conftest import IdTokenizer
 
     model, sampling = tiny_llama(), SamplingParams(max_new_tokens=4, temperature=1.0)
-    assert _logprobs_match_policy(build_engine("native", model, IdTokenizer()), sampling)
+    assert logprobs_match_policy(build_engine("native", model, IdTokenizer()), sampling)
     bf16 = build_engine("native", model, IdTokenizer(), compute_dtype=torch.bfloat16)
-    assert not _logprobs_match_policy(bf16, sampling)
+    assert not logprobs_match_policy(bf16, sampling)
     rollouts = bf16.generate([[3, 4, 5]], 2, sampling)
     assert rollouts.sampling_logprobs.isfinite().all()
     assert {p.dtype for p in model.parameters()} == {

@@ -5,7 +5,8 @@ import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from grpo.records import SamplingParams
-from grpo.rollout.transformers import TransformersEngine, filter_logits
+from grpo.rollout.sampling import filter_logits
+from grpo.rollout.transformers import TransformersEngine
 
 
 def test_filter_logits_worked_example():
@@ -68,7 +69,7 @@ def test_logprobs_eos_and_truncation(tiny_model, id_tokenizer):
     prompts = [[2, 9, 4], [2, 3]]
     out = engine.generate(prompts, 5, SamplingParams(max_new_tokens=12, temperature=1.0))
     assert out.completion_ids.shape[0] == 10
-    assert out.prompt_index.tolist() == [0] * 5 + [1] * 5
+    assert out.group_ids.tolist() == [0] * 5 + [1] * 5
     for row in range(10):
         ids = out.completion_ids[row]
         length = int(out.completion_mask[row].sum())
@@ -78,10 +79,10 @@ def test_logprobs_eos_and_truncation(tiny_model, id_tokenizer):
             assert ids[length - 1] == 1 and (ids[: length - 1] != 1).all()
         assert (out.sampling_logprobs[row, length:] == 0).all()
         # Recompute the policy's log-probs of the sampled tokens (temperature 1, no filters): equal.
-        full = torch.tensor(prompts[out.prompt_index[row]] + ids[:length].tolist())
+        full = torch.tensor(prompts[out.group_ids[row]] + ids[:length].tolist())
         with torch.no_grad():
             logp = tiny_model(full[None]).logits[0].log_softmax(-1)
-        start = len(prompts[out.prompt_index[row]])
+        start = len(prompts[out.group_ids[row]])
         expected = logp[start - 1 : -1].gather(-1, full[start:, None]).squeeze(-1)
         assert torch.allclose(out.sampling_logprobs[row, :length], expected, atol=1e-5)
 
@@ -94,4 +95,4 @@ def test_greedy_is_deterministic_and_chunking_changes_nothing(tiny_model, id_tok
     b = engine.generate(prompts, 1, params, chunk_prompts=1)
     width = min(a.completion_ids.shape[1], b.completion_ids.shape[1])
     assert torch.equal(a.completion_ids[:, :width], b.completion_ids[:, :width])
-    assert torch.equal(a.prompt_index, b.prompt_index)
+    assert torch.equal(a.group_ids, b.group_ids)

@@ -31,7 +31,8 @@ def test_trl_names_translate_with_trl_defaults():
     ) == (2, 4, 2)
     assert cfg.generation.max_new_tokens == 32 and cfg.train.steps == 5 and cfg.model.device == "cpu"
     assert (cfg.algorithm.epsilon_low, cfg.algorithm.epsilon_high, cfg.algorithm.beta) == (0.2, 0.28, 0.04)
-    # TRL 1.16's defaults where the script says nothing: loss "dapo", bias-corrected KL, sampling off, linear lr
+    # TRL 1.16's defaults where the script says nothing: loss "dapo", bias-corrected KL, sampling off,
+    # linear lr
     assert (cfg.algorithm.loss_variant, cfg.algorithm.loss_aggregation) == ("grpo", "token_mean")
     assert cfg.algorithm.use_bias_correction_kl is True
     assert (cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p) == (1.0, 0, 1.0)

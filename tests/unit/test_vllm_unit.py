@@ -14,7 +14,7 @@ def test_completions_become_one_right_padded_record():
         [[([5, 6, 7], [-0.1, -0.2, -0.3], False), ([8], [-1.0], True)], [([9, 9], [-0.5, -0.6], False)]],
         pad_id=0,
     )
-    assert out.prompt_index.tolist() == [0, 0, 1]
+    assert out.group_ids.tolist() == [0, 0, 1]
     assert out.completion_ids.tolist() == [[5, 6, 7], [8, 0, 0], [9, 9, 0]]
     assert out.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
     assert torch.allclose(

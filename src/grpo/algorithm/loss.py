@@ -31,6 +31,7 @@ __all__ = [
     "RatioStats",
     "apply_truncation_mask",
     "cispo_policy_loss",
+    "clipped_surrogate",
     "grpo_loss",
     "kl_penalty",
     "per_token_policy_loss",
@@ -110,6 +111,21 @@ class PolicyLoss(Protocol):
     ) -> tuple[Tensor, RatioStats]: ...
 
 
+def clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, RatioStats]:
+    """PPO's pessimistic clipped objective per token, −min(ρ Â, clip(ρ, 1 − ε_low, 1 + ε_high) Â), for any
+    ratio ρ [B, T] (per token, or one per sequence broadcast) and advantages Â [B, T]. Returns the loss
+    [B, T] (unmasked) and RatioStats: which tokens the clip cut off from the gradient."""
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
+    # The clip only ever removes incentive, never adds it, so a token already moved past the trust region
+    # in the advantage's direction gets no more gradient.
+    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)  # [B, T]
+    clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)  # [B, T]
+    clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)  # [B, T]
+    return loss, RatioStats(ratio, clipped_low, clipped_high)
+
+
 def per_token_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -125,14 +141,8 @@ def per_token_policy_loss(
     clip_high > clip_low is DAPO's clip-higher. `mask` is accepted for the PolicyLoss contract and
     not needed: every token's ratio stands alone.
     """
-    ratio = torch.exp(logp - old_logp)  # [B, T]
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
-    # The pessimistic bound: the clip only ever removes incentive, never adds it, so a token
-    # already moved past the trust region in the advantage's direction gets no more gradient.
-    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)  # [B, T]
-    clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)  # [B, T]
-    clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)  # [B, T]
-    return loss, RatioStats(ratio, clipped_low, clipped_high)
+    del mask  # PolicyLoss contract; see the docstring
+    return clipped_surrogate(torch.exp(logp - old_logp), advantages, clip_low, clip_high)  # [B, T]
 
 
 def sequence_policy_loss(
@@ -157,11 +167,7 @@ def sequence_policy_loss(
     log_ratio = ((logp - old_logp) * mask).sum(-1) / length  # [B] mean token log-ratio
     ratio = torch.exp(log_ratio)[:, None].expand_as(logp)  # [B, T] s_i on every token
     advantage = advantages[:, :1].expand_as(logp)  # [B, T]
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
-    loss = -torch.minimum(ratio * advantage, clipped_ratio * advantage)  # [B, T]
-    clipped_low = (ratio < 1.0 - clip_low) & (advantage < 0)  # [B, T]
-    clipped_high = (ratio > 1.0 + clip_high) & (advantage > 0)  # [B, T]
-    return loss, RatioStats(ratio, clipped_low, clipped_high)
+    return clipped_surrogate(ratio, advantage, clip_low, clip_high)  # [B, T]
 
 
 def cispo_policy_loss(
@@ -183,6 +189,7 @@ def cispo_policy_loss(
     experiments and TRL's loss_type="cispo", whose `epsilon_high` is the cap itself (= our 1 + ε_high).
     Returns the per-token loss [B, T] and RatioStats (clipped_high: ρ above the cap, Â > 0).
     """
+    del mask, clip_low  # PolicyLoss contract: CISPO caps from above only, per token
     ratio = torch.exp(logp - old_logp)  # [B, T]
     weight = ratio.clamp(max=1.0 + clip_high).detach()  # [B, T]
     loss = -weight * advantages * logp  # [B, T]
@@ -211,6 +218,7 @@ def sapo_policy_loss(
     tokens faster (the paper's asymmetric temperatures; TRL's defaults 1.05 and 1.0). clip_low and
     clip_high are unused. Returns the per-token loss [B, T] and RatioStats with no clipped tokens.
     """
+    del mask, clip_low, clip_high  # PolicyLoss contract: SAPO's gate replaces the clip
     ratio = torch.exp(logp - old_logp)  # [B, T]
     tau = torch.where(advantages > 0, temperature_pos, temperature_neg)  # [B, T]
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau  # [B, T]
@@ -263,7 +271,8 @@ def _sequence_mean(per_token: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
 
 def _token_mean(per_token: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
     # DAPO token-level loss: every completion token in the optimisation batch weighs the same (TRL's
-    # loss_type="dapo"; TRL's "bnpo" divides by each micro-batch's own token count, equal with one micro-batch).
+    # loss_type="dapo"; TRL's "bnpo" divides by each micro-batch's own token count, equal with one
+    # micro-batch).
     return (per_token * mask).sum() / max(norm.num_tokens, 1)  # []
 
 

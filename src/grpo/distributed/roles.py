@@ -11,13 +11,12 @@ Three spellings reach the same plan:
 
 The learner is the torchrun process group: one process per learner device. Colocated rollout samples
 on the learner's devices; sync/async rollout runs in Ray actors on devices of their own. Checks that
-need no hardware run with the config (`validate_roles`); the device count is checked at start-up
+need no hardware run with the config (grpo/config/validate.py); the device count is checked at start-up
 (`plan_roles`), and both say what to change.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -49,150 +48,14 @@ class RolePlan:
         )
 
 
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def validate_roles(cfg: GRPOConfig) -> None:
-    """Everything about roles that can be checked without looking at the hardware."""
-    d, lora = cfg.distributed, cfg.lora
-    world = _world_size()
-    if not (0 < d.trainer_devices_fraction <= 1 and 0 < d.sampler_devices_fraction <= 1):
-        raise ConfigError("trainer_devices_fraction and sampler_devices_fraction must be in (0, 1].")
-    shared = d.trainer_devices_fraction == 1.0 and d.sampler_devices_fraction == 1.0
-    if not shared and d.trainer_devices_fraction + d.sampler_devices_fraction > 1.0 + 1e-9:
-        raise ConfigError(
-            f"trainer_devices_fraction ({d.trainer_devices_fraction}) + sampler_devices_fraction "
-            f"({d.sampler_devices_fraction}) > 1: the two sets would overlap. Use 1.0 and 1.0 to "
-            "share every device, or fractions that add up to at most 1."
-        )
-    separate = {
-        k: v
-        for k, v in {
-            "inference_replicas": d.inference_replicas,
-            "inference_model.num_devices": d.inference_devices,
-            "inference_model.devices": d.inference_device_ids,
-            "sampler_devices_fraction": None if shared else d.sampler_devices_fraction,
-        }.items()
-        if v not in (None, 1)
-    }
-    learners = len(d.train_device_ids) if d.train_device_ids is not None else d.train_devices
-    if separate and d.rollout_mode == "colocated":
-        settings = ", ".join(f"{k}={v}" for k, v in separate.items())
-        launch = (
-            f" With {learners} learner devices, launch one process per device: `torchrun --nproc_per_node "
-            f"{learners} -m grpo train rollout.mode=async ...` (docs/scaling.md)."
-            if learners != world
-            else ""
-        )
-        raise ConfigError(
-            f"{settings}: rollout on devices of its own runs in Ray actors; add rollout.mode=sync "
-            f"(on-policy) or rollout.mode=async (overlapped with training).{launch}"
-        )
-    if d.inference_devices_per_replica != 1 or d.ici_tensor_parallelism not in (-1, 1):
-        raise ConfigError(
-            "inference_devices_per_replica / ici_tensor_parallelism > 1 ask for tensor-parallel "
-            "rollout replicas; the transformers rollout engine runs one device per replica. Use "
-            "more replicas instead (inference_replicas=N, or rollout.replicas=N)."
-        )
-    if d.train_device_ids is not None:
-        if len(set(d.train_device_ids)) != len(d.train_device_ids):
-            raise ConfigError(f"train_model.devices {d.train_device_ids} lists a device twice.")
-        if d.train_devices != 1 and d.train_devices != len(d.train_device_ids):
-            raise ConfigError(
-                f"train_model.num_devices={d.train_devices} but train_model.devices lists "
-                f"{len(d.train_device_ids)}; give one of the two."
-            )
-    if learners != 1 and learners != world:
-        raise ConfigError(
-            f"The learner is asked for {learners} devices but runs as {world} process(es): one "
-            f"process per learner device. Launch with `torchrun --nproc_per_node {learners} -m grpo "
-            "train ...` (or leave train_model.num_devices at 1)."
-        )
-    fsdp_degree = d.ici_fsdp_parallelism
-    if fsdp_degree not in (-1, 1) and (d.strategy != "fsdp2" or fsdp_degree != world):
-        raise ConfigError(
-            f"ici_fsdp_parallelism={fsdp_degree} means FSDP over that many learner processes: "
-            f"set distributed.strategy=fsdp2 and launch `torchrun --nproc_per_node {fsdp_degree} "
-            f"-m grpo train ...` (now {world} process(es), strategy {d.strategy})."
-        )
-    if d.ref_devices not in (1, learners):
-        raise ConfigError(
-            f"ref_model.num_devices={d.ref_devices}: each learner process keeps one reference "
-            f"replica, so use 1 or the learner's device count ({learners})."
-        )
-    if d.ref_device_ids is not None and len(d.ref_device_ids) != learners:
-        raise ConfigError(
-            f"ref_model.devices {d.ref_device_ids}: give one device per learner process ({learners})."
-        )
-    if not (d.ref_device in ("auto", "cpu", "offload") or d.ref_device.startswith("cuda")):
-        raise ConfigError(f"distributed.ref_device={d.ref_device!r}: use auto, cpu, offload or cuda:N.")
-    if d.max_staleness < 0 or d.importance_cap < 1 or d.timeout_s <= 0 or d.max_actor_restarts < 0:
-        raise ConfigError(
-            "max_staleness and max_actor_restarts must be >= 0, importance_cap >= 1 and timeout_s > 0."
-        )
-    if d.rollout_mode != "colocated":
-        # Weights reach the actors every weight_sync_steps steps, so a batch requested just before a push
-        # is sampled with weights up to weight_sync_steps old (async adds one step in flight).
-        worst = d.weight_sync_steps - (1 if d.rollout_mode == "sync" else 0)
-        if d.max_staleness < worst:
-            raise ConfigError(
-                f"rollout.mode={d.rollout_mode} with weight_sync_steps={d.weight_sync_steps} samples "
-                f"with weights up to {worst} step(s) old, but max_staleness={d.max_staleness}: every "
-                f"such batch would be dropped. Raise max_staleness to {worst} or lower "
-                "weight_sync_steps."
-            )
-        if importlib.util.find_spec("ray") is None:
-            raise ConfigError(
-                f"rollout.mode={d.rollout_mode} runs rollout workers on Ray, which is not installed: "
-                "pip install 'grpo[ray]'."
-            )
-    if lora.enabled:
-        if lora.r < 1 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
-            raise ConfigError(
-                f"LoRA needs r >= 1, alpha > 0 and 0 <= dropout < 1; got r={lora.r}, "
-                f"alpha={lora.alpha}, dropout={lora.dropout}."
-            )
-        if importlib.util.find_spec("peft") is None:
-            raise ConfigError("lora.enabled needs peft: pip install 'grpo[lora]'.")
-
-
 def plan_roles(cfg: GRPOConfig, num_gpus: int, world_size: int = 1, local_rank: int = 0) -> RolePlan:
     """Place the roles on this machine's `num_gpus` GPUs (0 = CPU only), or say why they do not fit."""
     d = cfg.distributed
     ray_rollout = d.rollout_mode != "colocated"
     if num_gpus == 0:
-        if any(
-            ids for ids in (d.train_device_ids, d.ref_device_ids, d.inference_device_ids)
-        ) or d.ref_device.startswith("cuda"):
-            raise ConfigError(
-                "Device ids were given (train_model/ref_model/inference_model.devices or "
-                "ref_device=cuda:N) but no GPU is visible here."
-            )
-        reference = {"auto": "with policy", "offload": "cpu"}.get(d.ref_device, d.ref_device)
-        return RolePlan(
-            world_size,
-            ["cpu"] * world_size,
-            reference,
-            "ray" if ray_rollout else "colocated",
-            rollout_replicas=max(d.inference_replicas, d.inference_devices) if ray_rollout else 1,
-        )
-
-    all_ids = list(range(num_gpus))
+        return _cpu_plan(cfg, world_size)
     fractions = (d.trainer_devices_fraction, d.sampler_devices_fraction) != (1.0, 1.0)
-    if d.train_device_ids is not None:
-        learner_ids = list(d.train_device_ids)
-    elif fractions:
-        learner_ids = all_ids[: max(1, int(num_gpus * d.trainer_devices_fraction))]
-    else:
-        learner_ids = all_ids[:world_size]
-    if len(learner_ids) < world_size:
-        raise ConfigError(
-            f"{world_size} learner processes but only {len(learner_ids)} learner GPU(s) "
-            f"({learner_ids}) of {num_gpus} visible; launch fewer processes or give more devices."
-        )
-    learner_ids = learner_ids[:world_size]
-
+    learner_ids = _learner_gpus(cfg, num_gpus, world_size, fractions)
     used = set(learner_ids)
     if d.ref_device_ids is not None:
         reference = f"cuda:{d.ref_device_ids[local_rank]}"
@@ -203,34 +66,14 @@ def plan_roles(cfg: GRPOConfig, num_gpus: int, world_size: int = 1, local_rank: 
         reference = d.ref_device
         if reference.startswith("cuda"):
             used.add(int(reference.split(":")[1]) if ":" in reference else 0)
-
-    rollout_devices: list[list[int]] = []
-    replicas, per_replica = 1, 0
-    if ray_rollout:
-        if d.inference_device_ids is not None:
-            rollout_devices = [[i] for i in d.inference_device_ids]
-        elif fractions:
-            first = num_gpus - max(1, int(num_gpus * d.sampler_devices_fraction))
-            rollout_devices = [[i] for i in all_ids[first:]]
-        else:
-            free = [i for i in all_ids if i not in used]
-            wanted = max(d.inference_replicas, d.inference_devices)
-            rollout_devices = [[i] for i in free[:wanted]]
-            if len(rollout_devices) < wanted:
-                raise ConfigError(
-                    f"Rollout wants {wanted} GPU(s) of its own, but of {num_gpus} visible GPUs "
-                    f"{sorted(used)} are taken by the learner/reference, leaving "
-                    f"{len(free)}. Lower inference_replicas / inference_model.num_devices, "
-                    "use fewer learner processes, or rollout.mode=colocated."
-                )
-        replicas, per_replica = len(rollout_devices), 1
-    taken = sorted(used)
-    bad = [i for i in taken + [i for r in rollout_devices for i in r] if i >= num_gpus]
+    rollout_devices = _rollout_gpus(cfg, num_gpus, used, fractions) if ray_rollout else []
+    rollout_ids = [i for r in rollout_devices for i in r]
+    bad = [i for i in sorted(used) + rollout_ids if i >= num_gpus]
     if bad:
         raise ConfigError(
             f"GPU ids {sorted(set(bad))} do not exist: {num_gpus} GPU(s) are visible (0..{num_gpus - 1})."
         )
-    overlap = sorted(set(learner_ids) & {i for r in rollout_devices for i in r})
+    overlap = sorted(set(learner_ids) & set(rollout_ids))
     if overlap:
         raise ConfigError(
             f"GPUs {overlap} are given both to the learner and to rollout actors; give them "
@@ -241,10 +84,67 @@ def plan_roles(cfg: GRPOConfig, num_gpus: int, world_size: int = 1, local_rank: 
         [f"cuda:{i}" for i in learner_ids],
         reference,
         "ray" if ray_rollout else "colocated",
-        rollout_replicas=replicas,
-        rollout_gpus_per_replica=per_replica,
+        rollout_replicas=len(rollout_devices) if ray_rollout else 1,
+        rollout_gpus_per_replica=1 if ray_rollout else 0,
         rollout_devices=rollout_devices,
     )
+
+
+def _cpu_plan(cfg: GRPOConfig, world_size: int) -> RolePlan:
+    d = cfg.distributed
+    ray_rollout = d.rollout_mode != "colocated"
+    if any(ids for ids in (d.train_device_ids, d.ref_device_ids, d.inference_device_ids)) or (
+        d.ref_device.startswith("cuda")
+    ):
+        raise ConfigError(
+            "Device ids were given (train_model/ref_model/inference_model.devices or "
+            "ref_device=cuda:N) but no GPU is visible here."
+        )
+    reference = {"auto": "with policy", "offload": "cpu"}.get(d.ref_device, d.ref_device)
+    return RolePlan(
+        world_size,
+        ["cpu"] * world_size,
+        reference,
+        "ray" if ray_rollout else "colocated",
+        rollout_replicas=max(d.inference_replicas, d.inference_devices) if ray_rollout else 1,
+    )
+
+
+def _learner_gpus(cfg: GRPOConfig, num_gpus: int, world_size: int, fractions: bool) -> list[int]:
+    """One GPU per learner process: the listed ids, the first trainer_devices_fraction, or the first few."""
+    d = cfg.distributed
+    if d.train_device_ids is not None:
+        learner_ids = list(d.train_device_ids)
+    elif fractions:
+        learner_ids = list(range(max(1, int(num_gpus * d.trainer_devices_fraction))))
+    else:
+        learner_ids = list(range(min(world_size, num_gpus)))
+    if len(learner_ids) < world_size:
+        raise ConfigError(
+            f"{world_size} learner processes but only {len(learner_ids)} learner GPU(s) "
+            f"({learner_ids}) of {num_gpus} visible; launch fewer processes or give more devices."
+        )
+    return learner_ids[:world_size]
+
+
+def _rollout_gpus(cfg: GRPOConfig, num_gpus: int, used: set[int], fractions: bool) -> list[list[int]]:
+    """One GPU per Ray rollout replica: the listed ids, the last sampler_devices_fraction, or free ones."""
+    d = cfg.distributed
+    if d.inference_device_ids is not None:
+        return [[i] for i in d.inference_device_ids]
+    if fractions:
+        first = num_gpus - max(1, int(num_gpus * d.sampler_devices_fraction))
+        return [[i] for i in range(first, num_gpus)]
+    free = [i for i in range(num_gpus) if i not in used]
+    wanted = max(d.inference_replicas, d.inference_devices)
+    if len(free) < wanted:
+        raise ConfigError(
+            f"Rollout wants {wanted} GPU(s) of its own, but of {num_gpus} visible GPUs "
+            f"{sorted(used)} are taken by the learner/reference, leaving "
+            f"{len(free)}. Lower inference_replicas / inference_model.num_devices, "
+            "use fewer learner processes, or rollout.mode=colocated."
+        )
+    return [[i] for i in free[:wanted]]
 
 
 class OffloadedModel:

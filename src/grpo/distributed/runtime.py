@@ -19,15 +19,13 @@ import io
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger("grpo")
-
-STRATEGIES = ("ddp", "fsdp2")
 
 
 @dataclass
@@ -37,7 +35,6 @@ class Runtime:
     local_rank: int = 0
     strategy: str = "ddp"  # how gradients are shared when world_size > 1
     timeout_s: float = 600.0
-    dropped_prompts: int = field(default=0)  # prompts left out because P was not divisible by world_size
 
     @property
     def active(self) -> bool:
@@ -76,7 +73,6 @@ class Runtime:
                 len(indices),
                 self.world_size,
             )
-        self.dropped_prompts += left_out
         take = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
         return indices[take], rows[take]
 
@@ -97,36 +93,17 @@ class Runtime:
     def any(self, flag: bool) -> bool:
         return self.sum(1.0 if flag else 0.0) > 0
 
-    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Per-rank metrics → global: max/min for extremes and times, sums for throughputs, else the
-        mean over ranks (exact for means over equal-sized shards, which every step has)."""
-        if not self.active:
-            return metrics
-        keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
-        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-        how = [_reduction(k) for k in keys]
-        out = dict(metrics)
-        for op, name in ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.MIN, "min")):
-            pick = [i for i, h in enumerate(how) if h == name or (name == "sum" and h == "mean")]
-            if not pick:
-                continue
-            part = values[pick].clone()
-            dist.all_reduce(part, op=op)
-            for j, i in enumerate(pick):
-                v = part[j].item()
-                out[keys[i]] = v / self.world_size if how[i] == "mean" else v
-        return out
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place "sum", "max" or "min" over ranks of a CPU tensor (returns it)."""
+        if self.active:
+            dist.all_reduce(
+                t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+            )
+        return t
 
     def barrier(self) -> None:
         if self.active:
             dist.barrier()
-
-    def broadcast_object(self, obj):
-        if not self.active:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     def gather_objects(self, obj) -> list:
         """Every rank's `obj` (tensors allowed), on every rank."""
@@ -263,33 +240,6 @@ class Runtime:
     def seed(self, seed: int) -> None:
         """Same data order on every rank, different sampling noise (ranks hold different prompts)."""
         torch.manual_seed(seed + self.rank)
-
-    def close(self) -> None:
-        if self.active and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-class SilentLogger:
-    """The metrics logger of ranks other than 0: rank 0 writes for everyone."""
-
-    def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
-        pass
-
-    def log_samples(self, step: int, records: list[dict]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _reduction(key: str) -> str:
-    if key.endswith("/max") or key.startswith("time/") or key in ("rollout/staleness_max",):
-        return "max"
-    if key.endswith("/min"):
-        return "min"
-    if key in ("tokens_per_s",) or key.startswith("count/"):
-        return "sum"
-    return "mean"
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,6 +1,6 @@
 """Per-token log-probs for training on the native decoder: shared prompts, packed tokens, chunked head.
 
-`shared_prompt_logprobs(decoder, batch, temperature)` is a drop-in for `learner.token_logprobs`:
+`shared_prompt_logprobs(decoder, batch, temperature)` is a drop-in for `model.forward.token_logprobs`:
 same TrainBatch in, same [N, T] log-probs out, but
 
 - each distinct prompt of the micro-batch runs once and its completions attend to it,

@@ -1,4 +1,4 @@
-"""IFEval: instruction-following checks (through the `if-verifiable` package), accuracies and TorchRL's reward.
+"""IFEval: instruction-following checks (through the `if-verifiable` package), accuracies, TorchRL's reward.
 
 Rows follow the google/IFEval schema: `key`, `prompt`, `instruction_id_list` (e.g.
 `["punctuation:no_comma", "length_constraints:number_words"]`) and `kwargs` (one dict of checker
@@ -17,8 +17,8 @@ rare abbreviations the trained model knows. Install the data (`python -m nltk.do
 punkt`) to use the trained model: it is picked up automatically.
 
 Language checks (`language:response_language`, `change_case:english_*`) use langdetect, seeded here so
-that one response always gets one score. Unknown instruction ids and missing checker arguments are errors (if-verifiable would silently skip the
-former and draw random thresholds for the latter).
+that one response always gets one score. Unknown instruction ids and missing checker arguments are errors
+(if-verifiable would silently skip the former and draw random thresholds for the latter).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from __future__ import annotations
 import difflib
 import functools
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any
+
+from grpo.rewards.tags import ANSWER_BLOCK, THINK_BLOCK
 
 log = logging.getLogger("grpo")
 
@@ -73,8 +74,6 @@ _ABBREVIATIONS = (
     "est",
     "mt",
 )
-_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 TORCHRL_FORMAT_WEIGHTS = (0.4, 0.3, 0.2, 0.1)
 
 
@@ -144,7 +143,7 @@ def _use_offline_nltk_if_needed(instructions_util) -> None:
     sentences = offline_sentence_tokenizer()
     words = nltk.tokenize.NLTKWordTokenizer()
 
-    def word_tokenize(text: str, language: str = "english", preserve_line: bool = False) -> list[str]:
+    def word_tokenize(text: str, language: str = "english", preserve_line: bool = False) -> list[str]:  # noqa: ARG001 (nltk's signature; the offline tokenizer is English only)
         # nltk.word_tokenize: sentences first, then the Treebank-style word tokenizer on each.
         parts = [text] if preserve_line else sentences.tokenize(text)
         return [token for part in parts for token in words.tokenize(part)]
@@ -229,7 +228,7 @@ def torchrl_ifeval(
         if not ids:
             rewards.append(None)
             continue
-        thinks, answers = _THINK.findall(completion), _ANSWER.findall(completion)
+        thinks, answers = THINK_BLOCK.findall(completion), ANSWER_BLOCK.findall(completion)
         score = check_instructions(answers[0] if answers else "", ids, arguments, prompt)
         accuracies = (
             float(score.prompt_strict),
@@ -257,7 +256,3 @@ def ifeval_strict(
         None if not ids else float(check_instructions(c, ids, a, p).prompt_strict)
         for p, c, ids, a in zip(prompts, completions, instruction_id_list, kwargs, strict=True)
     ]
-
-
-def is_ifeval_row(row: dict[str, Any]) -> bool:
-    return "instruction_id_list" in row

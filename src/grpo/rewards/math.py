@@ -12,12 +12,13 @@ import re
 import unicodedata
 from decimal import Decimal, InvalidOperation
 
+from grpo.rewards.tags import ANSWER_BLOCK
+
 # A number as written in prose: optional sign and dollar, digits with correct thousands grouping or none,
 # optional decimals. It must not start inside a Latin word or another number ("H2O", "v1.2"); other
 # scripts write numbers flush against words ("答案是42").
 _NUMBER_IN_TEXT = re.compile(r"(?<![A-Za-z_\d.])-?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
 _WHOLE_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = "\\boxed{"
 
 # The two final-answer formats the format reward teaches, anchored at the end of the completion.
@@ -68,7 +69,7 @@ def _after_last_hashes(text: str) -> str | None:
 
 
 def _last_answer_tag(text: str) -> str | None:
-    contents = _ANSWER_TAG.findall(text)
+    contents = ANSWER_BLOCK.findall(text)
     return contents[-1] if contents else None
 
 

@@ -37,7 +37,7 @@ class SequenceClassifierReward:
         self.pad_id = text_config.pad_token_id
         self.__name__ = "reward_model"
 
-    def __call__(self, prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+    def __call__(self, prompts: list[str], completions: list[str], **_: list) -> list[float]:
         rows = [
             self._token_ids(prompt, completion)
             for prompt, completion in zip(prompts, completions, strict=True)
@@ -83,7 +83,7 @@ class CausalLMLikelihoodReward:
         self.pad_id = _padding_id(tokenizer)
         self.__name__ = "reward_model_likelihood"
 
-    def __call__(self, prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+    def __call__(self, prompts: list[str], completions: list[str], **_: list) -> list[float]:
         rows = [
             self._token_ids(prompt, completion)
             for prompt, completion in zip(prompts, completions, strict=True)

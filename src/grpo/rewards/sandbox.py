@@ -12,6 +12,7 @@ completion), followed by the row's `tests` column, scores 1.0 when the script ex
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -79,10 +80,8 @@ def run_python(
             stdout, stderr = process.communicate(code, timeout=timeout)
             return SandboxResult(process.returncode, stdout[:output_chars], stderr[:output_chars], False)
         except subprocess.TimeoutExpired:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # the whole group has already exited
                 os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             stdout, stderr = process.communicate()
             return SandboxResult(None, stdout[:output_chars], stderr[:output_chars], True)
 

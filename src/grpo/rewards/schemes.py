@@ -1,4 +1,4 @@
-"""The seed projects' GSM8K reward schemes, reproduced rule for rule (worked cases in tests/unit/test_schemes.py).
+"""The seed projects' GSM8K reward schemes, rule for rule (worked cases in tests/unit/test_schemes.py).
 
 TorchRL (`torchrl_gsm8k`, torchrl.envs.llm GSM8KRewardParser): the first `<answer>...</answer>` is the
 answer; 1.0 when it equals the reference after normalisation (strip; drop `,`, `$`, `%`; drop a trailing
@@ -6,12 +6,12 @@ answer; 1.0 when it equals the reference after normalisation (strip; drop `,`, `
 
 MaxText/Tunix (`tunix_gsm8k`, the GRPO demo's four reward functions, summed):
 
-| function                      | rule                                                                 |
-|-------------------------------|----------------------------------------------------------------------|
-| tunix_match_format_exactly    | 3.0 if `^\\s*<reasoning>.+?</reasoning>.*?<answer>(.+?)</answer>\\s*$` matches (multiline) |
-| tunix_match_format_approximately | +0.5 for each of the four tags present exactly once, −0.5 otherwise |
-| tunix_check_answer            | on that regex's answer: 3.0 equal; 1.5 equal after strip; else ratio guess/true in [0.9, 1.1] 0.5, in [0.8, 1.2] 0.25, else −1.0; not a number (or true = 0) −0.5; no match 0 |
-| tunix_check_numbers           | first `[\\d.]+` after `<answer>`: 1.5 if float-equal to the reference, else 0 |
+* `tunix_match_format_exactly`: 3.0 if `^\\s*<reasoning>.+?</reasoning>.*?<answer>(.+?)</answer>\\s*$`
+  matches (multiline).
+* `tunix_match_format_approximately`: +0.5 for each of the four tags present exactly once, −0.5 otherwise.
+* `tunix_check_answer`: on that regex's answer: 3.0 equal; 1.5 equal after strip; else ratio guess/true in
+  [0.9, 1.1] 0.5, in [0.8, 1.2] 0.25, else −1.0; not a number (or true = 0) −0.5; no match 0.
+* `tunix_check_numbers`: first `[\\d.]+` after `<answer>`: 1.5 if float-equal to the reference, else 0.
 
 Deviations, all where the originals would crash: a reference without `####` is used whole (TorchRL
 raises, MaxText passes None on); a reference that does not parse is scored None (not applicable).
@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import re
 
+from grpo.rewards.tags import ANSWER_BLOCK
+
+
 # -- TorchRL --------------------------------------------------------------------------------------
-_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
 def _torchrl_normalize(answer: str) -> str:
     answer = answer.strip().replace(",", "").replace("$", "").replace("%", "").rstrip(".")
     if "." in answer:
@@ -48,7 +47,7 @@ def torchrl_gsm8k(prompts: list[str], completions: list[str], answer: list, **_:
         if truth is None:
             rewards.append(None)
             continue
-        found = _ANSWER.search(completion.removesuffix("<|im_end|>"))
+        found = ANSWER_BLOCK.search(completion.removesuffix("<|im_end|>"))
         guess = found.group(1).strip() if found else ""
         if guess and _torchrl_normalize(guess) == _torchrl_normalize(truth):
             rewards.append(1.0)

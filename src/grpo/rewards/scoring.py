@@ -82,7 +82,8 @@ def reward_name(fn: RewardFunction) -> str:
 
 
 def unique_names(names: list[str]) -> list[str]:
-    """Metric names with repeats numbered (two lambdas: `<lambda>`, `<lambda>_2`), so none overwrites another."""
+    """Metric names with repeats numbered (two lambdas: `<lambda>`, `<lambda>_2`), so none overwrites
+    another."""
     taken: set[str] = set()
     out = []
     for name in names:
@@ -130,7 +131,7 @@ def score_completions(
     logged: dict[str, list[float]] = {}
     extras = {
         "log_metric": lambda name, value: logged.setdefault(name, []).append(float(value)),
-        "log_extra": lambda column, values: None,
+        "log_extra": lambda column, values: None,  # noqa: ARG005 (TRL's signature; the table is not kept)
         **(extras or {}),
     }
     batch = {"prompts": prompts, "completions": completions, **columns}

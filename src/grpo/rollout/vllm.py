@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from grpo.records import Rollouts, SamplingParams
+from grpo.rollout.engine import copy_weights
 
 log = logging.getLogger("grpo")
 
@@ -131,7 +132,7 @@ def to_rollouts(completions: list[list[tuple[list[int], list[float], bool]]], pa
     index = torch.tensor([i for i, group in enumerate(completions) for _ in group], dtype=torch.long)
     truncated = torch.tensor([t for _, _, t in flat], dtype=torch.bool)
     return Rollouts(
-        prompt_index=index,
+        group_ids=index,
         completion_ids=ids,
         completion_mask=mask,
         sampling_logprobs=logprobs,
@@ -193,8 +194,9 @@ def write_model_dir(model, tokenizer, path: str | Path) -> Path:
 class VLLMEngine:
     """RolloutEngine on `vllm.LLM`, colocated with the learner; holds its own copy of the weights."""
 
-    needs_weight_sync = True
+    exact_logprobs = False
     sampler_differs = True  # its log-probs come from other kernels: the learner recomputes π_old and corrects
+    needs_weight_sync = True
 
     def __init__(self, model, tokenizer, gen=None, seed: int = 0):
         from grpo.config import ConfigError, GenerationConfig
@@ -256,7 +258,7 @@ class VLLMEngine:
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Weights pushed by name (Ray actors): into the engine's own model, then into vLLM."""
-        _copy_named(self.model, named_tensors)
+        copy_weights(self.model, named_tensors)
         self.sync_weights(self.model)
 
     def sync_weights(self, policy) -> None:
@@ -295,6 +297,7 @@ class VLLMEngine:
         sampling: SamplingParams,
         chunk_prompts: int | None = None,
     ) -> Rollouts:
+        del chunk_prompts  # vLLM's scheduler bounds its own KV cache, so the prompts go in at once
         self.wake()
         threads = torch.get_num_threads()
         requests = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
@@ -335,8 +338,9 @@ def _sampled_logprobs(completion) -> list[float]:
 class VLLMServerEngine:
     """RolloutEngine on a running vLLM OpenAI server; weights pushed through a shared file."""
 
-    needs_weight_sync = True
+    exact_logprobs = False
     sampler_differs = True
+    needs_weight_sync = True
 
     def __init__(self, url: str, model, tokenizer, gen=None, timeout: float = 600.0):
         from grpo.config import ConfigError, GenerationConfig
@@ -360,10 +364,10 @@ class VLLMServerEngine:
         self.weights_path = Path(served.get("root") or self.served)
         if not (self.weights_path / _WeightsDir.MARK).exists():
             raise ConfigError(
-                f"The vLLM server at {url} serves {self.weights_path}, which grpo did not prepare. Write a model "
-                "directory with grpo.rollout.vllm.write_model_dir(model, tokenizer, PATH) and start the server "
-                "on it: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model PATH "
-                "--dtype float32 (README, 'vLLM')."
+                f"The vLLM server at {url} serves {self.weights_path}, which grpo did not prepare. Write a "
+                "model directory with grpo.rollout.vllm.write_model_dir(model, tokenizer, PATH) and start "
+                "the server on it: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server "
+                "--model PATH --dtype float32 (README, 'vLLM')."
             )
         self.executor = ThreadPoolExecutor(max_workers=16)
 
@@ -382,7 +386,7 @@ class VLLMServerEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Weights pushed by name (Ray actors): into the engine's own model, then into vLLM."""
-        _copy_named(self.model, named_tensors)
+        copy_weights(self.model, named_tensors)
         self.sync_weights(self.model)
 
     def sync_weights(self, policy) -> None:
@@ -400,6 +404,8 @@ class VLLMServerEngine:
         sampling: SamplingParams,
         chunk_prompts: int | None = None,
     ) -> Rollouts:
+        del chunk_prompts  # the server schedules its own batches and bounds its own KV cache
+
         def one(ids: list[int]) -> list[tuple[list[int], list[float], bool]]:
             body = {
                 "model": self.served,
@@ -431,8 +437,8 @@ def _server_choice(choice: dict) -> tuple[list[int], list[float], bool]:
     return ids, [float(x) for x in lp["token_logprobs"]], choice["finish_reason"] == "length"
 
 
-def _copy_named(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, tensor in named_tensors:
-            params[name].copy_(tensor)
+def build(model, tokenizer, *, generation=None, seed: int = 0, **_):
+    """A vLLM server's client when generation.vllm_server_url is set, else vLLM in this process."""
+    if generation is not None and generation.vllm_server_url:
+        return VLLMServerEngine(generation.vllm_server_url, model, tokenizer, generation)
+    return VLLMEngine(model, tokenizer, generation, seed=seed)

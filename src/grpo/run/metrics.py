@@ -16,7 +16,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+from tqdm.auto import tqdm
+
+from grpo.algorithm.advantages import group_reward_stats
+from grpo.algorithm.importance import mismatch_metrics, sampler_ess
 from grpo.config import ConfigError
+from grpo.distributed.runtime import Runtime
+from grpo.records import Rollouts, ScoredRollouts
 from grpo.run.checkpoint import CheckpointError
 
 log = logging.getLogger("grpo")
@@ -51,6 +58,19 @@ class StageTimer:
 
     def as_metrics(self) -> dict[str, float]:
         return {f"time/{k}": v for k, v in self.seconds.items()}
+
+
+class SilentLogger:
+    """The metrics logger of ranks other than 0: rank 0 writes for everyone."""
+
+    def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
+        pass
+
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class MetricsLogger:
@@ -173,12 +193,12 @@ def _prompt_text(prompt) -> str:
     return prompt_text(prompt)
 
 
-def sample_records(scored, advantages, limit: int) -> list[dict[str, Any]]:
+def sample_records(scored: ScoredRollouts, advantages: torch.Tensor, limit: int) -> list[dict[str, Any]]:
     """Up to `limit` completions of one step, one per group first (so several prompts show), with the
-    total reward, each function's reward and the advantage. `scored` is a dapo.ScoredRollouts."""
+    total reward, each function's reward and the advantage."""
     if limit <= 0:
         return []
-    group = scored.rollouts.prompt_index.tolist()
+    group = scored.rollouts.group_ids.tolist()
     firsts = [i for i, g in enumerate(group) if g not in group[:i]]
     order = firsts + [i for i in range(len(group)) if i not in firsts]
     records = []
@@ -197,3 +217,144 @@ def sample_records(scored, advantages, limit: int) -> list[dict[str, Any]]:
             }
         )
     return records
+
+
+class StepReport:
+    """Where each step's metrics go: the progress bar, and (rank 0) the console, metrics.jsonl, TensorBoard,
+    W&B and samples.jsonl."""
+
+    def __init__(self, run_dir: Path, cfg, rt: Runtime, start_step: int, total_steps: int):
+        self.t, self.total = cfg.train, total_steps
+        self.logger = MetricsLogger(run_dir, cfg, cfg.to_dict(), start_step) if rt.is_main else SilentLogger()
+        quiet = not self.t.progress_bar or not rt.is_main
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=quiet, desc="grpo", dynamic_ncols=True)
+
+    def step(
+        self, step: int, metrics: dict[str, float], scored: ScoredRollouts, advantages: torch.Tensor
+    ) -> None:
+        """One training step's line (every train.logging_steps, and the last), and sample completions."""
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3g}")
+        last = step == self.total
+        if step % self.t.logging_steps and not last:
+            return
+        self.logger.log(step, metrics, console=not self.t.progress_bar or last)
+        self.logger.log_samples(step, sample_records(scored, advantages, self.t.log_samples))
+        if self.t.progress_bar:
+            self.bar.write(
+                f"step {step}: reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f} "
+                f"| kl {metrics['kl']:.4f} | len {metrics['completion_len/mean']:.1f} "
+                f"| {metrics['time/step']:.2f}s"
+            )
+
+    def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
+        self.logger.log(step, metrics, console=console)
+
+    def close_bar(self) -> None:
+        self.bar.close()
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+# -- per-step numbers ------------------------------------------------------------------------------
+def step_metrics(
+    scored: ScoredRollouts, advantages: torch.Tensor, sampling_stats: dict, learner_stats: dict
+) -> dict[str, float]:
+    """What the rollouts, rewards, advantages [N] and the update say about one step."""
+    return {
+        **reward_metrics(scored),
+        **sampling_stats,
+        **group_reward_stats(scored.rewards, scored.rollouts.group_ids),
+        "advantage/mean": advantages.mean().item(),
+        "advantage/std": advantages.std().item(),
+        "advantage/abs_max": advantages.abs().max().item(),
+        **learner_stats,
+        **rollout_metrics(scored.rollouts),
+    }
+
+
+def eval_metrics(result, when: str, seconds: float) -> dict[str, float]:
+    """An evaluation.EvalResult as metrics; `when` is before, during or after training."""
+    return {
+        f"eval/accuracy_{when}": result.accuracy,
+        "eval/accuracy": result.accuracy,
+        "eval/n": float(result.n),
+        "time/eval": seconds,
+        **{f"eval/{k}": v for k, v in result.extra.items()},
+    }
+
+
+def reward_metrics(scored: ScoredRollouts) -> dict[str, float]:
+    rewards, scores = scored.rewards, scored.scores  # [N], per function [N, F]
+    return {
+        "reward": nanmean(rewards),
+        "reward_std": nanstd(rewards),
+        **{f"reward/{n}": nanmean(scores.per_function[:, j]) for j, n in enumerate(scores.names)},
+        "reward/skipped": float(scores.skipped),
+        "reward/not_scored": float(scores.none_applicable),
+        **scores.logged,
+    }
+
+
+def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
+    lengths = rollouts.lengths.float()  # [N]
+    return {
+        "completion_len/mean": lengths.mean().item(),
+        "completion_len/max": lengths.max().item(),
+        "completion_len/min": lengths.min().item(),
+        "truncated_frac": rollouts.truncated.float().mean().item(),
+    }
+
+
+def sampler_metrics(
+    sampling_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, mask: torch.Tensor, importance: dict
+) -> dict[str, float]:
+    """How far the sampler's log-probs [N, T] are from the learner's π_old [N, T] on the mask [N, T]: the
+    mismatch metrics, and is/ess when the learner's importance-weight metrics (`importance`) have none
+    (it weighed no token: on-policy), so every run logs how close its sampler is."""
+    metrics = mismatch_metrics(sampling_logprobs, old_logprobs, mask)
+    if "is/ess" not in importance:
+        metrics["is/ess"] = sampler_ess(old_logprobs, sampling_logprobs, mask)
+    return metrics
+
+
+def nanmean(x: torch.Tensor) -> float:
+    return x.nanmean().item() if not torch.isnan(x).all() else float("nan")
+
+
+def nanstd(x: torch.Tensor) -> float:
+    scored = x[~x.isnan()]  # [M] samples some reward function scored
+    return scored.std().item() if scored.numel() > 1 else float("nan")
+
+
+# -- across processes ------------------------------------------------------------------------------
+def reduction(key: str) -> str:
+    """How a metric combines over ranks, by its name: extremes and times by max/min, throughputs and
+    counts by sum, the rest by the mean (exact for means over equal-sized shards, which every step has)."""
+    if key.endswith("/max") or key.startswith("time/") or key in ("rollout/staleness_max",):
+        return "max"
+    if key.endswith("/min"):
+        return "min"
+    if key in ("tokens_per_s",) or key.startswith("count/"):
+        return "sum"
+    return "mean"
+
+
+def reduce_metrics(rt: Runtime, metrics: dict[str, float]) -> dict[str, float]:
+    """Per-rank metrics → global ones (one all-reduce per kind of reduction)."""
+    if not rt.active:
+        return metrics
+    keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    how = [reduction(k) for k in keys]
+    out = dict(metrics)
+    for op in ("sum", "max", "min"):
+        pick = [i for i, h in enumerate(how) if h == op or (op == "sum" and h == "mean")]
+        if not pick:
+            continue
+        part = rt.all_reduce(values[pick].clone(), op)
+        for j, i in enumerate(pick):
+            v = part[j].item()
+            out[keys[i]] = v / rt.world_size if how[i] == "mean" else v
+    return out

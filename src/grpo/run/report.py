@@ -150,8 +150,13 @@ def _summary(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple[str, str]]
     except (OSError, UnicodeDecodeError, yaml.YAMLError):  # missing or damaged: the summary shows '?'
         config = None
     config = config if isinstance(config, dict) else {}
-    section_of = lambda name: config.get(name) if isinstance(config.get(name), dict) else {}
-    get = lambda section, key: str(section_of(section).get(key, "?"))
+
+    def section_of(name: str) -> dict:
+        return config.get(name) if isinstance(config.get(name), dict) else {}
+
+    def get(section: str, key: str) -> str:
+        return str(section_of(section).get(key, "?"))
+
     items = [
         ("model", get("model", "name_or_path")),
         ("dataset", get("data", "dataset")),
@@ -198,7 +203,8 @@ def _html(run_dir: Path, out_dir: Path, rows: list[dict[str, Any]], figures: lis
         f"<tr><td>{s.get('step')}</td><td class=text>{esc(str(s.get('prompt', ''))[:300])}</td>"
         f"<td class=text>{esc(str(s.get('completion', '')))}</td><td>{_fmt(s.get('reward'))}</td>"
         + "".join(f"<td>{_fmt((s.get('rewards') or {}).get(n))}</td>" for n in names)
-        + f"<td>{_fmt(s.get('advantage'))}</td><td>{s.get('length', '')}{' ✂' if s.get('truncated') else ''}</td></tr>"
+        + f"<td>{_fmt(s.get('advantage'))}</td>"
+        + f"<td>{s.get('length', '')}{' ✂' if s.get('truncated') else ''}</td></tr>"
         for s in reversed(samples)
     )
     table = (
@@ -212,7 +218,8 @@ def _html(run_dir: Path, out_dir: Path, rows: list[dict[str, Any]], figures: lis
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }}
 h1 {{ font-size: 1.4em; }} h2 {{ font-size: 1.15em; margin-top: 1.5em; }}
-table {{ border-collapse: collapse; }} th, td {{ border: 1px solid #ccc; padding: 3px 7px; vertical-align: top; }}
+table {{ border-collapse: collapse; }}
+th, td {{ border: 1px solid #ccc; padding: 3px 7px; vertical-align: top; }}
 table.summary th {{ text-align: left; background: #f4f4f4; }}
 .plots {{ display: flex; flex-wrap: wrap; gap: 10px; }}
 figure {{ margin: 0; }} figure img {{ width: 480px; border: 1px solid #ddd; }}

@@ -48,10 +48,10 @@ class RunLock:
             holder = _describe(self.path)
             os.close(fd)
             raise ConfigError(
-                f"{self.path.parent} is in use by another grpo run ({holder}); two runs writing one directory "
-                "would overwrite each other's checkpoints and logs. Wait for it to finish (or stop it: "
-                f"kill {_pid(self.path) or 'PID'}, which saves a checkpoint), then --resume latest continues "
-                "it; or pass another --output-dir."
+                f"{self.path.parent} is in use by another grpo run ({holder}); two runs writing one "
+                "directory would overwrite each other's checkpoints and logs. Wait for it to finish (or stop "
+                f"it: kill {_pid(self.path) or 'PID'}, which saves a checkpoint), then --resume latest "
+                "continues it; or pass another --output-dir."
             ) from None
         except BaseException:
             os.close(fd)

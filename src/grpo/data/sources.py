@@ -1,19 +1,17 @@
-"""Prompt sources → rows → PromptBatch.
+"""Prompt sources → rows.
 
 A row is a dict with a `prompt` (text, or a list of chat messages as TRL's conversational datasets have
 it) plus the dataset's other columns, which reach reward functions as keyword arguments under their own
 names. A reference-answer column named otherwise (`solution`, `ground_truth`, `target`) is also copied
-to `answer`, the name this package's rewards read. Sources: the bundled `tiny_math` task, GSM8K and IFEval from the hub,
-local JSONL/JSON/Parquet/CSV files, any hub dataset (through `datasets`), or a Python list
-(`SimplePromptDataset`).
+to `answer`, the name this package's rewards read. Sources: a task of the registry (data/tasks.py: the
+bundled `tiny_math`, GSM8K and IFEval from the hub), local JSONL/JSON/Parquet/CSV files or hub-layout
+folders, any hub dataset (through `datasets`), or a Python list (`SimplePromptDataset`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import random
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -21,8 +19,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from grpo.config import ConfigError, DataConfig
-from grpo.records import PromptBatch
-from grpo.tasks import find_task
+from grpo.data.tasks import Task, find_task
 
 log = logging.getLogger(__name__)
 
@@ -60,20 +57,37 @@ def bundled_task_file(name: str, split: str) -> Path:
 def load_rows(
     spec: str | None, cfg: DataConfig, split: str | None = None, token: str | None = None
 ) -> list[dict[str, Any]]:
-    """Resolve a dataset spec to rows with a `prompt` key. `spec` may end in ':split'."""
+    """Resolve a dataset spec to rows with a `prompt` key. `spec` may end in ':split'. A task's name or
+    source (`gsm8k`, `openai/gsm8k`) reads the task's data (TASKS); anything else is a folder, a file or a
+    hub dataset."""
     spec = spec or "tiny_math"
     name, _, spec_split = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
     split = spec_split or split or cfg.hf_data_split
     task = find_task(name)
-    if task is not None and task.hub_path is None:
-        records = _read_local(bundled_task_file(task.name, split))
-    elif task is not None:  # google/IFEval has one split ("train"); openai/gsm8k needs its config "main"
-        records = _read_hub(
-            task.hub_path, cfg.hf_name or task.hub_config, task.fixed_split or split, cfg.hf_data_files, token
-        )
-    elif Path(name).is_dir():  # a dataset folder in the hub's layout (a downloaded or saved copy)
-        records = _read_folder(Path(name), cfg.hf_name, split, cfg.hf_data_files, token)
-    elif Path(name).suffix in LOCAL_FORMATS or Path(name).exists():
+    records = (
+        _read_task(task, split, cfg, token) if task else _read_source(name, cfg.hf_name, split, cfg, token)
+    )
+    return normalise_rows(
+        records, cfg.prompt_field, cfg.answer_field, source=spec, skip_invalid=cfg.skip_invalid_rows
+    )
+
+
+def _read_task(task: Task, split: str, cfg: DataConfig, token: str | None) -> list[dict[str, Any]]:
+    split = task.fixed_split or split  # google/IFEval has one split ("train")
+    if task.source is None:
+        return _read_local(bundled_task_file(task.name, split))
+    # openai/gsm8k needs its config "main"
+    source = task.source.format(split=split)
+    return _read_source(source, cfg.hf_name or task.hub_config, split, cfg, token)
+
+
+def _read_source(
+    name: str, config_name: str | None, split: str, cfg: DataConfig, token: str | None
+) -> list[dict[str, Any]]:
+    """A local folder in the hub's layout, a local file, or else a hub dataset id."""
+    if Path(name).is_dir():  # a dataset folder in the hub's layout (a downloaded or saved copy)
+        return _read_folder(Path(name), config_name, split, cfg.hf_data_files, token)
+    if Path(name).suffix in LOCAL_FORMATS or Path(name).exists():
         path = Path(name)
         if not path.is_file():
             raise ConfigError(f"Dataset file {path} does not exist (or is not a file).")
@@ -83,12 +97,8 @@ def load_rows(
                 f"hub repository, but the dataset is the file {path} itself. Drop --hf_data_files, "
                 "or point --hf_path at the folder that holds the files."
             )
-        records = _read_local(path)
-    else:
-        records = _read_hub(name, cfg.hf_name, split, cfg.hf_data_files, token)
-    return normalise_rows(
-        records, cfg.prompt_field, cfg.answer_field, source=spec, skip_invalid=cfg.skip_invalid_rows
-    )
+        return _read_local(path)
+    return _read_hub(name, config_name, split, cfg.hf_data_files, token)
 
 
 def _read_local(path: Path) -> list[dict[str, Any]]:
@@ -219,15 +229,15 @@ def normalise_rows(
     source: str,
     skip_invalid: bool = False,
 ) -> list[dict[str, Any]]:
-    """Rename the prompt column to `prompt`; the answer column keeps its name and is also copied to `answer`. Rows whose prompt (or, when there is an
-    answer column, answer) is missing or empty stop the run with their row numbers, or with
-    `skip_invalid` are dropped and counted."""
+    """Rename the prompt column to `prompt`; the answer column keeps its name and is also copied to
+    `answer`. Rows whose prompt (or, when there is an answer column, answer) is missing or empty stop the
+    run with their row numbers, or with `skip_invalid` are dropped and counted."""
     if not records:
         raise ConfigError(f"Dataset {source} is empty: it has no rows to train or evaluate on.")
     not_objects = [i for i, r in enumerate(records) if not isinstance(r, dict)]
     if not_objects:
         raise ConfigError(
-            f"{source}: rows {_rows(not_objects)} (counting from 0) are not objects with named "
+            f"{source}: rows {row_numbers(not_objects)} (counting from 0) are not objects with named "
             'fields (e.g. {"prompt": "...", "answer": "..."}).'
         )
     columns = list(dict.fromkeys(k for r in records for k in r))
@@ -238,25 +248,12 @@ def normalise_rows(
             f"column that holds the prompt (looked for {', '.join(PROMPT_COLUMNS)})."
         )
     answer_col = _pick(columns, answer_field, ANSWER_COLUMNS, "answer", source)
-    bad = {i: prompt_col for i, r in enumerate(records) if not _valid_prompt(r.get(prompt_col))}
-    not_text = [i for i in bad if not isinstance(records[i].get(prompt_col), str | list | None)]
-    if not_text and not skip_invalid:
-        value = records[not_text[0]][prompt_col]
-        raise ConfigError(
-            f"{source}: rows {_rows(not_text)} (counting from 0) have a '{prompt_col}' that is not "
-            f"text (row {not_text[0]}: {value!r}). A prompt is a string, or "
-            'a list of chat messages {"role": ..., "content": ...}. Fix them, or set '
-            "data.skip_invalid_rows=true to drop such rows."
-        )
-    if answer_col is not None:
-        for i, r in enumerate(records):
-            if r.get(answer_col) is None or (isinstance(r[answer_col], str) and not r[answer_col].strip()):
-                bad.setdefault(i, answer_col)
+    bad = _invalid_rows(records, prompt_col, answer_col, source, skip_invalid)
     if bad:
         fields = " or ".join(f"'{c}'" for c in dict.fromkeys(bad.values()))
         if not skip_invalid:
             raise ConfigError(
-                f"{source}: rows {_rows(sorted(bad))} (counting from 0) have an empty or missing "
+                f"{source}: rows {row_numbers(sorted(bad))} (counting from 0) have an empty or missing "
                 f"{fields} field. Fix them, or set data.skip_invalid_rows=true to drop such rows "
                 "(they are counted in the log)."
             )
@@ -271,7 +268,7 @@ def normalise_rows(
             len(bad),
             len(records),
             fields,
-            _rows(sorted(bad)),
+            row_numbers(sorted(bad)),
         )
         records = [r for i, r in enumerate(records) if i not in bad]
     rows = []
@@ -286,6 +283,29 @@ def normalise_rows(
     return rows
 
 
+def _invalid_rows(
+    records: list[dict[str, Any]], prompt_col: str, answer_col: str | None, source: str, skip_invalid: bool
+) -> dict[int, str]:
+    """Row number -> the first field (prompt, then answer) that is empty or missing in it. A prompt that
+    is not text at all is a wrong column or a broken file, not a gap, so it stops the run unless
+    `skip_invalid`."""
+    bad = {i: prompt_col for i, r in enumerate(records) if not _valid_prompt(r.get(prompt_col))}
+    not_text = [i for i in bad if not isinstance(records[i].get(prompt_col), str | list | None)]
+    if not_text and not skip_invalid:
+        value = records[not_text[0]][prompt_col]
+        raise ConfigError(
+            f"{source}: rows {row_numbers(not_text)} (counting from 0) have a '{prompt_col}' that is not "
+            f"text (row {not_text[0]}: {value!r}). A prompt is a string, or "
+            'a list of chat messages {"role": ..., "content": ...}. Fix them, or set '
+            "data.skip_invalid_rows=true to drop such rows."
+        )
+    if answer_col is not None:
+        for i, r in enumerate(records):
+            if r.get(answer_col) is None or (isinstance(r[answer_col], str) and not r[answer_col].strip()):
+                bad.setdefault(i, answer_col)
+    return bad
+
+
 def _valid_prompt(prompt: Any) -> bool:
     if isinstance(prompt, str):
         return bool(prompt.strip())
@@ -297,7 +317,7 @@ def _valid_prompt(prompt: Any) -> bool:
     )
 
 
-def _rows(indices: list[int], limit: int = 10) -> str:
+def row_numbers(indices: list[int], limit: int = 10) -> str:
     shown = ", ".join(str(i) for i in indices[:limit])
     return shown + (f" and {len(indices) - limit} more" if len(indices) > limit else "")
 
@@ -327,192 +347,4 @@ def _is_dataset_dict(dataset: Any) -> bool:
         hasattr(dataset, "keys")
         and hasattr(dataset, "values")
         and all(hasattr(part, "to_list") for part in dataset.values())
-    )
-
-
-class PromptFormatter:
-    """Prompt text → token ids: chat template when the tokenizer has one, plus the length policy."""
-
-    def __init__(self, tokenizer: Any, cfg: DataConfig):
-        self.tokenizer = tokenizer
-        self.cfg = cfg
-        self.templated = cfg.use_chat_template and bool(getattr(tokenizer, "chat_template", None))
-        self.truncated_count = 0
-
-    def text(self, prompt: str | list[dict[str, str]]) -> str:
-        if (
-            isinstance(prompt, str)
-            and self.templated
-            and (not self.cfg.chat_template_for_text or self._already_templated(prompt))
-        ):
-            return (
-                prompt  # TRL sends plain-text prompts as they are; a templated one is never templated twice
-            )
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        if not self.templated:
-            return "\n".join(m["content"] for m in messages)
-        if self.cfg.system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(self.cfg.chat_template_kwargs or {})
-        )
-
-    def _already_templated(self, prompt: str) -> bool:
-        """The text starts as the chat template starts a conversation (a dataset templated beforehand)."""
-        if not hasattr(self, "_template_head"):
-            marker = "\x00prompt\x00"
-            messages = [{"role": "user", "content": marker}]
-            rendered = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **(self.cfg.chat_template_kwargs or {})
-            )
-            self._template_head = rendered.partition(marker)[0]
-        return bool(self._template_head.strip()) and prompt.startswith(self._template_head)
-
-    def encode(self, prompts: list, indices: list[int] | None = None) -> list[list[int]]:
-        # The chat template already places any BOS token; adding special tokens again would double it.
-        texts = [self.text(p) for p in prompts]
-        ids = self.tokenizer(texts, add_special_tokens=not self.templated)["input_ids"]
-        limit = self.cfg.max_prompt_length
-        too_long = [i for i, x in enumerate(ids) if len(x) > limit]
-        if too_long and self.cfg.long_prompt_policy == "error":
-            where = [indices[i] for i in too_long] if indices else too_long
-            raise self._too_long(where, max(len(ids[i]) for i in too_long))
-        if too_long:
-            self.truncated_count += len(too_long)
-            log.warning(
-                "Left-truncated %d prompt(s) to %d tokens (%d so far).",
-                len(too_long),
-                limit,
-                self.truncated_count,
-            )
-            ids = [x[-limit:] for x in ids]
-        return ids
-
-    def check_lengths(self, rows: list[dict[str, Any]], margin: int = 8) -> None:
-        """Measure every prompt before training, so an over-long one stops the run at start-up, not hours in.
-
-        Rendering the chat template and tokenizing row by row is slow (seconds for 10k rows), so a first pass
-        pastes each prompt into the template rendered once around a marker and skips rows with fewer UTF-8
-        bytes than the limit (a token covers at least one byte); rows that tokenize to within `margin`
-        tokens of the limit that way are then measured exactly."""
-        limit = self.cfg.max_prompt_length
-        prefix, marker, suffix = self.text("\x00prompt\x00").partition("\x00prompt\x00")
-        fast = [
-            prefix + r["prompt"] + suffix if isinstance(r["prompt"], str) and marker else None for r in rows
-        ]
-        unsure = [i for i, t in enumerate(fast) if t is None or len(t.encode()) + 2 > limit]  # +2: bos/eos
-        rough = (
-            self.tokenizer([fast[i] or "" for i in unsure], add_special_tokens=not self.templated)[
-                "input_ids"
-            ]
-            if unsure
-            else []
-        )
-        lengths = {}
-        near = [
-            i for i, ids in zip(unsure, rough, strict=True) if fast[i] is None or len(ids) > limit - margin
-        ]
-        if near:
-            exact = self.tokenizer(
-                [self.text(rows[i]["prompt"]) for i in near], add_special_tokens=not self.templated
-            )["input_ids"]
-            lengths = {i: len(ids) for i, ids in zip(near, exact, strict=True)}
-        too_long = sorted(i for i, n in lengths.items() if n > limit)
-        if too_long and self.cfg.long_prompt_policy == "error":
-            raise self._too_long(too_long, max(lengths[i] for i in too_long))
-        if too_long:
-            log.warning(
-                "%d of %d prompts are longer than data.max_prompt_length = %d tokens; they will be "
-                "left-truncated (data.long_prompt_policy=truncate_left).",
-                len(too_long),
-                len(rows),
-                self.cfg.max_prompt_length,
-            )
-
-    def _too_long(self, rows: list[int], longest: int) -> ConfigError:
-        return ConfigError(
-            f"{len(rows)} prompt(s) are longer than data.max_prompt_length = "
-            f"{self.cfg.max_prompt_length} tokens (dataset rows {_rows(rows)}, counting from 0; "
-            f"longest {longest}). Raise data.max_prompt_length or set "
-            "data.long_prompt_policy=truncate_left."
-        )
-
-
-def prompt_text(prompt: str | list[dict[str, str]]) -> str:
-    """What reward functions see as the prompt: the text itself, or the last user message."""
-    if isinstance(prompt, str):
-        return prompt
-    return next((m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
-
-
-class PromptStream:
-    """Rows in seeded, per-epoch shuffled order; state is (epoch, position) so a resume continues
-    mid-epoch exactly where it stopped. The last batch of an epoch may be smaller than P."""
-
-    def __init__(self, rows: list[dict[str, Any]], seed: int, shuffle: bool = True):
-        self.rows, self.seed, self.shuffle = rows, seed, shuffle
-        self.epoch, self.position = 0, 0
-        self._order = self._epoch_order(0)
-        # Same count, different rows (an edited or reordered file) would silently change the order.
-        self.fingerprint = hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
-
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        if self.shuffle:
-            random.Random(f"{self.seed}:{epoch}").shuffle(order)
-        return order
-
-    def steps_per_epoch(self, batch: int) -> int:
-        return -(-len(self.rows) // batch)
-
-    def next_rows(self, batch: int) -> tuple[list[int], list[dict[str, Any]]]:
-        if self.position >= len(self._order):
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._epoch_order(self.epoch)
-        picked = self._order[self.position : self.position + batch]
-        self.position += len(picked)
-        return picked, [self.rows[i] for i in picked]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "num_rows": len(self.rows),
-            "fingerprint": self.fingerprint,
-        }
-
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
-        """Continue where the checkpoint stopped. A different dataset is an error, or with strict=False a
-        warning, and the checkpoint's epoch starts over on the new rows."""
-        self.epoch, self.position = state["epoch"], state["position"]
-        if (
-            state["num_rows"] != len(self.rows)
-            or state.get("fingerprint", self.fingerprint) != self.fingerprint
-        ):
-            what = (
-                f"{state['num_rows']} prompts, this dataset has {len(self.rows)}"
-                if state["num_rows"] != len(self.rows)
-                else "prompts that differ from this dataset's"
-            )
-            if strict:
-                raise ConfigError(
-                    f"The checkpoint was trained on {what}: resume with the same dataset (or set "
-                    "train.allow_config_change=true to start the epoch over on this one)."
-                )
-            log.warning("The checkpoint was trained on %s; starting epoch %d over.", what, self.epoch)
-            self.position = 0
-        self._order = self._epoch_order(self.epoch)
-
-
-def make_prompt_batch(
-    indices: list[int], rows: list[dict[str, Any]], formatter: PromptFormatter
-) -> PromptBatch:
-    columns = {
-        k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"
-    }
-    return PromptBatch(
-        prompts=[r["prompt"] for r in rows],  # as the dataset gave them: text or a list of messages
-        prompt_token_ids=formatter.encode([r["prompt"] for r in rows], indices),
-        columns=columns,
-        indices=indices,
     )

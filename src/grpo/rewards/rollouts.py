@@ -1,0 +1,44 @@
+"""The loop's score stage: one round of rollouts → ScoredRollouts (rewards per function, their weighted
+total, plus DAPO's overlong shaping). Reward functions are called TRL's way (trl_compat.reward_inputs):
+one prompt and completion per sample, the dataset's other columns as keyword arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from grpo import trl_compat
+from grpo.algorithm.filters import overlong_penalty
+from grpo.records import PromptBatch, Rollouts, ScoredRollouts
+from grpo.rewards.scoring import score_completions
+
+
+def score_rollouts(
+    prompts: PromptBatch,
+    rollouts: Rollouts,
+    texts: list[str],
+    lag: int,
+    *,
+    funcs: list[Callable],
+    weights: list[float] | None,
+    algorithm,
+    max_new_tokens: int,
+    trainer_state: trl_compat.RewardState,
+) -> ScoredRollouts:
+    a = algorithm
+    columns = {k: [v[i] for i in rollouts.group_ids] for k, v in prompts.columns.items()}
+    columns.setdefault("completion_truncated", rollouts.truncated.tolist())
+    reward_prompts, completions, extra = trl_compat.reward_inputs(prompts, rollouts, texts)
+    for name, values in extra.items():
+        columns.setdefault(name, values)
+    scores = score_completions(
+        funcs,
+        weights,
+        reward_prompts,
+        completions,
+        columns,
+        timeout=a.reward_timeout,
+        on_error=a.reward_on_error,
+        extras={"trainer_state": trainer_state},
+    )
+    shaping = overlong_penalty(rollouts.lengths, max_new_tokens, a.overlong_buffer, a.overlong_penalty)  # [N]
+    return ScoredRollouts(prompts, rollouts, texts, scores, scores.total + shaping, lag=lag)

@@ -1,0 +1,78 @@
+"""Where the loop gets each step's rollouts: one `RolloutSource` per deployment, picked by `rollout.mode`.
+
+    colocated   rollout/colocated.py   the learner's process samples with an engine (native, transformers,
+                                       vLLM, or the full copy FSDP2 needs)
+    sync|async  rollout/ray.py         Ray actors sample with their own copies, on- or off-policy
+
+The loop asks a source for a batch, trains on it and hands it the new weights; everything that
+differs between deployments (who holds weights, how far sampling runs ahead, what data position a
+checkpoint must record) stays behind these five calls. DAPO's dynamic sampling sits above the source
+(train.collect), so it works the same on all of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from grpo.distributed.runtime import Runtime
+from grpo.records import PromptBatch, Rollouts, SamplingParams
+
+if TYPE_CHECKING:  # grpo.data reads the config, whose choices for rollout.mode are SOURCES' keys
+    from grpo.data import PromptFormatter, PromptStream
+
+# rollout.mode → the module:function that builds its source; import paths, so listing them imports none.
+SOURCES: dict[str, str] = {
+    "colocated": "grpo.rollout.colocated:build",
+    "sync": "grpo.rollout.ray:build",
+    "async": "grpo.rollout.ray:build",
+}
+
+
+class RolloutSource(Protocol):
+    # The sampling log-probs are the learner's π_θ (see RolloutEngine.exact_logprobs) for this sampling.
+    exact_logprobs: bool
+    # Sampled by other kernels than the learner's: the learner corrects with importance weights.
+    sampler_differs: bool
+
+    def next_batch(self) -> tuple[PromptBatch, Rollouts, int]:
+        """The next step's prompts, their rollouts, and the lag: learner steps between the weights that
+        sampled them and now (0 on-policy)."""
+
+    def sync_weights(self, step: int, policy: torch.nn.Module) -> None:
+        """From now on sample with `policy`'s weights, those of learner step `step`: called once before the
+        first batch (a resumed run's weights) and after every update. On every rank (it may gather)."""
+
+    def data_state(self) -> dict:
+        """The prompt stream's position after the last batch handed out, for a checkpoint."""
+
+    def metrics(self) -> dict[str, float]:
+        """Source-specific metrics for this step's line (e.g. staleness)."""
+
+    def close(self) -> None: ...
+
+
+class PromptFeed:
+    """Each step's prompts: the next P rows of the stream, this process's whole groups, tokenized."""
+
+    def __init__(self, stream: PromptStream, formatter: PromptFormatter, rt: Runtime, per_step: int):
+        self.stream, self.formatter, self.rt, self.per_step = stream, formatter, rt, per_step
+
+    def next(self) -> PromptBatch:
+        from grpo.data import make_prompt_batch
+
+        indices, rows = self.rt.shard(*self.stream.next_rows(self.per_step))
+        return make_prompt_batch(indices, rows, self.formatter)
+
+
+def build_source(cfg, parts, rt: Runtime, stream: PromptStream, sampling: SamplingParams) -> RolloutSource:
+    """The source `distributed.rollout_mode` names, sampling `generation.num_generations` per prompt in
+    chunks of `generation.batch_size` completions. Build it before the learner shards the policy."""
+    g = cfg.generation
+    feed = PromptFeed(stream, parts.formatter, rt, cfg.train.prompts_per_step)
+    chunk_prompts = None if g.batch_size is None else max(1, g.batch_size // g.num_generations)
+    module, function = SOURCES[cfg.distributed.rollout_mode].split(":")
+    build = getattr(importlib.import_module(module), function)
+    return build(cfg, parts, rt, feed, sampling, chunk_prompts)

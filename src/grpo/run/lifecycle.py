@@ -1,0 +1,241 @@
+"""The side rooms of a training run, kept out of the loop: resume, checkpoints, the best and final
+models, stop signals, and what to say when a run stops early or fails.
+
+Stopping: the first SIGINT/SIGTERM finishes the current step, saves a checkpoint and says how to
+resume; a second one stops at once. `train.stop_after_nonfinite_steps` NaN/inf steps in a row also
+save and stop (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from grpo.config import GRPOConfig
+from grpo.data import PromptStream
+from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
+from grpo.distributed.runtime import Runtime
+from grpo.run.assemble import RunParts
+from grpo.run.checkpoint import (
+    list_checkpoints,
+    load_training_state,
+    prune_checkpoints,
+    rng_state,
+    save_model_dir,
+    seed_everything,
+    set_rng_state,
+)
+
+log = logging.getLogger("grpo")
+
+SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # train.save_dtype; float32: as trained
+
+
+class TrainingHalted(RuntimeError):
+    """Training stopped itself (after saving a checkpoint) because it could not go on; the message says
+    why."""
+
+
+class StopRequests:
+    """SIGINT/SIGTERM while `watching()`: the first is recorded (the loop stops after the step), a second
+    raises KeyboardInterrupt (stop now, without saving)."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None  # the first signal received
+
+    def _request(self, signum, frame) -> None:
+        del frame  # signal.signal's handler signature; where the signal landed does not matter
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        log.warning(
+            "Signal %d: finishing this step, then saving a checkpoint (send it again to stop at once, "
+            "without saving).",
+            signum,
+        )
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        try:
+            previous = {s: signal.signal(s, self._request) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: leave signals alone
+            previous = {}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+@contextmanager
+def running(
+    stops: StopRequests,
+    run_dir: Path,
+    rank: int,
+    step: Callable[[], int],
+    closing: tuple[Callable[[], None], ...],
+) -> Iterator[None]:
+    """Around the step loop: signals watched, a failure explained (at the step it happened), and the
+    `closing` functions called however the loop ends."""
+    try:
+        with stops.watching():
+            yield
+    except Exception as error:
+        explain_failure(run_dir, rank, step(), error)
+        raise
+    finally:
+        for close in closing:
+            close()
+
+
+def resume(cfg: GRPOConfig, parts: RunParts, rt: Runtime, learner, stream: PromptStream) -> tuple[int, int]:
+    """Load the checkpoint preflight chose (weights, learner, data position, RNG), or seed a fresh run.
+    Returns (the step to continue after, non-finite steps so far)."""
+    path = parts.resume_from  # verified, settings compared: preflight.plan_resume
+    if path is None:
+        if cfg.train.resume:
+            log.info("No checkpoint in %s yet; starting from step 0.", parts.run_dir)
+        seed_everything(cfg.train.seed)
+        rt.seed(cfg.train.seed)  # several processes: different sampling noise per rank
+        return 0, 0
+    state = load_training_state(path)
+    load_policy_weights(rt, path, parts.policy, state)
+    learner.load_state_dict(state["learner"])
+    learner.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+    stream.load_state_dict(state["data"], strict=not cfg.train.allow_config_change)
+    rngs = state["rng"]
+    set_rng_state(rngs[rt.rank] if isinstance(rngs, list) else rngs)
+    log.info("Resumed from %s (step %d).", path, state["step"])
+    return state["step"], state["nonfinite_total"]
+
+
+def training_state(rt: Runtime, step: int, learner, data_state: dict, nonfinite_total: int) -> dict:
+    """What a checkpoint holds besides the weights (every rank calls it: it gathers)."""
+    rngs = rt.gather_objects(rng_state())  # each rank's sampling noise, for an exact resume
+    return {
+        "step": step,
+        "learner": learner.state_dict(),
+        "rng": rngs[0] if len(rngs) == 1 else rngs,
+        "data": data_state,
+        "nonfinite_in_a_row": learner.nonfinite_in_a_row,
+        "nonfinite_total": nonfinite_total,
+    }
+
+
+def save_checkpoint(cfg: GRPOConfig, parts: RunParts, rt: Runtime, step: int, state: dict) -> Path:
+    path = save_policy_dir(
+        rt, parts.run_dir / f"checkpoint-{step}", parts.policy, parts.tokenizer, cfg.to_yaml(), state
+    )
+    if rt.is_main:
+        prune_checkpoints(parts.run_dir, cfg.train.save_total_limit, protect=(path, parts.resume_from))
+    return path
+
+
+def save_final(cfg: GRPOConfig, parts: RunParts, rt: Runtime, state: Callable[[], dict]) -> None:
+    """final_model/ is resumable like checkpoint-{step}/ (the seed's layout), except as merged LoRA weights,
+    which no longer hold the adapters the optimizer state belongs to, or as a bf16/fp16 export
+    (train.save_dtype), which no longer holds the float32 masters."""
+    merged = cfg.lora.enabled and cfg.lora.save_merged
+    export = SAVE_DTYPES.get(cfg.train.save_dtype)
+    save_policy_dir(
+        rt,
+        parts.run_dir / "final_model",
+        parts.policy,
+        parts.tokenizer,
+        cfg.to_yaml(),
+        None if merged or export else state(),
+        merge_lora=cfg.lora.save_merged,
+        dtype=export,
+    )
+
+
+def stopped_early(
+    run_dir: Path, step: int, total_steps: int, stop_signal: int | None, where: Path, nonfinite: int
+):
+    """After the checkpoint of a run that stopped before its last step: raise (non-finite steps) or warn
+    (a signal)."""
+    how = (
+        "Resume with the same command plus --resume latest "
+        f"(e.g. grpo train --resume latest --output-dir {run_dir})."
+    )
+    if stop_signal is None:
+        raise TrainingHalted(
+            f"{nonfinite} steps in a row had a non-finite loss or gradient (last: step {step}); stopped with "
+            f"checkpoint {where}. Lower optim.learning_rate, check the reward functions for NaN/inf, or "
+            f"raise train.stop_after_nonfinite_steps. {how}"
+        )
+    log.warning(
+        "Stopped at step %d of %d (signal %d); checkpoint %s. %s", step, total_steps, stop_signal, where, how
+    )
+
+
+def explain_failure(run_dir: Path, rank: int, step: int, error: Exception) -> None:
+    found = list_checkpoints(run_dir)
+    where = (
+        f"the latest checkpoint is {found[-1][1]}; resume with: grpo train --resume latest "
+        f"--output-dir {run_dir} (same settings)"
+        if found
+        else "no checkpoint was saved yet"
+    )
+    log.error(
+        "Training stopped at step %d (rank %d): %s: %s. Nothing after the last checkpoint is kept; %s.",
+        step,
+        rank,
+        type(error).__name__,
+        error,
+        where,
+    )
+
+
+def log_sizes(cfg: GRPOConfig, micro_batch_size: int, total_steps: int, stream: PromptStream) -> None:
+    t = cfg.train
+    log.info(
+        "Sizes: %d prompts/step × %d generations = %d completions/step; micro-batch %d "
+        "(%d forward/backward per optimizer step); %d optimizer step(s) per rollout; %d steps "
+        "(%d prompts, %d steps/epoch).",
+        t.prompts_per_step,
+        cfg.generation.num_generations,
+        cfg.completions_per_step,
+        micro_batch_size,
+        -(-cfg.completions_per_step // micro_batch_size),
+        cfg.algorithm.num_iterations,
+        total_steps,
+        len(stream.rows),
+        stream.steps_per_epoch(t.prompts_per_step),
+    )
+
+
+class BestModel:
+    """best_model/: the policy at the best value so far of train.metric_for_best_model."""
+
+    def __init__(self, cfg: GRPOConfig, parts: RunParts, rt: Runtime):
+        self.cfg, self.parts, self.rt = cfg, parts, rt
+        self.value: float | None = None
+
+    def offer(self, step: int, metrics: dict[str, float]) -> None:
+        t, p = self.cfg.train, self.parts
+        name = t.metric_for_best_model
+        if not name or name not in metrics or self.rt.sharded:  # FSDP2: no rank holds whole weights here
+            return
+        value = metrics[name]
+        if self.value is not None and (value <= self.value if t.greater_is_better else value >= self.value):
+            return
+        self.value = value
+        path = save_model_dir(p.run_dir / "best_model", p.policy, p.tokenizer, self.cfg.to_yaml(), None)
+        (path / "best.json").write_text(json.dumps({"step": step, "metric": name, "value": value}) + "\n")
+        log.info("New best %s = %.4g at step %d; saved %s", name, value, step, path)
+
+
+def write_report(run_dir: Path) -> None:
+    from grpo.run.report import write_report as write
+
+    try:
+        log.info("Report: %s", write(run_dir))
+    except Exception as error:  # noqa: BLE001 (a report must never cost a finished run)
+        log.warning("Could not write the run report: %r (retry with `grpo report %s`)", error, run_dir)
