@@ -250,7 +250,7 @@ def matrix_rows(tokenizer, cell: dict, steps: int) -> list[dict]:
     return [{"prompt": t} for t in texts]
 
 
-def vowel_share(prompts, completions, **kwargs) -> list[float]:
+def vowel_share(prompts, completions, **_columns) -> list[float]:
     """vowel_reward on text or on chat completions (a list of messages, TRL's conversational form)."""
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
     return vowel_reward(prompts, texts)

@@ -27,7 +27,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MATRIX_PROMPTS, MATRIX_RUNS, MATRIX_VARIATIONS, make_matrix_model, matrix_cell
+from common import (  # noqa: E402 (benchmarks/ is not a package: its path goes in first)
+    MATRIX_PROMPTS,
+    MATRIX_RUNS,
+    MATRIX_VARIATIONS,
+    make_matrix_model,
+    matrix_cell,
+)
 
 STAGES = ("rollout", "reward", "reference", "update")
 
@@ -80,7 +86,10 @@ def markdown(rows: list[dict]) -> str:
         ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    fmt = lambda side, key, f: "–" if side is None else f.format(side[key])
+
+    def fmt(side: dict | None, key: str, f: str) -> str:
+        return "–" if side is None else f.format(side[key])
+
     for r in rows:
         t, g = r.get("trl"), r.get("grpo")
         speedup = f"{r['speedup']:.2f}×" if "speedup" in r else "–"
@@ -139,7 +148,7 @@ def main() -> None:
             if not args.skip_trl:
                 sides.insert(0, ("trl", [args.trl_python, "trl_step.py"]))
             for side, cmd in sides:
-                r = run(cmd + ["--cell", name, "--steps", str(args.steps)], env)
+                r = run([*cmd, "--cell", name, "--steps", str(args.steps)], env)
                 results.setdefault(name, {}).setdefault(side, []).append(r)
                 loads.append(load())
                 print(

@@ -42,7 +42,10 @@ def main() -> None:
     cell = matrix_cell(args.cell)
     path = make_matrix_model(cell["eos"], cell["completion"])
     tok = matrix_tokenizer(path, cell["chat"])
-    load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
             batch_size=MATRIX_PROMPTS,

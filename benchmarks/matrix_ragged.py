@@ -98,10 +98,11 @@ def main() -> None:
         with torch.no_grad():
             for name, fraction in fractions.items():
                 gen[name].append(timed(lambda f=fraction: generate(f)))
-        for name, skip in zip(train_t, (False, True)):
+        for name, skip in zip(train_t, (False, True), strict=True):
             train_t[name].append(timed(lambda s=skip: train(s)))
     print(
-        f"threads {torch.get_num_threads()}, {'CPU' if args.cpu_time else 'wall'} time; generation: 64 rows, {statistics.median(tokens[1:]):.0f} "
+        f"threads {torch.get_num_threads()}, {'CPU' if args.cpu_time else 'wall'} time; generation: 64 rows, "
+        f"{statistics.median(tokens[1:]):.0f} "
         f"tokens per call (median); training: 16 rows, lengths {sorted(int(x) for x in lengths)}"
     )
     for name, times in {**gen, **train_t}.items():
