@@ -309,7 +309,8 @@ class NativeDecoder:
 
     # -- training -----------------------------------------------------------------------------------
     def shared_prompt_hidden(self, packed: SharedPromptPack) -> torch.Tensor:
-        """Final-normed hidden states that predict each real completion token: [M, d], in `target_slot` order."""
+        """Final-normed hidden states that predict each real completion token: [M, d], in `target_slot`
+        order."""
         h = self.embed(packed.token_ids)  # [S, d] S = real prompt tokens + real completion inputs
         cos, sin = self.rope(packed.positions)  # [S, D]
         for layer in self.layers:
@@ -326,12 +327,17 @@ class NativeDecoder:
             layer, rms_norm(h, self.w(layer.input_layernorm.weight), self.eps), cos, sin
         )  # [S, H|Hkv, D]
         p, lp, n, tc = packed.num_groups, packed.prompt_width, packed.num_rows, packed.input_width
-        pad_p = lambda x: (
-            _scatter_rows(x, packed.prompt_slot, p * lp).view(p, lp, -1, self.head_dim).transpose(1, 2)
-        )
-        pad_c = lambda x: (
-            _scatter_rows(x, packed.completion_slot, n * tc).view(n, tc, -1, self.head_dim).transpose(1, 2)
-        )
+
+        def pad_p(x):  # [S, ·] → [P, heads, Lp, D]
+            return _scatter_rows(x, packed.prompt_slot, p * lp).view(p, lp, -1, self.head_dim).transpose(1, 2)
+
+        def pad_c(x):  # [S, ·] → [N, heads, Tc, D]
+            return (
+                _scatter_rows(x, packed.completion_slot, n * tc)
+                .view(n, tc, -1, self.head_dim)
+                .transpose(1, 2)
+            )
+
         qp, kp, vp = (
             pad_p(q[: packed.num_prompt_tokens]),
             pad_p(k[: packed.num_prompt_tokens]),
@@ -513,7 +519,7 @@ def pack_shared_prompts(
         ids += inputs
         pos += range(plen[g], plen[g] + len(inputs))
         cslot += range(grid_row[i] * tc, grid_row[i] * tc + len(inputs))
-        predictor += [pstart[g] + plen[g] - 1] + list(range(first, first + len(inputs)))
+        predictor += [pstart[g] + plen[g] - 1, *range(first, first + len(inputs))]
         target += range(i * completion_width, i * completion_width + len(c))
         target_ids += c
     groups = torch.tensor([row_group[i] for i in order], dtype=torch.long)  # [N] grid order
@@ -523,7 +529,10 @@ def pack_shared_prompts(
     own = torch.arange(tc)  # [Tc]
     causal = (own[None, :] <= own[:, None])[None] & (own[None, None, :] < clens[:, None, None])  # [N, Tc, Tc]
     mask = torch.cat([prompt_ok[:, None, :].expand(n, tc, lp), causal], dim=-1)  # [N, Tc, Lp+Tc]
-    t = lambda v: torch.tensor(v, dtype=torch.long, device=device)
+
+    def t(v):
+        return torch.tensor(v, dtype=torch.long, device=device)
+
     return SharedPromptPack(
         token_ids=t(ids),
         positions=t(pos),

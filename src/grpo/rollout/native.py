@@ -127,7 +127,8 @@ class NativeEngine:
             cos, sin = dec.rope(layout.prompt_len_per_row + step, limit=rope_limit)  # [n, D]
             n_rows = tokens.shape[0]
             caches = [
-                (k[:n_rows, :, : step + 1], v[:n_rows, :, : step + 1]) for k, v in zip(cache_k, cache_v)
+                (k[:n_rows, :, : step + 1], v[:n_rows, :, : step + 1])
+                for k, v in zip(cache_k, cache_v, strict=True)
             ]
             logits = self.decode_step(tokens, prompt_cache, layout, caches, weights, cos, sin)
 
