@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import resource
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -124,5 +125,140 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def emit(result: dict) -> None:
-    print("RESULT " + json.dumps(result), flush=True)
+# Every matrix run's RESULT is also appended here, so an interrupted matrix keeps what it measured
+# (benchmarks/matrix.py --from-runs builds the table from it).
+MATRIX_RUNS = HERE / "results" / "matrix_runs.jsonl"
+
+
+def emit(result: dict, log: Path | None = None) -> None:
+    line = json.dumps(result)
+    print("RESULT " + line, flush=True)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as f:
+            f.write(json.dumps({**result, "time": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+
+
+# -- the workload matrix (benchmarks/matrix.py) ---------------------------------------------------------
+# A base cell and one-factor-at-a-time variations of it (a full factorial of the issue's axes is
+# 2·3·3·3·2·2 = 216 cells, days on two cores). Only the workload is fixed; every other setting is each
+# library's default.
+MATRIX_PROMPTS = 8  # prompts per optimizer step
+# The learning rate changes no cost, but it can change the workload: Adam's first steps move every
+# weight by ±lr, and on the eos-rate model (make_matrix_model) 1e-6 already lengthens TRL's
+# completions by 40% within 3 steps (its schedule starts at full rate; grpo's warms up). At 1e-7 the
+# lengths stay put on both sides.
+MATRIX_LEARNING_RATE = 1e-7
+MATRIX_BASE = {"eos": True, "prompt": 64, "completion": 128, "G": 8, "beta": 0.04, "chat": False}
+MATRIX_VARIATIONS = {
+    "base": {},
+    "eos-off": {"eos": False},
+    "prompt-8": {"prompt": 8},
+    "prompt-256": {"prompt": 256},
+    "completion-32": {"completion": 32},
+    "completion-512": {"completion": 512},
+    "G-4": {"G": 4},
+    "G-16": {"G": 16},
+    "beta-0": {"beta": 0.0},
+    "chat": {"chat": True},
+}
+# With eos on, a row ends at each step with this probability times 1 / the completion limit: lengths are
+# geometric with mean ≈ limit / 4, and the longest of 64 rows usually reaches the limit, the ragged case.
+EOS_RATE_TIMES_LIMIT = 4.0
+MATRIX_MAX_POSITIONS = 1024  # 256-token chat prompts + 512 new tokens fit
+
+
+def matrix_cell(name: str) -> dict:
+    return {**MATRIX_BASE, **MATRIX_VARIATIONS[name]}
+
+
+def _eos_margin(model, eos: int, ids) -> float:
+    """Mean over positions of logit(eos) − logsumexp(other logits): eos's log-odds."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(ids).logits.float()  # [B, S, V]
+    others = torch.cat([logits[..., :eos], logits[..., eos + 1 :]], -1)
+    return float((logits[..., eos] - others.logsumexp(-1)).mean())
+
+
+def make_matrix_model(eos: bool, completion: int) -> Path:
+    """The benchmark model with a controlled eos rate, saved once per rate (same architecture and size).
+
+    The random model's logits are nearly uniform, so eos would come at ~1/640 per token. To make eos
+    a workload knob, one embedding column is set to a constant for every token: after the final RMSNorm
+    it is the same large value at every position, so (tied embeddings) a token's logit is shifted by
+    that value times its own entry in the column. Giving eos's entry an offset δ moves eos's log-odds by
+    a fixed amount at every position; δ is calibrated on random sequences. eos off: a large negative
+    offset, so rows always run to the limit.
+    """
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rate = EOS_RATE_TIMES_LIMIT / completion if eos else 0.0
+    out = HERE / ".cache" / (f"qwen2-4.9m-eos{rate:.5f}" if eos else "qwen2-4.9m-noeos")
+    if (out / "model.safetensors").exists():
+        return out
+    base = make_model()
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(
+        base, dtype=torch.float32, max_position_embeddings=MATRIX_MAX_POSITIONS
+    )
+    emb = model.get_input_embeddings().weight
+    # 1.0 against the embedding's 0.02 spread: the column dominates every hidden state's norm, so its
+    # normalised value, and with it the eos rate, is nearly the same at every position (at 0.1 the rate
+    # varies 50× between positions and lengths come out bimodal).
+    eos_id, column, constant = tok.eos_token_id, 0, 1.0
+    ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        emb[:, column] = constant
+    if not eos:
+        with torch.no_grad():
+            emb[eos_id, column] = constant - 4.0
+    else:
+        target = math.log(rate / (1 - rate))  # log-odds of eos against all other tokens together
+        for _ in range(4):  # Newton steps on δ: the margin is ~linear in it (slope = the column's value)
+            margin = _eos_margin(model, eos_id, ids)
+            with torch.no_grad():
+                h = model.model(ids).last_hidden_state[..., column].mean()
+                emb[eos_id, column] += (target - margin) / float(h)
+    margin = _eos_margin(model, eos_id, ids)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    (out / "eos.json").write_text(json.dumps({"eos_rate": rate, "log_odds": margin}))
+    return out
+
+
+def matrix_tokenizer(path: Path, chat: bool):
+    """The model's tokenizer; with chat, the bundled tiny-math chat template on it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = (TOKENIZER_SOURCE / "chat_template.jinja").read_text() if chat else None
+    return tok
+
+
+def matrix_rows(tokenizer, cell: dict, steps: int) -> list[dict]:
+    """Prompts of exactly cell["prompt"] tokens (before any chat template); chat: one user message each."""
+    texts = make_prompts(tokenizer, cell["prompt"], MATRIX_PROMPTS * steps)
+    if cell["chat"]:
+        return [{"prompt": [{"role": "user", "content": t}]} for t in texts]
+    return [{"prompt": t} for t in texts]
+
+
+def vowel_share(prompts, completions, **_columns) -> list[float]:
+    """vowel_reward on text or on chat completions (a list of messages, TRL's conversational form)."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return vowel_reward(prompts, texts)
+
+
+def vm_hwm_mb() -> float:
+    """Peak resident set (VmHWM) of this process, MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024.0
+    return peak_rss_mb()

@@ -66,8 +66,8 @@ def main() -> None:
                 runs[name].append(tokens / (time.perf_counter() - start))
     rows = PROMPTS * GENERATIONS
     print(
-        f"\nGeneration, {PROMPTS}×{GENERATIONS} rows, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
-        f"tokens, {args.threads} thread(s); median of {args.repeats}\n"
+        f"\nGeneration, {PROMPTS}×{GENERATIONS} rows, {args.prompt_tokens}-token prompts, "
+        f"{args.new_tokens} new tokens, {args.threads} thread(s); median of {args.repeats}\n"
     )
     print("| engine | tokens/s | ms per decode step | speed-up |\n|---|---|---|---|")
     base = statistics.median(runs["transformers generate"])

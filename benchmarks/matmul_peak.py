@@ -34,7 +34,10 @@ def matmul_peaks(threads: int, size: int = 2048, repeats: int = 10) -> dict[str,
     peaks = {"mkl": flops / _best_seconds(lambda: a @ b, repeats) / 1e9}
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         w = b.t().contiguous()  # linear computes a wᵀ
-        onednn = lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+
+        def onednn() -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+
         peaks["onednn"] = flops / _best_seconds(onednn, repeats) / 1e9
     return peaks
 

@@ -18,9 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+# Run as a script, so its directory is on sys.path and `common` beside it imports, as in the other benchmarks.
 from common import GENERATIONS, MODEL_CONFIG, PROMPTS, WORKLOADS, make_model, param_count, step_flops
+
+HERE = Path(__file__).resolve().parent
 
 
 def run(cmd: list[str], env: dict) -> dict:
@@ -62,12 +63,12 @@ def main() -> None:
                 sides.insert(0, ("trl", [args.trl_python, "trl_step.py"]))
             for name, cmd in sides:
                 r = run(
-                    cmd + ["--workload", w, "--steps", str(args.steps), "--threads", str(args.threads)], env
+                    [*cmd, "--workload", w, "--steps", str(args.steps), "--threads", str(args.threads)], env
                 )
                 results.setdefault((w, name), []).append(r)
                 print(
-                    f"# {w} {name}: {r['median_s']:.2f} s/step, steps {[round(t, 2) for t in r['step_times']]}, "
-                    f"load {load()}",
+                    f"# {w} {name}: {r['median_s']:.2f} s/step, "
+                    f"steps {[round(t, 2) for t in r['step_times']]}, load {load()}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -112,7 +113,6 @@ def main() -> None:
                 100 * flops / secs / (peak * 1e9),
             )
         t, g = row["trl"], row["grpo"]
-        fmt = lambda x, f: "–" if x is None else f.format(x)
         print(
             f"| ({w}) {prompt_len}+{new} | {fmt(t and t[0], '{:.2f}')} | {g[0]:.2f} | "
             f"{fmt(t and t[0] / g[0], '{:.2f}×')} | {fmt(t and t[1], '{:,.0f}')} | {g[1]:,.0f} | "
@@ -131,6 +131,11 @@ def main() -> None:
             f"({w}) " + ", ".join(f"{k[5:]} {v:.2f}" for k, v in s.items()) for w, s in stages.items()
         )
     )
+
+
+def fmt(x: float | None, f: str) -> str:
+    """A table cell, or – where TRL was skipped."""
+    return "–" if x is None else f.format(x)
 
 
 if __name__ == "__main__":

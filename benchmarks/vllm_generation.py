@@ -1,6 +1,7 @@
 """Generation alone: vLLM vs the native engine vs `transformers` `generate`, same model, batch, settings.
 
-    PYTHONPATH=src .venv-vllm/bin/python benchmarks/vllm_generation.py --prompt-tokens 6 --new-tokens 128 --repeats 5
+    PYTHONPATH=src .venv-vllm/bin/python benchmarks/vllm_generation.py \
+        --prompt-tokens 6 --new-tokens 128 --repeats 5
 
 8 prompts × 8 completions of the random 4.9M-parameter benchmark model (benchmarks/common.py), float32,
 temperature 1, no top-k/top-p, eos ignored everywhere so every row generates exactly --new-tokens tokens.
@@ -81,7 +82,8 @@ def main() -> None:
             [{"prompt_token_ids": p} for p in prompts], vllm_params, use_tqdm=False
         )
         torch.set_num_threads(threads)
-        vllm_engine.llm.reset_prefix_cache()  # as after a weight sync in training: no prompt reuse across calls
+        # As after a weight sync in training: no prompt reuse across calls.
+        vllm_engine.llm.reset_prefix_cache()
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
     engines = {"transformers generate": hf, "grpo native": native, "vLLM (in-process)": with_vllm}
@@ -96,9 +98,9 @@ def main() -> None:
                 assert tokens == PROMPTS * GENERATIONS * args.new_tokens, (name, tokens)
                 runs[name].append(tokens / (time.perf_counter() - start))
     print(
-        f"\nGeneration, {PROMPTS}×{GENERATIONS} rows, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
-        f"tokens, {args.threads} thread(s); median of {args.repeats} interleaved runs; vLLM start-up "
-        f"{startup:.1f} s (not in the table)\n"
+        f"\nGeneration, {PROMPTS}×{GENERATIONS} rows, {args.prompt_tokens}-token prompts, "
+        f"{args.new_tokens} new tokens, {args.threads} thread(s); median of {args.repeats} interleaved runs; "
+        f"vLLM start-up {startup:.1f} s (not in the table)\n"
     )
     print("| engine | tokens/s | runs (tokens/s) | vs transformers | vs native |\n|---|---|---|---|---|")
     base, native_median = (statistics.median(runs[k]) for k in ("transformers generate", "grpo native"))

@@ -33,7 +33,10 @@ def trim(batch: TrainBatch) -> TrainBatch:
     longest = int(batch.completion_mask.sum(-1).max().item()) if len(batch) else 0
     keep = batch.prompt_width + max(longest, 1)
     cols = slice(0, max(longest, 1))
-    pick = lambda x: None if x is None else x[:, cols]
+
+    def pick(x):
+        return None if x is None else x[:, cols]
+
     return TrainBatch(
         input_ids=batch.input_ids[:, :keep],
         attention_mask=batch.attention_mask[:, :keep],

@@ -28,7 +28,8 @@ if TYPE_CHECKING:  # grpo.rewards imports the model code, which reads these reco
 class PromptBatch:
     """P prompts drawn from the dataset for one step."""
 
-    prompts: list  # the dataset's prompts as it gave them (text or chat messages), as reward functions receive them
+    # the dataset's prompts as it gave them (text or chat messages), as reward functions receive them
+    prompts: list
     prompt_token_ids: list[list[int]]  # chat-templated and tokenized, no padding
     columns: dict[str, list] = field(default_factory=dict)  # other dataset fields, e.g. answer
     indices: list[int] = field(default_factory=list)  # dataset rows, for logs and resume checks
@@ -110,7 +111,10 @@ class TrainBatch:
 
     def rows(self, index: slice) -> TrainBatch:
         """A micro-batch: the same record restricted to some rows."""
-        pick = lambda t: None if t is None else t[index]
+
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[index]
+
         return TrainBatch(
             input_ids=self.input_ids[index],
             attention_mask=self.attention_mask[index],

@@ -3,12 +3,12 @@
     CPU, the bundled tiny model and task:   grpo train
     2 CPU processes (gloo):                 torchrun --standalone --nproc_per_node 2 -m grpo train
     one GPU, a hub model on GSM8K:          grpo train --config gsm8k model=Qwen/Qwen2.5-0.5B-Instruct
-    8 GPUs, FSDP2:                          torchrun --standalone --nproc_per_node 8 -m grpo train --config gsm8k \
-                                                model=... strategy=fsdp2
+    8 GPUs, FSDP2:                          torchrun --standalone --nproc_per_node 8 -m grpo train \
+                                                --config gsm8k model=... strategy=fsdp2
     several nodes:                          torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \
                                                 --rdzv-endpoint HOST:29500 -m grpo train ...
     Ray rollout workers:                    grpo train rollout.mode=async rollout.replicas=2
-    Python:                                 GRPOTrainer(model=..., config=GRPOConfig(...), train_dataset=...).train()
+    Python:                                 GRPOTrainer(model=..., config=..., train_dataset=...).train()
 (docs/scaling.md has the device-role settings for each.)
 
 One step reads top to bottom in `GRPOTrainer.train`: source.next_batch → score → advantages → batch →
@@ -30,7 +30,6 @@ from pathlib import Path
 from grpo import records, trl_compat
 from grpo.algorithm.advantages import group_advantages
 from grpo.algorithm.filters import informative_prompts
-from grpo.algorithm.importance import mismatch_metrics
 from grpo.config import AlgorithmConfig, GRPOConfig
 from grpo.data import PromptStream
 from grpo.distributed import init_runtime
@@ -44,7 +43,14 @@ from grpo.rollout.source import RolloutSource, build_source
 from grpo.run import lifecycle
 from grpo.run.assemble import RunParts, build_run, planned_steps
 from grpo.run.lifecycle import TrainingHalted
-from grpo.run.metrics import StageTimer, StepReport, eval_metrics, reduce_metrics, sampler_ess, step_metrics
+from grpo.run.metrics import (
+    StageTimer,
+    StepReport,
+    eval_metrics,
+    reduce_metrics,
+    sampler_metrics,
+    step_metrics,
+)
 from grpo.run.profiling import StepProfiler
 from grpo.run.runlock import holding_run_lock
 
@@ -80,9 +86,8 @@ class GRPOTrainer:
         optimizers=(None, None),
         reward_processing_classes=None,
     ):
-        if trl_compat.looks_like_rewards(
-            ref_model
-        ):  # TRL's positional order: (model, reward_funcs, args, ...)
+        # TRL's positional order: (model, reward_funcs, args, ...)
+        if trl_compat.looks_like_rewards(ref_model):
             ref_model, reward_funcs = None, ref_model if reward_funcs is None else reward_funcs
             if isinstance(reward_model, GRPOConfig):
                 reward_model, args = None, reward_model
@@ -97,7 +102,7 @@ class GRPOTrainer:
             self.cfg.update(trl_compat.lora_from_peft(peft_config)).validate()
         d = self.cfg.distributed
         self.rt = init_runtime(d.strategy, d.backend, d.timeout_s)  # one process unless torchrun started us
-        self.roles = apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
+        apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
         if not self.rt.is_main:  # rank 0 speaks for the group, from the first header line on
             logging.getLogger("grpo").setLevel(logging.WARNING)
         self.parts: RunParts = build_run(
@@ -122,8 +127,8 @@ class GRPOTrainer:
         return self.stops.signal
 
     def save_model(self, output_dir: str | Path | None = None) -> Path:
-        """TRL's `trainer.save_model()`: the policy and tokenizer in `output_dir` (default: the run directory's
-        final_model/), loadable with from_pretrained."""
+        """TRL's `trainer.save_model()`: the policy and tokenizer in `output_dir` (default: the run
+        directory's final_model/), loadable with from_pretrained."""
         p, merge = self.parts, self.cfg.lora.save_merged
         path = Path(output_dir) if output_dir is not None else p.run_dir / "final_model"
         return save_policy_dir(
@@ -183,8 +188,8 @@ class GRPOTrainer:
                 scored, sampling_stats = collect(source, score, p.tokenizer, a, t.prompts_per_step, timer)
                 group_ids = scored.rollouts.group_ids  # [N]
                 advantages = group_advantages(scored.rewards, group_ids, a.advantage_scale, a.advantage_eps)
-                # The sampler's log-probs [N, T] are π_old itself when they are the learner's own (exact engine,
-                # one pass), or a behaviour policy to correct for (stale weights, other kernels).
+                # The sampler's log-probs [N, T] are π_old itself when they are the learner's own (exact
+                # engine, one pass), or a behaviour policy to correct for (stale weights, other kernels).
                 sampled = scored.rollouts.sampling_logprobs
                 off_policy = scored.lag > 0 or source.sampler_differs
                 as_old = not off_policy and a.num_iterations == 1 and source.exact_logprobs
@@ -204,7 +209,7 @@ class GRPOTrainer:
                 seconds = time.perf_counter() - step_start
                 metrics = {
                     **step_metrics(scored, advantages, sampling_stats, stats.as_dict()),
-                    **mismatch_metrics(sampled, stats.old_logprobs, batch.completion_mask),
+                    **sampler_metrics(sampled, stats.old_logprobs, batch.completion_mask, stats.importance),
                     "nonfinite_steps_total": nonfinite_total,
                     "lr": learner.scheduler.get_last_lr()[0],
                     "epoch": stream.epoch,
@@ -213,8 +218,6 @@ class GRPOTrainer:
                     **timer.as_metrics(),
                     **source.metrics(),
                 }
-                if "is/ess" not in metrics:  # on-policy: how far the sampler's log-probs are from π_old's
-                    metrics["is/ess"] = sampler_ess(stats.old_logprobs, sampled, batch.completion_mask)
                 metrics = reduce_metrics(rt, metrics)
                 summary.update(metrics)
                 report.step(step, metrics, scored, advantages)
@@ -268,7 +271,8 @@ Score = Callable[[PromptBatch, Rollouts, list[str], int], ScoredRollouts]
 def collect(
     source: RolloutSource, score: Score, tokenizer, a: AlgorithmConfig, want: int, timer: StageTimer
 ) -> tuple[ScoredRollouts, dict[str, float]]:
-    """One scored round, or (DAPO dynamic sampling) rounds until `want` prompts with reward spread are in hand."""
+    """One scored round, or (DAPO dynamic sampling) rounds until `want` prompts with reward spread are in
+    hand."""
     kept, drawn, informative, rounds, last = [], 0, 0, 0, None
     while rounds < (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 1):
         rounds += 1

@@ -29,10 +29,10 @@ __all__ = [
 ]
 
 _UNSUPPORTED_ARGS = {
-    "callbacks": "transformers TrainerCallbacks have no hooks here; metrics go to metrics.jsonl, TensorBoard and "
-    "W&B every train.logging_steps (docs/trl.md).",
-    "optimizers": "the optimizer is AdamW with the optim.* settings (learning_rate, adam_beta1/2, weight_decay, "
-    "lr_scheduler).",
+    "callbacks": "transformers TrainerCallbacks have no hooks here; metrics go to metrics.jsonl, TensorBoard "
+    "and W&B every train.logging_steps (docs/trl.md).",
+    "optimizers": "the optimizer is AdamW with the optim.* settings (learning_rate, adam_beta1/2, "
+    "weight_decay, lr_scheduler).",
     "reward_processing_classes": "a reward model given by path loads its own tokenizer; pass a "
     "SequenceClassifierReward for anything else (docs/rewards.md).",
 }
@@ -107,7 +107,8 @@ def lora_from_peft(peft_config: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RewardState:
-    """What TRL passes reward functions as `trainer_state` (a transformers TrainerState), the fields they read."""
+    """What TRL passes reward functions as `trainer_state` (a transformers TrainerState), the fields they
+    read."""
 
     global_step: int
     epoch: float
@@ -119,8 +120,9 @@ class RewardState:
 
 
 def reward_inputs(prompts: PromptBatch, rollouts: Rollouts, texts: list[str]) -> tuple[list, list, dict]:
-    """Prompts, completions and `completion_ids` as TRL gives reward functions: one entry per completion; a
-    conversational prompt's completion is `[{"role": "assistant", "content": text}]`, plain text stays text."""
+    """Prompts, completions and `completion_ids` as TRL gives reward functions: one entry per completion;
+    a conversational prompt's completion is `[{"role": "assistant", "content": text}]`, plain text stays
+    text."""
     group = rollouts.group_ids.tolist()  # [N]
     reward_prompts = [prompts.prompts[i] for i in group]
     completions = [

@@ -36,7 +36,7 @@ def test_bf16_prefill_and_decode_track_transformers(arch):
             assert (logits[i].float() - ref).abs().max() < 0.05 * ref.abs().max()
         for step in range(5):
             cos, sin = dec.rope(layout.prompt_len_per_row + step)
-            caches = [(k[:, :, : step + 1], v[:, :, : step + 1]) for k, v in zip(ck, cv)]
+            caches = [(k[:, :, : step + 1], v[:, :, : step + 1]) for k, v in zip(ck, cv, strict=True)]
             out = dec.decode_step(rows[:, step], cache, layout, caches, weights, cos, sin).float()
             for r in range(4):
                 full = torch.tensor(prompts[r // 2] + rows[r, : step + 1].tolist(), device="cuda")

@@ -2,7 +2,8 @@
 advantages, loss and gradients (float32) for every setting both libraries have. Skipped without trl.
 
 TRL's rollout (`_generate`) is replaced by fixed completions; everything after it is TRL's own code:
-reward scoring and advantages (`_generate_and_score_completions`), the loss (`_compute_loss`) and its backward.
+reward scoring and advantages (`_generate_and_score_completions`), the loss (`_compute_loss`) and its
+backward.
 Our side: `score_completions` → `group_advantages` → `build_train_batch` → `grpo_loss`, with the settings
 that `GRPOConfig(**trl_kwargs)` (trl_compat) maps TRL's to.
 """

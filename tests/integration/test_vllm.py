@@ -58,7 +58,10 @@ def _greedy(engine, prompts, n_tokens=40):
 
 def _same_rollouts(a, b):
     width = max(a.completion_ids.shape[1], b.completion_ids.shape[1])
-    pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)
+
+    def pad(t, v):
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)
+
     assert torch.equal(
         pad(a.completion_ids, 0) * pad(a.completion_mask, 0).long(),
         pad(b.completion_ids, 0) * pad(b.completion_mask, 0).long(),

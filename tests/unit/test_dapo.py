@@ -1,4 +1,5 @@
-"""DAPO dynamic sampling and overlong shaping, GSPO's sequence ratio and the entropy bonus, on worked numbers."""
+"""DAPO dynamic sampling and overlong shaping, GSPO's sequence ratio and the entropy bonus, on worked
+numbers."""
 
 import math
 

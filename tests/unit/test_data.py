@@ -65,7 +65,7 @@ def test_missing_file_and_non_utf8(tmp_path):
         load_rows(str(tmp_path / "nope.jsonl"), DataConfig())
     bad = tmp_path / "latin1.csv"
     bad.write_bytes("prompt\ncaf\xe9\n".encode("latin-1"))
-    with pytest.raises(ConfigError, match="UTF-8|Could not read"):
+    with pytest.raises(ConfigError, match=r"UTF-8|Could not read"):
         load_rows(str(bad), DataConfig())
 
 

@@ -6,14 +6,13 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 from grpo.config import DataConfig, load_config
 from grpo.data import PromptFormatter, load_rows
 from grpo.evaluation import evaluate
-from grpo.records import Rollouts
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.rewards.ifeval import _use_offline_nltk_if_needed, check_instructions, torchrl_ifeval
+from tests.helpers import CannedEngine, CannedTokenizer
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "ifeval_sample.jsonl"
 ROWS = {r["key"]: r for r in map(json.loads, FIXTURE.read_text().splitlines())}
@@ -135,34 +134,6 @@ def test_torchrl_ifeval_reward_worked_cases():
     assert REWARD_FUNCTIONS["torchrl_ifeval"] is torchrl_ifeval
 
 
-class _CannedEngine:
-    """Returns completion i for prompt i (token id i decodes to RESPONSES[i])."""
-
-    def generate(self, prompt_ids, n, sampling, chunk_prompts=None):
-        ids = torch.tensor([[ids[0]] for ids in prompt_ids for _ in range(n)])
-        return Rollouts(
-            group_ids=torch.arange(len(prompt_ids)).repeat_interleave(n),
-            completion_ids=ids,
-            completion_mask=torch.ones_like(ids, dtype=torch.float),
-            sampling_logprobs=torch.zeros(ids.shape),
-            truncated=torch.zeros(len(ids), dtype=torch.bool),
-        )
-
-
-class _CannedTokenizer:
-    chat_template = None
-
-    def __init__(self, prompts, responses):
-        self.index = {p: i for i, p in enumerate(prompts)}
-        self.responses = responses
-
-    def __call__(self, texts, add_special_tokens=True):
-        return {"input_ids": [[self.index[t]] for t in texts]}
-
-    def batch_decode(self, ids, skip_special_tokens=True):
-        return [self.responses[int(row[0])] for row in ids]
-
-
 def test_evaluate_reports_the_four_ifeval_accuracies_pooled_per_instruction():
     rows = load_rows(str(FIXTURE), DataConfig())
     responses = [
@@ -171,8 +142,8 @@ def test_evaluate_reports_the_four_ifeval_accuracies_pooled_per_instruction():
         "* red\n* green\nAny other questions?",
         "The SUN is VERY hot and bright.",
     ]
-    tokenizer = _CannedTokenizer([r["prompt"] for r in rows], responses)
-    result = evaluate(_CannedEngine(), PromptFormatter(tokenizer, DataConfig()), rows, max_new_tokens=8)
+    tokenizer = CannedTokenizer([r["prompt"] for r in rows], responses)
+    result = evaluate(CannedEngine(), PromptFormatter(tokenizer, DataConfig()), rows, max_new_tokens=8)
     assert result.accuracy == 0.5  # prompt-level strict: rows 1001 and 1003
     assert result.extra["prompt_level_strict_acc"] == 0.5
     assert result.extra["prompt_level_loose_acc"] == 0.75

@@ -76,11 +76,12 @@ def test_clipped_token_gets_no_gradient():
 @pytest.mark.parametrize(
     ("estimator", "at_plus", "at_minus"),
     [
-        # k1 = -Δ
+        # k1 is -Δ
         ("k1", -math.log(2), math.log(2)),
         # k2 = ½Δ² = ½(ln 2)² = 0.240227 on both sides
         ("k2", 0.5 * math.log(2) ** 2, 0.5 * math.log(2) ** 2),
-        # k3 = e^Δ - Δ - 1: Δ = +ln 2 -> 2 - 0.693147 - 1 = 0.306853; Δ = -ln 2 -> 0.5 + 0.693147 - 1 = 0.193147
+        # k3 = e^Δ - Δ - 1: Δ = +ln 2 -> 2 - 0.693147 - 1 = 0.306853;
+        # Δ = -ln 2 -> 0.5 + 0.693147 - 1 = 0.193147
         ("k3", 1 - math.log(2), math.log(2) - 0.5),
     ],
 )

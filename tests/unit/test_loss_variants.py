@@ -57,7 +57,8 @@ def test_sapo_soft_gate():
 
 
 def test_bias_corrected_kl_multiplies_by_the_differentiable_ratio():
-    # Â = 0 isolates the KL term. log π = ln 0.5, log π_ref = ln 0.25: Δ = ln 0.5, k3 = 0.5 + ln2 - 1 = 0.1931472.
+    # Â = 0 isolates the KL term. log π = ln 0.5, log π_ref = ln 0.25: Δ = ln 0.5,
+    # k3 = 0.5 + ln2 - 1 = 0.1931472.
     # On-policy (ρ = 1) the value is unchanged, β·k3 = 0.01931472 with β = 0.1, but the gradient is not:
     #   plain:     β·∂k3/∂log π = β·(1 - e^Δ) = 0.1·0.5 = 0.05
     #   corrected: β·(∂k3/∂log π·ρ + k3·∂ρ/∂log π) = 0.1·(0.5 + 0.1931472) = 0.1·ln2 = 0.0693147

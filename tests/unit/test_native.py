@@ -73,7 +73,7 @@ def test_prefill_and_decode_logits_match_transformers(arch):
         for step in range(6):
             weights = dec.decode_weights(fuse=step % 2 == 0)  # fused and separate projections alike
             cos, sin = dec.rope(layout.prompt_len_per_row + step)
-            caches = [(k[:, :, : step + 1], v[:, :, : step + 1]) for k, v in zip(ck, cv)]
+            caches = [(k[:, :, : step + 1], v[:, :, : step + 1]) for k, v in zip(ck, cv, strict=True)]
             step_logits = dec.decode_step(rows[:, step], cache, layout, caches, weights, cos, sin)  # [6, V]
             for r in range(6):
                 full = torch.tensor(prompts[r // 2] + rows[r, : step + 1].tolist())
@@ -135,7 +135,7 @@ def test_gradient_checkpointing_changes_nothing():
         logp, _ = shared_prompt_logprobs(dec, batch, 1.0)
         (logp * batch.advantages).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
 
 

@@ -29,7 +29,7 @@ def test_linear_forward_and_gradients_match_f_linear(bias):
     ref = F.linear(x, w, b)
     ref_grads = torch.autograd.grad((ref * upstream).sum(), [x, w] + ([b] if bias else []))
     _close(out, ref)
-    for g, r in zip(grads, ref_grads):
+    for g, r in zip(grads, ref_grads, strict=True):
         _close(g, r)
 
 

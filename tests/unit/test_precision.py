@@ -175,7 +175,8 @@ def test_bf16_forward_matches_transformers_own_bf16_forward():
 
 
 def test_bf16_rollout_log_probs_are_not_reused_as_pi_old():
-    """The loop reuses sampling log-probs as π_old only when bitwise the learner's (rollout.engine.logprobs_match_policy)."""
+    """The loop reuses sampling log-probs as π_old only when bitwise the learner's
+    (rollout.engine.logprobs_match_policy)."""
     from grpo.records import SamplingParams
     from grpo.rollout import build_engine
     from grpo.rollout.engine import logprobs_match_policy

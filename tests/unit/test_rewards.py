@@ -288,8 +288,9 @@ def test_each_reward_function_gets_its_own_copies_of_its_inputs():
 
 
 def test_reward_functions_with_the_same_name_get_distinct_metric_names():
-    first = lambda prompts, completions, **_: [1.0, 1.0]
-    second = lambda prompts, completions, **_: [0.0, 2.0]
+    # Lambdas on purpose: they all share the name `<lambda>`.
+    first = lambda prompts, completions, **_: [1.0, 1.0]  # noqa: E731
+    second = lambda prompts, completions, **_: [0.0, 2.0]  # noqa: E731
     scores = score_completions([first, second, first], None, ["a", "b"], ["x", "y"], {})
     assert scores.names == ["<lambda>", "<lambda>_2", "<lambda>_3"]
     assert torch.equal(scores.per_function[:, 1], torch.tensor([0.0, 2.0]))

@@ -4,7 +4,6 @@ through the same paths as the built-in ones; rows are matched to tasks by their 
 import json
 
 import pytest
-import torch
 
 from grpo.config import DataConfig, load_config
 from grpo.data import PromptFormatter, load_rows
@@ -19,7 +18,7 @@ from grpo.data.tasks import (
     task_of_rows,
 )
 from grpo.evaluation import evaluate
-from grpo.records import Rollouts
+from tests.helpers import CannedEngine, CannedTokenizer
 
 
 class _WordScorer:
@@ -33,34 +32,6 @@ class _WordScorer:
 
     def summary(self, details):
         return {"echo/rows": float(len(details))}
-
-
-class _EchoEngine:
-    """Completion = the prompt's token id; the tokenizer decodes it to a canned text."""
-
-    def generate(self, prompt_ids, n, sampling, chunk_prompts=None):
-        ids = torch.tensor([[ids[0]] for ids in prompt_ids for _ in range(n)])
-        return Rollouts(
-            group_ids=torch.arange(len(prompt_ids)).repeat_interleave(n),
-            completion_ids=ids,
-            completion_mask=torch.ones_like(ids, dtype=torch.float),
-            sampling_logprobs=torch.zeros(ids.shape),
-            truncated=torch.zeros(len(ids), dtype=torch.bool),
-        )
-
-
-class _CannedTokenizer:
-    chat_template = None
-
-    def __init__(self, prompts, responses):
-        self.index = {p: i for i, p in enumerate(prompts)}
-        self.responses = responses
-
-    def __call__(self, texts, add_special_tokens=True):
-        return {"input_ids": [[self.index[t]] for t in texts]}
-
-    def batch_decode(self, ids, skip_special_tokens=True):
-        return [self.responses[int(row[0])] for row in ids]
 
 
 @pytest.fixture
@@ -97,8 +68,8 @@ def test_switching_to_a_registered_task_brings_its_settings(echo_task):
 def test_a_registered_task_is_evaluated_with_its_scorer(echo_task):
     rows = load_rows("echo:test", DataConfig())
     assert task_of_rows(rows) is echo_task and scorer_for_rows(rows) is echo_task.scorer
-    tokenizer = _CannedTokenizer([r["prompt"] for r in rows], ["a cat", "no", "owl!"])
-    result = evaluate(_EchoEngine(), PromptFormatter(tokenizer, DataConfig()), rows, max_new_tokens=4, k=2)
+    tokenizer = CannedTokenizer([r["prompt"] for r in rows], ["a cat", "no", "owl!"])
+    result = evaluate(CannedEngine(), PromptFormatter(tokenizer, DataConfig()), rows, max_new_tokens=4, k=2)
     assert result.accuracy == pytest.approx(2 / 3) and result.pass_at_k == pytest.approx(2 / 3)
     assert result.maj_at_k == pytest.approx(2 / 3)
     assert result.extra["echo/rows"] == 3.0

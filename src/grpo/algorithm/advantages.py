@@ -70,10 +70,12 @@ def _group_moments(rewards: Tensor, group_ids: Tensor) -> _GroupMoments:
 
 
 def _scale_by_group_std(rewards: Tensor, moments: _GroupMoments, eps: float) -> Tensor:
+    del rewards  # the per-group std is already in the moments
     return moments.std[moments.inverse] + eps  # [N]
 
 
 def _scale_by_batch_std(rewards: Tensor, moments: _GroupMoments, eps: float) -> Tensor:
+    del moments  # the batch std is taken over the raw rewards, not the group moments
     # One std for every sample keeps the relative weight of easy and hard prompts, which a
     # per-group std distorts (Dr. GRPO, arXiv 2503.20783). It is the std of the raw rewards, as in
     # TRL's scale_rewards="batch"; REINFORCE++-baseline (arXiv 2501.03262) uses the std of the
@@ -84,6 +86,7 @@ def _scale_by_batch_std(rewards: Tensor, moments: _GroupMoments, eps: float) -> 
 
 
 def _no_scaling(rewards: Tensor, moments: _GroupMoments, eps: float) -> Tensor:
+    del moments, eps  # no divisor to build: the shared signature of ADVANTAGE_SCALINGS
     return rewards.new_ones(())  # []
 
 

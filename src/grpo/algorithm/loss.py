@@ -141,6 +141,7 @@ def per_token_policy_loss(
     clip_high > clip_low is DAPO's clip-higher. `mask` is accepted for the PolicyLoss contract and
     not needed: every token's ratio stands alone.
     """
+    del mask  # PolicyLoss contract; see the docstring
     return clipped_surrogate(torch.exp(logp - old_logp), advantages, clip_low, clip_high)  # [B, T]
 
 
@@ -188,6 +189,7 @@ def cispo_policy_loss(
     experiments and TRL's loss_type="cispo", whose `epsilon_high` is the cap itself (= our 1 + ε_high).
     Returns the per-token loss [B, T] and RatioStats (clipped_high: ρ above the cap, Â > 0).
     """
+    del mask, clip_low  # PolicyLoss contract: CISPO caps from above only, per token
     ratio = torch.exp(logp - old_logp)  # [B, T]
     weight = ratio.clamp(max=1.0 + clip_high).detach()  # [B, T]
     loss = -weight * advantages * logp  # [B, T]
@@ -216,6 +218,7 @@ def sapo_policy_loss(
     tokens faster (the paper's asymmetric temperatures; TRL's defaults 1.05 and 1.0). clip_low and
     clip_high are unused. Returns the per-token loss [B, T] and RatioStats with no clipped tokens.
     """
+    del mask, clip_low, clip_high  # PolicyLoss contract: SAPO's gate replaces the clip
     ratio = torch.exp(logp - old_logp)  # [B, T]
     tau = torch.where(advantages > 0, temperature_pos, temperature_neg)  # [B, T]
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau  # [B, T]
@@ -268,7 +271,8 @@ def _sequence_mean(per_token: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
 
 def _token_mean(per_token: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
     # DAPO token-level loss: every completion token in the optimisation batch weighs the same (TRL's
-    # loss_type="dapo"; TRL's "bnpo" divides by each micro-batch's own token count, equal with one micro-batch).
+    # loss_type="dapo"; TRL's "bnpo" divides by each micro-batch's own token count, equal with one
+    # micro-batch).
     return (per_token * mask).sum() / max(norm.num_tokens, 1)  # []
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 __all__ = ["LR_SCHEDULES", "lr_lambda"]
 
 LR_SCHEDULES: dict[str, Callable[[float], float]] = {
-    "constant": lambda progress: 1.0,
+    "constant": lambda _progress: 1.0,
     "linear": lambda progress: 1.0 - progress,  # to 0 at the last step
     "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),  # half a cosine, to 0
 }

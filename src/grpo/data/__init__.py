@@ -1,4 +1,5 @@
-"""Prompt data: where rows come from (sources), the task registry (tasks), and rows → PromptBatch (prompts)."""
+"""Prompt data: where rows come from (sources), the task registry (tasks), and rows → PromptBatch
+(prompts)."""
 
 from grpo.data.prompts import PromptFormatter, PromptStream, make_prompt_batch, prompt_text
 from grpo.data.sources import (

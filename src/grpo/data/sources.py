@@ -229,9 +229,9 @@ def normalise_rows(
     source: str,
     skip_invalid: bool = False,
 ) -> list[dict[str, Any]]:
-    """Rename the prompt column to `prompt`; the answer column keeps its name and is also copied to `answer`. Rows whose prompt (or, when there is an
-    answer column, answer) is missing or empty stop the run with their row numbers, or with
-    `skip_invalid` are dropped and counted."""
+    """Rename the prompt column to `prompt`; the answer column keeps its name and is also copied to
+    `answer`. Rows whose prompt (or, when there is an answer column, answer) is missing or empty stop the
+    run with their row numbers, or with `skip_invalid` are dropped and counted."""
     if not records:
         raise ConfigError(f"Dataset {source} is empty: it has no rows to train or evaluate on.")
     not_objects = [i for i, r in enumerate(records) if not isinstance(r, dict)]
@@ -248,20 +248,7 @@ def normalise_rows(
             f"column that holds the prompt (looked for {', '.join(PROMPT_COLUMNS)})."
         )
     answer_col = _pick(columns, answer_field, ANSWER_COLUMNS, "answer", source)
-    bad = {i: prompt_col for i, r in enumerate(records) if not _valid_prompt(r.get(prompt_col))}
-    not_text = [i for i in bad if not isinstance(records[i].get(prompt_col), str | list | None)]
-    if not_text and not skip_invalid:
-        value = records[not_text[0]][prompt_col]
-        raise ConfigError(
-            f"{source}: rows {row_numbers(not_text)} (counting from 0) have a '{prompt_col}' that is not "
-            f"text (row {not_text[0]}: {value!r}). A prompt is a string, or "
-            'a list of chat messages {"role": ..., "content": ...}. Fix them, or set '
-            "data.skip_invalid_rows=true to drop such rows."
-        )
-    if answer_col is not None:
-        for i, r in enumerate(records):
-            if r.get(answer_col) is None or (isinstance(r[answer_col], str) and not r[answer_col].strip()):
-                bad.setdefault(i, answer_col)
+    bad = _invalid_rows(records, prompt_col, answer_col, source, skip_invalid)
     if bad:
         fields = " or ".join(f"'{c}'" for c in dict.fromkeys(bad.values()))
         if not skip_invalid:
@@ -294,6 +281,29 @@ def normalise_rows(
             row["answer"] = r[answer_col]
         rows.append(row)
     return rows
+
+
+def _invalid_rows(
+    records: list[dict[str, Any]], prompt_col: str, answer_col: str | None, source: str, skip_invalid: bool
+) -> dict[int, str]:
+    """Row number -> the first field (prompt, then answer) that is empty or missing in it. A prompt that
+    is not text at all is a wrong column or a broken file, not a gap, so it stops the run unless
+    `skip_invalid`."""
+    bad = {i: prompt_col for i, r in enumerate(records) if not _valid_prompt(r.get(prompt_col))}
+    not_text = [i for i in bad if not isinstance(records[i].get(prompt_col), str | list | None)]
+    if not_text and not skip_invalid:
+        value = records[not_text[0]][prompt_col]
+        raise ConfigError(
+            f"{source}: rows {row_numbers(not_text)} (counting from 0) have a '{prompt_col}' that is not "
+            f"text (row {not_text[0]}: {value!r}). A prompt is a string, or "
+            'a list of chat messages {"role": ..., "content": ...}. Fix them, or set '
+            "data.skip_invalid_rows=true to drop such rows."
+        )
+    if answer_col is not None:
+        for i, r in enumerate(records):
+            if r.get(answer_col) is None or (isinstance(r[answer_col], str) and not r[answer_col].strip()):
+                bad.setdefault(i, answer_col)
+    return bad
 
 
 def _valid_prompt(prompt: Any) -> bool:

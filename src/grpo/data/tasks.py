@@ -71,6 +71,7 @@ class AnswerScorer:
         return RowScore(scores, {"answer": row["answer"]}, _majority_correct(completions, scores))
 
     def summary(self, details: list[Any]) -> dict[str, float]:
+        del details  # accuracy and majority vote are all an answer task reports
         return {}
 
 
@@ -110,7 +111,7 @@ def _majority_correct(texts: list[str], scores: list[float]) -> bool:
     if not counted:
         return False
     winner = counted.most_common(1)[0][0]
-    return any(s > 0 for a, s in zip(answers, scores) if a == winner)
+    return any(s > 0 for a, s in zip(answers, scores, strict=True) if a == winner)
 
 
 ANSWER_SCORER, IFEVAL_SCORER = AnswerScorer(), IFEvalScorer()

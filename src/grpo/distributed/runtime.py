@@ -19,15 +19,13 @@ import io
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger("grpo")
-
-STRATEGIES = ("ddp", "fsdp2")
 
 
 @dataclass
@@ -37,7 +35,6 @@ class Runtime:
     local_rank: int = 0
     strategy: str = "ddp"  # how gradients are shared when world_size > 1
     timeout_s: float = 600.0
-    dropped_prompts: int = field(default=0)  # prompts left out because P was not divisible by world_size
 
     @property
     def active(self) -> bool:
@@ -76,7 +73,6 @@ class Runtime:
                 len(indices),
                 self.world_size,
             )
-        self.dropped_prompts += left_out
         take = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
         return indices[take], rows[take]
 
@@ -108,13 +104,6 @@ class Runtime:
     def barrier(self) -> None:
         if self.active:
             dist.barrier()
-
-    def broadcast_object(self, obj):
-        if not self.active:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     def gather_objects(self, obj) -> list:
         """Every rank's `obj` (tensors allowed), on every rank."""
@@ -251,10 +240,6 @@ class Runtime:
     def seed(self, seed: int) -> None:
         """Same data order on every rank, different sampling noise (ranks hold different prompts)."""
         torch.manual_seed(seed + self.rank)
-
-    def close(self) -> None:
-        if self.active and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

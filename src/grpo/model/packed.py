@@ -72,10 +72,10 @@ def pack_batch(batch: TrainBatch, device: torch.device) -> SharedPromptPack:
     width = batch.prompt_width
     prompt_rows, completions, row_group = {}, [], []
     keep = batch.attention_mask.bool()
-    for ids, real in zip(batch.input_ids.tolist(), keep.tolist()):
-        prompt = tuple(t for t, r in zip(ids[:width], real[:width]) if r)
+    for ids, real in zip(batch.input_ids.tolist(), keep.tolist(), strict=True):
+        prompt = tuple(t for t, r in zip(ids[:width], real[:width], strict=True) if r)
         row_group.append(prompt_rows.setdefault(prompt, len(prompt_rows)))
-        completions.append([t for t, r in zip(ids[width:], real[width:]) if r])
+        completions.append([t for t, r in zip(ids[width:], real[width:], strict=True) if r])
     return pack_shared_prompts(
         [list(p) for p in prompt_rows], row_group, completions, batch.input_ids.shape[1] - width, device
     )

@@ -143,7 +143,7 @@ def _use_offline_nltk_if_needed(instructions_util) -> None:
     sentences = offline_sentence_tokenizer()
     words = nltk.tokenize.NLTKWordTokenizer()
 
-    def word_tokenize(text: str, language: str = "english", preserve_line: bool = False) -> list[str]:
+    def word_tokenize(text: str, language: str = "english", preserve_line: bool = False) -> list[str]:  # noqa: ARG001 (nltk's signature; the offline tokenizer is English only)
         # nltk.word_tokenize: sentences first, then the Treebank-style word tokenizer on each.
         parts = [text] if preserve_line else sentences.tokenize(text)
         return [token for part in parts for token in words.tokenize(part)]

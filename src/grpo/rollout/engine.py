@@ -68,5 +68,6 @@ def copy_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
 
 
 def logprobs_match_policy(engine: RolloutEngine, sampling: SamplingParams) -> bool:
-    """The engine's sampling log-probs are the learner's π_θ: exact kernels, and an unfiltered distribution."""
+    """The engine's sampling log-probs are the learner's π_θ: exact kernels, and an unfiltered
+    distribution."""
     return engine.exact_logprobs and not sampling.filtered

@@ -25,6 +25,9 @@ from grpo.rollout.sampling import pad_and_eos, sample_tokens
 log = logging.getLogger("grpo")
 
 _COMPACT_FRACTION = 8  # drop finished rows once ≥ 1/8 of the active batch has finished
+# Below this many rows the decode projections leave oneDNN for F.linear (MKL): with eos-ended rows the
+# batch shrinks, and oneDNN's per-call cost at a few rows exceeds MKL's (see docs/performance.md).
+_ONEDNN_MIN_ROWS = 32
 
 
 class NativeEngine:
@@ -80,9 +83,8 @@ class NativeEngine:
         rows = p * n
         prompt_cache, first_logits = dec.prefill(prompts, self.pad_id)  # first_logits [P, V]
         # oneDNN's own weight tensors are opaque to torch.compile: a compiled step keeps plain ones.
-        weights = dec.decode_weights(
-            fuse=device.type == "cpu", onednn=device.type == "cpu" and not self.compiled
-        )
+        onednn = device.type == "cpu" and not self.compiled
+        weights = dec.decode_weights(fuse=device.type == "cpu", onednn=onednn)
         shape = (rows, dec.num_kv_heads, t_max, dec.head_dim)
         cache_k = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
         cache_v = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
@@ -119,10 +121,14 @@ class NativeEngine:
                     cache[: keep.numel(), :, :step] = cache[keep.to(device), :, :step]
                 active, alive, tokens = active[keep], alive[keep], tokens[keep.to(device)]
                 layout = GroupLayout(active.to(device) // n, prompt_cache.lengths, p)
+                if onednn and keep.numel() < _ONEDNN_MIN_ROWS:
+                    onednn = False
+                    weights = dec.decode_weights(fuse=True, onednn=False)
             cos, sin = dec.rope(layout.prompt_len_per_row + step, limit=rope_limit)  # [n, D]
             n_rows = tokens.shape[0]
             caches = [
-                (k[:n_rows, :, : step + 1], v[:n_rows, :, : step + 1]) for k, v in zip(cache_k, cache_v)
+                (k[:n_rows, :, : step + 1], v[:n_rows, :, : step + 1])
+                for k, v in zip(cache_k, cache_v, strict=True)
             ]
             logits = self.decode_step(tokens, prompt_cache, layout, caches, weights, cos, sin)
 

@@ -145,10 +145,11 @@ class RayRollout:
                 ray.init(address=d.ray_address, include_dashboard=False, logging_level=logging.WARNING)
             except ConnectionError as e:
                 raise ConfigError(
-                    f"Could not join the Ray cluster at ray_address={d.ray_address} ({e}). Is it running (`ray "
-                    "status`)? Ray >= 2.59 clusters check a token: a process on the head's machine reads it from "
-                    "~/.ray/auth_token (same user, same HOME); elsewhere export RAY_AUTH_TOKEN=$(ray get-auth-token) "
-                    "(run on the head) or RAY_AUTH_TOKEN_PATH=FILE before `ray start --address` and torchrun."
+                    f"Could not join the Ray cluster at ray_address={d.ray_address} ({e}). Is it running "
+                    "(`ray status`)? Ray >= 2.59 clusters check a token: a process on the head's machine "
+                    "reads it from ~/.ray/auth_token (same user, same HOME); elsewhere export "
+                    "RAY_AUTH_TOKEN=$(ray get-auth-token) (run on the head) or RAY_AUTH_TOKEN_PATH=FILE "
+                    "before `ray start --address` and torchrun."
                 ) from e
         self.spawned = 0
         self.actors = [self._spawn(i) for i in range(placement.replicas)]

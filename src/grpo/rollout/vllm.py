@@ -297,6 +297,7 @@ class VLLMEngine:
         sampling: SamplingParams,
         chunk_prompts: int | None = None,
     ) -> Rollouts:
+        del chunk_prompts  # vLLM's scheduler bounds its own KV cache, so the prompts go in at once
         self.wake()
         threads = torch.get_num_threads()
         requests = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
@@ -363,10 +364,10 @@ class VLLMServerEngine:
         self.weights_path = Path(served.get("root") or self.served)
         if not (self.weights_path / _WeightsDir.MARK).exists():
             raise ConfigError(
-                f"The vLLM server at {url} serves {self.weights_path}, which grpo did not prepare. Write a model "
-                "directory with grpo.rollout.vllm.write_model_dir(model, tokenizer, PATH) and start the server "
-                "on it: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model PATH "
-                "--dtype float32 (README, 'vLLM')."
+                f"The vLLM server at {url} serves {self.weights_path}, which grpo did not prepare. Write a "
+                "model directory with grpo.rollout.vllm.write_model_dir(model, tokenizer, PATH) and start "
+                "the server on it: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server "
+                "--model PATH --dtype float32 (README, 'vLLM')."
             )
         self.executor = ThreadPoolExecutor(max_workers=16)
 
@@ -403,6 +404,8 @@ class VLLMServerEngine:
         sampling: SamplingParams,
         chunk_prompts: int | None = None,
     ) -> Rollouts:
+        del chunk_prompts  # the server schedules its own batches and bounds its own KV cache
+
         def one(ids: list[int]) -> list[tuple[list[int], list[float], bool]]:
             body = {
                 "model": self.served,

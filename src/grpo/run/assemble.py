@@ -192,43 +192,14 @@ def _build_parts(
         tokenizer = load_tokenizer(cfg)
     else:
         tokenizer = prepare_tokenizer(tokenizer)
-    if model is None or isinstance(model, str):
-        policy = load_policy(cfg, device)
-    else:
-        policy = float32_masters(model.to(device).train())
-    if cfg.lora.enabled:
-        from grpo.model.lora import apply_lora
-
-        policy = apply_lora(policy, cfg.lora)
-        if compute != torch.float32:  # the frozen base is never stepped: hold it in the compute dtype
-            for param in policy.parameters():
-                if not param.requires_grad and param.is_floating_point():
-                    param.data = param.data.to(compute)
-    ref = None
-    if cfg.algorithm.beta > 0:
-        if cfg.lora.enabled:  # the base weights with the adapters off: no second copy
-            from grpo.model.lora import ReferenceWithoutAdapters
-
-            ref = ReferenceWithoutAdapters(policy)
-        elif ref_model is None or isinstance(ref_model, str):
-            ref = (
-                load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy, compute)
-            )
-        else:
-            ref = ref_model.to(device=device, dtype=compute).eval().requires_grad_(False)
-    elif ref_model is not None:
-        log.info("algorithm.beta = 0: the reference model is not used (no KL term).")
-    if ref is not None and not cfg.lora.enabled:
-        from grpo.distributed.roles import place_reference
-
-        ref = place_reference(ref, cfg.distributed.ref_device, device)
+    policy = _policy(cfg, model, device, compute)
+    ref = _reference(cfg, ref_model, model, policy, device, compute)
 
     reward_spec = reward_model if reward_model is not None else cfg.algorithm.reward_model
     if reward_spec is not None:
         funcs.append(
             _model_reward(
                 reward_spec,
-                policy,
                 tokenizer,
                 cfg,
                 resolve_device(cfg.algorithm.reward_model_device or cfg.model.device),
@@ -287,6 +258,43 @@ def _build_parts(
     )
 
 
+def _policy(cfg: GRPOConfig, model, device: torch.device, compute: torch.dtype):
+    """The trained model, float32 masters (loaded from cfg.model unless a module is given), with LoRA
+    adapters when enabled."""
+    if model is None or isinstance(model, str):
+        policy = load_policy(cfg, device)
+    else:
+        policy = float32_masters(model.to(device).train())
+    if cfg.lora.enabled:
+        from grpo.model.lora import apply_lora
+
+        policy = apply_lora(policy, cfg.lora)
+        if compute != torch.float32:  # the frozen base is never stepped: hold it in the compute dtype
+            for param in policy.parameters():
+                if not param.requires_grad and param.is_floating_point():
+                    param.data = param.data.to(compute)
+    return policy
+
+
+def _reference(cfg: GRPOConfig, ref_model, model, policy, device: torch.device, compute: torch.dtype):
+    """The frozen reference of the KL term, on its configured device; None without one (beta = 0)."""
+    if cfg.algorithm.beta <= 0:
+        if ref_model is not None:
+            log.info("algorithm.beta = 0: the reference model is not used (no KL term).")
+        return None
+    if cfg.lora.enabled:  # the base weights with the adapters off: no second copy
+        from grpo.model.lora import ReferenceWithoutAdapters
+
+        return ReferenceWithoutAdapters(policy)
+    if ref_model is None or isinstance(ref_model, str):
+        ref = load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy, compute)
+    else:
+        ref = ref_model.to(device=device, dtype=compute).eval().requires_grad_(False)
+    from grpo.distributed.roles import place_reference
+
+    return place_reference(ref, cfg.distributed.ref_device, device)
+
+
 def load_data_and_rewards(
     cfg: GRPOConfig, train_dataset=None, eval_dataset=None, reward_funcs=None, reward_model=None, token=None
 ) -> tuple[list[dict], list[dict], list[Callable]]:
@@ -340,14 +348,15 @@ def _missing_columns_message(
     )
     first = next(iter(missing.values()))[0]
     return (
-        f"The dataset ({source}) has no {first!r} column: {needs} (the dataset has {', '.join(sorted(columns))})."
-        f" Add the column (SimplePromptDataset(prompts, {first}=[...]), or the field {first!r} in every row; "
+        f"The dataset ({source}) has no {first!r} column: {needs} (the dataset has "
+        f"{', '.join(sorted(columns))}). Add the column (SimplePromptDataset(prompts, {first}=[...]), or the "
+        f"field {first!r} in every row; "
         f"data.answer_field names another column as the answer), "
         + (
             "or drop the rewards that need it (reward_funcs=[] keeps the reward model alone)."
             if has_model
-            else "or score with a reward model (reward_model=... / --reward-model PATH) or rewards that need no "
-            f"{first!r} (reward_funcs=[...], --reward-funcs NAME)."
+            else "or score with a reward model (reward_model=... / --reward-model PATH) or rewards that need "
+            f"no {first!r} (reward_funcs=[...], --reward-funcs NAME)."
         )
     )
 
@@ -386,7 +395,7 @@ def _frozen_copy(policy, dtype: torch.dtype):
     return copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
 
 
-def _model_reward(spec, policy, tokenizer, cfg: GRPOConfig, device):
+def _model_reward(spec, tokenizer, cfg: GRPOConfig, device):
     from grpo.rewards.model import reward_from_model
 
     if not isinstance(spec, str):

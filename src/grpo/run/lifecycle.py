@@ -38,7 +38,8 @@ SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # train.sa
 
 
 class TrainingHalted(RuntimeError):
-    """Training stopped itself (after saving a checkpoint) because it could not go on; the message says why."""
+    """Training stopped itself (after saving a checkpoint) because it could not go on; the message says
+    why."""
 
 
 class StopRequests:
@@ -49,6 +50,7 @@ class StopRequests:
         self.signal: int | None = None  # the first signal received
 
     def _request(self, signum, frame) -> None:
+        del frame  # signal.signal's handler signature; where the signal landed does not matter
         if self.signal is not None:
             raise KeyboardInterrupt
         self.signal = signum
@@ -156,13 +158,17 @@ def save_final(cfg: GRPOConfig, parts: RunParts, rt: Runtime, state: Callable[[]
 def stopped_early(
     run_dir: Path, step: int, total_steps: int, stop_signal: int | None, where: Path, nonfinite: int
 ):
-    """After the checkpoint of a run that stopped before its last step: raise (non-finite steps) or warn (a signal)."""
-    how = f"Resume with the same command plus --resume latest (e.g. grpo train --resume latest --output-dir {run_dir})."
+    """After the checkpoint of a run that stopped before its last step: raise (non-finite steps) or warn
+    (a signal)."""
+    how = (
+        "Resume with the same command plus --resume latest "
+        f"(e.g. grpo train --resume latest --output-dir {run_dir})."
+    )
     if stop_signal is None:
         raise TrainingHalted(
             f"{nonfinite} steps in a row had a non-finite loss or gradient (last: step {step}); stopped with "
-            f"checkpoint {where}. Lower optim.learning_rate, check the reward functions for NaN/inf, or raise "
-            f"train.stop_after_nonfinite_steps. {how}"
+            f"checkpoint {where}. Lower optim.learning_rate, check the reward functions for NaN/inf, or "
+            f"raise train.stop_after_nonfinite_steps. {how}"
         )
     log.warning(
         "Stopped at step %d of %d (signal %d); checkpoint %s. %s", step, total_steps, stop_signal, where, how
@@ -172,8 +178,8 @@ def stopped_early(
 def explain_failure(run_dir: Path, rank: int, step: int, error: Exception) -> None:
     found = list_checkpoints(run_dir)
     where = (
-        f"the latest checkpoint is {found[-1][1]}; resume with: grpo train --resume latest --output-dir {run_dir} "
-        "(same settings)"
+        f"the latest checkpoint is {found[-1][1]}; resume with: grpo train --resume latest "
+        f"--output-dir {run_dir} (same settings)"
         if found
         else "no checkpoint was saved yet"
     )

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo.algorithm.advantages import group_reward_stats
+from grpo.algorithm.importance import mismatch_metrics, sampler_ess
 from grpo.config import ConfigError
 from grpo.distributed.runtime import Runtime
 from grpo.records import Rollouts, ScoredRollouts
@@ -242,7 +243,8 @@ class StepReport:
         if self.t.progress_bar:
             self.bar.write(
                 f"step {step}: reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f} "
-                f"| kl {metrics['kl']:.4f} | len {metrics['completion_len/mean']:.1f} | {metrics['time/step']:.2f}s"
+                f"| kl {metrics['kl']:.4f} | len {metrics['completion_len/mean']:.1f} "
+                f"| {metrics['time/step']:.2f}s"
             )
 
     def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
@@ -305,19 +307,16 @@ def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
     }
 
 
-def sampler_ess(
-    old_logprobs: torch.Tensor | None, sampling_logprobs: torch.Tensor | None, mask: torch.Tensor
-) -> float:
-    """Kish effective sample size, as a fraction in (0, 1], of the token weights π_old / π_sampler: 1.0
-    when the sampler's log-probs are the learner's (TorchRL logs this ESS in every mode)."""
-    if old_logprobs is None or sampling_logprobs is None:
-        return float("nan")
-    width = min(old_logprobs.shape[1], sampling_logprobs.shape[1], mask.shape[1])
-    m = mask[:, :width].float()  # [N, T]
-    log_w = (old_logprobs[:, :width].float() - sampling_logprobs[:, :width].float()) * m  # [N, T]
-    w = log_w.clamp(max=20).exp() * m  # [N, T]
-    n = m.sum().clamp(min=1)
-    return (w.sum().square() / (n * w.square().sum().clamp(min=1e-12))).item()
+def sampler_metrics(
+    sampling_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, mask: torch.Tensor, importance: dict
+) -> dict[str, float]:
+    """How far the sampler's log-probs [N, T] are from the learner's π_old [N, T] on the mask [N, T]: the
+    mismatch metrics, and is/ess when the learner's importance-weight metrics (`importance`) have none
+    (it weighed no token: on-policy), so every run logs how close its sampler is."""
+    metrics = mismatch_metrics(sampling_logprobs, old_logprobs, mask)
+    if "is/ess" not in importance:
+        metrics["is/ess"] = sampler_ess(old_logprobs, sampling_logprobs, mask)
+    return metrics
 
 
 def nanmean(x: torch.Tensor) -> float:
