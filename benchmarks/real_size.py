@@ -5,7 +5,7 @@
 
 Settings (both sides): float32 on the CPU, β 0.04, 4 prompts × 4 completions, 64 new tokens, 2 steps,
 temperature 1, the bundled tiny_math prompts through the chat template, evaluation off. Llama-3.2-1B
-trains LoRA adapters (peft's defaults for the architecture, r 8, α 16) on both sides: its full float32
+trains LoRA adapters (peft's defaults for the architecture, r 8, alpha 16) on both sides: its full float32
 weights, gradients and AdamW state with a reference (≈ 24.7 GB) do not fit this machine; with LoRA the
 reference is the base model with the adapters off, on both sides. Each run is a
 fresh process; a sampler reads its /proc status every 0.2 s for the RSS timeline and the high-water mark
@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from build_real_model import ARCHITECTURES, PARAMS, build
+from build_real_model import ARCHITECTURES, PARAMS, build  # noqa: E402 (scripts/ on the path first)
 
 PROMPTS, GENERATIONS, NEW_TOKENS, BETA, STEPS = 4, 4, 64, 0.04, 2
 LORA = {"llama-3.2-1b"}  # models trained through LoRA adapters (see above)
@@ -197,7 +197,8 @@ def main() -> None:
                 f"{framework} {name}: steps {r['step_times_s']} s, peak RSS {r['peak_rss_mb']} MB", flush=True
             )
     print(
-        "\n| model | framework | step 1 (s) | step 2 (s) | process CPU (s) | peak RSS (GB) |\n|---|---|---|---|---|---|"
+        "\n| model | framework | step 1 (s) | step 2 (s) | process CPU (s) | peak RSS (GiB) |"
+        "\n|---|---|---|---|---|---|"
     )
     for r in results:
         t = r["step_times_s"] + [float("nan")] * 2

@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--lora", action="store_true", help="peft LoRA, r 8, α 16 (grpo's lora.* defaults)")
+    ap.add_argument("--lora", action="store_true", help="peft LoRA, r 8, alpha 16 (grpo's lora.* defaults)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import trl

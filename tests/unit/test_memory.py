@@ -37,7 +37,7 @@ def test_optimizer_step_allocates_no_parameter_sized_temporaries():
     learner = Learner(model, None, cfg, total_optimizer_steps=4)
     params = [p for p in model.parameters() if p.requires_grad]
     size = sum(p.numel() * p.element_size() for p in params)
-    for step in range(2):  # the first step creates AdamW's state; the second is any later step
+    for _ in range(2):  # the first step creates AdamW's state; the second is any later step
         for p in params:
             p.grad = torch.randn_like(p)
         growth = peak_growth(learner._optimizer_step)
