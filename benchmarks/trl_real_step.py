@@ -12,27 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import time
 from pathlib import Path
 
 import torch
 from common import text_length
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl_step import StepTimer
 
 DATA = Path(__file__).resolve().parents[1] / "src" / "grpo" / "assets" / "tiny_math" / "train.jsonl"
-
-
-class StepTimer(TrainerCallback):
-    def __init__(self):
-        self.times: list[float] = []
-        self.start = 0.0
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.perf_counter() - self.start)
 
 
 def lora_config():
