@@ -3,6 +3,9 @@
 Peaks are read from the kernel (VmHWM, reset through /proc/self/clear_refs), since torch's CPU
 allocations are invisible to tracemalloc."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,9 +13,9 @@ import torch
 
 from grpo.config import GRPOConfig
 from grpo.learner import Learner
-from grpo.model.memory import release_large_frees
 from tests.conftest import tiny_llama
 
+SRC = Path(__file__).resolve().parents[2] / "src"
 STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 pytestmark = pytest.mark.skipif(not CLEAR_REFS.exists(), reason="needs Linux /proc peak-RSS reset")
 
@@ -44,13 +47,33 @@ def test_optimizer_step_allocates_no_parameter_sized_temporaries():
     assert growth < 0.1 * size, f"the step's peak rose {growth / 2**20:.0f} MiB over {size / 2**20:.0f} MiB"
 
 
+_FREED_TENSORS_LEAVE_RSS = """
+from pathlib import Path
+import torch
+from grpo.model.memory import release_large_frees
+
+def rss():
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+assert release_large_frees()
+# Without a fixed threshold glibc raises its mmap threshold to this freed 30 MB chunk, and the 8 MB
+# tensors below come from the heap, where the freed ones stay resident as holes between live ones.
+torch.ones(30 << 18)
+tensors = [torch.ones(2 << 20) for _ in range(20)]  # 20 x 8 MB, pages touched
+before = rss()
+del tensors[::2]
+print(before - rss())
+"""
+
+
 def test_freed_activation_sized_tensors_leave_rss():
-    release_large_frees()
-    # Without a fixed threshold glibc raises its mmap threshold to this freed 30 MB chunk, and the 8 MB
-    # tensors below come from the heap, where the freed ones stay resident as holes between live ones.
-    torch.ones(30 << 18)
-    tensors = [torch.ones(2 << 20) for _ in range(20)]  # 20 × 8 MB, pages touched
-    freed = 10 * (8 << 20)
-    before = _kb("VmRSS")
-    del tensors[::2]
-    assert before - _kb("VmRSS") > 0.9 * freed
+    # A fresh process, as at the start of `grpo train`: in this long-lived pytest process the heap already
+    # holds large free chunks from earlier tests, and malloc serves 8 MB from them whatever the threshold.
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", _FREED_TENSORS_LEAVE_RSS], env=env, capture_output=True, text=True, check=True
+    )
+    released = int(out.stdout.split()[-1])
+    assert released > 0.9 * 10 * (8 << 20), f"freeing 80 MiB of tensors released {released / 2**20:.1f} MiB"
