@@ -1,14 +1,22 @@
-"""`linear(x, W, b)` = x Wᵀ + b, on oneDNN for float32 on the CPU, else `F.linear`.
+"""`linear(x, W, b)` = x Wᵀ + b, on oneDNN for float32 on AVX-512 CPUs, else `F.linear`.
 
-Why: PyTorch sends a CPU float32 `F.linear` to MKL. On the 2-core AMD EPYC (AVX-512) this project is
-measured on, MKL runs the native decoder's GEMMs at 135-185 GFLOP/s for 4,096 training tokens and
-~105 GFLOP/s for a 64-row decode step; oneDNN (bundled with every PyTorch CPU build, and what
-`torch.compile` uses for CPU linears with frozen weights) runs them at 190-215 and ~125-135 GFLOP/s.
-`benchmarks/matmul_peak.py` measures both. The result is the same product up to float32 rounding
-(summation order), as between any two GEMM libraries.
+Why: PyTorch sends a CPU float32 `F.linear` to MKL. Which of the two GEMM libraries bundled with every
+PyTorch CPU build is faster depends on the CPU, so the choice is made by instruction set, once:
 
-Training: forward and the input gradient go to oneDNN; the weight gradient (Gᵀ X, a long reduction
-over tokens) stays on MKL, which is the faster of the two there.
+- AVX-512 (a 2-core AMD EPYC, earlier rounds): oneDNN ran the native decoder's GEMMs at 190-215
+  GFLOP/s for 4,096 training tokens against MKL's 135-185, and ~125-135 against ~105 for a 64-row
+  decode step.
+- AVX2 without AVX-512 (the 2-core AMD EPYC of 2026-11-23, docs/performance.md "GEMM library"): MKL
+  was faster at every shape measured, 150-179 GFLOP/s against oneDNN's 136-162 for 2,176 training
+  tokens, and 10-50% faster for decode's 1-64 rows; a whole rollout of 64 × 128 tokens took 1.58 s on
+  MKL against 1.75 s on oneDNN, a 16-row training forward 178 ms against 197.
+
+`benchmarks/matmul_peak.py` measures both libraries. The result is the same product up to float32
+rounding (summation order), as between any two GEMM libraries; the choice depends only on the machine,
+so a run and its resume on the same machine compute the same numbers.
+
+Training on oneDNN: forward and the input gradient go to oneDNN; the weight gradient (Gᵀ X, a long
+reduction over tokens) stays on MKL, which is the faster of the two there.
 
 Decoding: `DecodeLinear` holds a weight converted once per `generate` call to oneDNN's own tensor
 type and can fuse the op that follows the product (SiLU, a product with another tensor, a residual
@@ -22,13 +30,15 @@ import platform
 import torch
 import torch.nn.functional as F
 
-# x86-64 only: that is where it was measured faster. On ARM (e.g. Apple silicon) PyTorch's BLAS is
+# x86-64 only: that is where it was measured. On ARM (e.g. Apple silicon) PyTorch's BLAS is
 # Accelerate or OpenBLAS, and oneDNN's AArch64 kernels have not been compared with them here.
-ONEDNN = (
+ONEDNN_AVAILABLE = (
     platform.machine().lower() in ("x86_64", "amd64")
     and torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 )
+# Used where it was measured faster: AVX-512 CPUs (see the module docstring).
+ONEDNN = ONEDNN_AVAILABLE and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def _onednn(
@@ -76,9 +86,17 @@ class DecodeLinear:
         self.weight = weight.to_mkldnn() if self.onednn else weight
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
+        # MKL on a CPU: x @ Wᵀ from a [in, out] copy made once per generate call. For decode's few rows
+        # it ran 5-30% faster than F.linear on the [out, in] weight (1-64 rows, AVX2 EPYC, 2 threads),
+        # and `addmm` then folds a residual add into the product.
+        self.weight_t = weight.t().contiguous() if not self.onednn and weight.device.type == "cpu" else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _onednn(x, self.weight, self.bias) if self.onednn else F.linear(x, self.weight, self.bias)
+        if self.onednn:
+            return _onednn(x, self.weight, self.bias)
+        if self.weight_t is None:
+            return F.linear(x, self.weight, self.bias)
+        return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x Wᵀ + b)."""
@@ -94,6 +112,8 @@ class DecodeLinear:
         """(x Wᵀ + b) + other (a residual add)."""
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "add")
+        if self.weight_t is not None and self.bias is None:
+            return torch.addmm(other, x, self.weight_t)
         return self(x) + other
 
 
