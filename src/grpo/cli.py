@@ -277,7 +277,8 @@ def dry_run(cfg: GRPOConfig) -> str:
         "steps": planned_steps(cfg, len(train_rows)),
         "steps_per_epoch": -(-len(train_rows) // cfg.train.prompts_per_step),
         "completions_per_step": cfg.completions_per_step,
-        "micro_batch_size": cfg.resolved_micro_batch_size,
+        # unset: cut by a token budget, known once the model is loaded
+        "micro_batch_size": cfg.resolved_micro_batch_size or "by tokens (train.micro_batch_tokens)",
         "explicit": sorted(cfg.explicit_keys),
     }
     return cfg.to_yaml() + yaml.safe_dump({"plan": plan}, sort_keys=False)

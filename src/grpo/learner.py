@@ -21,6 +21,14 @@ from grpo.distributed.runtime import Runtime
 from grpo.model.forward import PolicyForward
 from grpo.model.loading import resolve_dtype
 from grpo.model.memory import release_large_frees
+from grpo.model.micro_batch import (
+    activation_bytes_per_token,
+    budget_tokens,
+    cut_by_tokens,
+    cut_into,
+    default_activation_budget,
+    row_costs,
+)
 from grpo.records import TrainBatch
 
 
@@ -143,7 +151,6 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(o.warmup_steps, total_optimizer_steps, o.lr_scheduler)
         )
-        self.micro_batch_size = cfg.resolved_micro_batch_size
         self.nonfinite_in_a_row = 0
         self._overflowed = False
         # The native forward reads parameters directly, skipping module hooks: DDP and FSDP2 rely on their
@@ -157,12 +164,56 @@ class Learner:
             entropy_grad=cfg.algorithm.entropy_coef != 0,  # the bonus's gradient flows through the entropy
         )
         self.reference_forward = None if ref_model is None else PolicyForward(ref_model, native=native)
+        self.micro_batch_size = cfg.resolved_micro_batch_size  # None: cut by micro_batch_tokens
+        self.micro_batch_tokens = None if self.micro_batch_size else self._token_budget(policy, device)
+
+    def _token_budget(self, policy, device: torch.device) -> int:
+        t = self.cfg.train
+        if t.micro_batch_tokens is not None:
+            return t.micro_batch_tokens
+        budget = (
+            int(t.activation_memory_gb * 2**30)
+            if t.activation_memory_gb is not None
+            else default_activation_budget(device)
+        )
+        element_bytes = (self.compute_dtype or torch.float32).itemsize
+        try:
+            per_token = activation_bytes_per_token(
+                policy.config,
+                element_bytes,
+                native=self.policy_forward.kind == "native",
+                checkpointing=self.cfg.model.gradient_checkpointing,
+            )
+        except AttributeError:  # a config without the usual decoder sizes: count on the speed cap alone
+            per_token = 1
+        if self.policy_forward.full_logits:  # float32 logits, log-softmax and its exp per token
+            per_token += 3 * 4 * policy.config.vocab_size
+        return budget_tokens(budget, per_token, device)
+
+    def micro_slices(self, batch: TrainBatch) -> list[slice]:
+        """The row slices of `batch` that run as one forward/backward each (model/micro_batch.py)."""
+        if self.micro_batch_size is not None:
+            return micro_batches(len(batch), self.micro_batch_size)
+        costs = row_costs(batch, shared_prompts=self.policy_forward.kind == "native")
+        slices = cut_by_tokens(costs, self.micro_batch_tokens)
+        if self.rt.active:  # every process runs as many passes as the one that needs the most
+            parts = int(self.rt.all_reduce(torch.tensor([len(slices)]), "max").item())
+            if parts != len(slices):
+                slices = cut_into(costs, parts)
+        return slices
+
+    def describe_micro_batches(self) -> str:
+        if self.micro_batch_size is not None:
+            n = self.cfg.completions_per_step
+            passes = -(-n // self.micro_batch_size)
+            return f"micro-batch {self.micro_batch_size} ({passes} forward/backward per optimizer step)"
+        return f"micro-batches of at most {self.micro_batch_tokens:,} tokens (a longer completion runs alone)"
 
     @torch.no_grad()
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         t = batch.completion_mask.shape[1]
         out = torch.zeros(len(batch), t)
-        for rows in micro_batches(len(batch), self.micro_batch_size):
+        for rows in self.micro_slices(batch):
             mb = trim(batch.rows(rows))
             logp, _ = self.reference_forward(mb, self.cfg.generation.temperature)
             out[rows, : logp.shape[1]] = logp.float().cpu()
@@ -187,9 +238,9 @@ class Learner:
         work = replace(batch, old_logprobs=old_logprobs, advantages=advantages)
         sums, weight_sums = _LossSums(), WeightSums()
         grad_norm, skipped, overflow = 0.0, False, False
+        slices = self.micro_slices(batch)
         for iteration in range(a.num_iterations):
             first_pass, loss_finite = iteration == 0, True
-            slices = micro_batches(len(batch), self.micro_batch_size)
             for k, rows in enumerate(slices):
                 mb = trim(work.rows(rows))
                 rt.set_grad_sync(self.model, k == len(slices) - 1)  # all-reduce once, after the last

@@ -158,7 +158,7 @@ class GRPOTrainer:
         learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt)
         start_step, nonfinite_total = lifecycle.resume(cfg, p, rt, learner, stream)
         source.sync_weights(start_step, learner.policy)
-        lifecycle.log_sizes(cfg, learner.micro_batch_size, total_steps, stream)
+        lifecycle.log_sizes(cfg, learner.describe_micro_batches(), total_steps, stream)
         report = StepReport(p.run_dir, cfg, rt, start_step, total_steps)
         profiler = StepProfiler(cfg.distributed.profiler == "torch", p.run_dir, total_steps, rt.rank)
         best = lifecycle.BestModel(cfg, p, rt)

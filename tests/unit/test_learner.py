@@ -36,7 +36,12 @@ def random_batch(n=8, prompt_width=5, t=7, vocab=48, seed=0) -> TrainBatch:
 
 
 def gradient_after_step(
-    aggregation: str, micro: int, beta: float, iterations: int = 1, engine: str = "native"
+    aggregation: str,
+    micro: int | None,
+    beta: float,
+    iterations: int = 1,
+    engine: str = "native",
+    micro_tokens: int | None = None,
 ):
     model = tiny_llama()
     cfg = GRPOConfig(
@@ -52,7 +57,9 @@ def gradient_after_step(
         num_iterations=iterations,
         temperature=0.9,
         engine=engine,
-    ).validate()
+    )
+    cfg.update({"train.micro_batch_tokens": micro_tokens})
+    cfg.validate()
     learner = Learner(model, None, cfg, total_optimizer_steps=10)
     grads = {}
     # Capture the summed gradient just before the optimizer consumes it.
@@ -75,6 +82,18 @@ def test_loss_and_gradient_do_not_depend_on_micro_batch_size(aggregation, engine
         assert stats.kl == pytest.approx(ref_stats.kl, rel=1e-6)
         for name in ref_grads:
             assert torch.allclose(grads[name], ref_grads[name], atol=1e-6), (micro, name)
+
+
+@pytest.mark.parametrize("engine", ["native", "transformers"])
+def test_token_budget_micro_batches_leave_the_update_unchanged(engine):
+    ref_stats, ref_grads = gradient_after_step("token_mean", 8, beta=0.04, engine=engine)
+    # random_batch rows hold 3-12 tokens: 1 row per micro-batch, a few rows, and all 8 rows at once
+    for tokens in (1, 20, 1000):
+        stats, grads = gradient_after_step("token_mean", None, beta=0.04, engine=engine, micro_tokens=tokens)
+        assert stats.loss == pytest.approx(ref_stats.loss, abs=1e-6)
+        assert stats.kl == pytest.approx(ref_stats.kl, rel=1e-6)
+        for name in ref_grads:
+            assert torch.allclose(grads[name], ref_grads[name], atol=1e-6), (tokens, name)
 
 
 def test_native_and_transformers_learners_agree():

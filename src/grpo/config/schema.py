@@ -316,14 +316,26 @@ class TrainConfig:
     prompts_per_step: int = _f(4, "Prompts per rollout batch (P); completions per step = P × G.")
     micro_batch_size: int | None = _f(
         None,
-        "Completions per forward/backward (a memory knob only: it "
-        "does not change the loss). Default: P × G / gradient_accumulation_steps.",
+        "Completions per forward/backward (a memory knob only: it does not change the loss). Default: "
+        "P × G / gradient_accumulation_steps when that is set, else as many as fit micro_batch_tokens.",
     )
-    gradient_accumulation_steps: int = _f(
-        4,
-        "Split each step's P × G completions into this many "
-        "micro-batches whose gradients are summed (used when "
-        "micro_batch_size is unset).",
+    gradient_accumulation_steps: int | None = _f(
+        None,
+        "Split each step's P × G completions into this many equal micro-batches whose gradients are "
+        "summed (used when micro_batch_size is unset). Default: unset, micro-batches are cut by "
+        "micro_batch_tokens.",
+    )
+    micro_batch_tokens: int | None = _f(
+        None,
+        "Most tokens (prompt + completion) per forward/backward when neither micro_batch_size nor "
+        "gradient_accumulation_steps is set; a longer completion runs alone. Default: "
+        "activation_memory_gb over the model's activation bytes per token (at most 4,096 on a CPU, "
+        "where larger ones ran slower).",
+    )
+    activation_memory_gb: float | None = _f(
+        None,
+        "Memory for one micro-batch's activations, which sets micro_batch_tokens. Default: a third of "
+        "the GPU memory free after loading the models; 1 on a CPU.",
     )
     steps: int | None = _f(None, "Optimizer steps to run; default: num_epochs over the dataset.")
     num_epochs: float = _f(3.0, "Passes over the training prompts (used when steps is unset).")

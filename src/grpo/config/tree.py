@@ -125,10 +125,13 @@ class GRPOConfig:
         return self.train.prompts_per_step * self.generation.num_generations
 
     @property
-    def resolved_micro_batch_size(self) -> int:
+    def resolved_micro_batch_size(self) -> int | None:
+        """Rows per micro-batch when the user fixed them; None: cut by train.micro_batch_tokens."""
         if self.train.micro_batch_size is not None:
             return self.train.micro_batch_size
-        return self.completions_per_step // self.train.gradient_accumulation_steps
+        if self.train.gradient_accumulation_steps is not None:
+            return self.completions_per_step // self.train.gradient_accumulation_steps
+        return None
 
     @property
     def effective_max_new_tokens(self) -> int:

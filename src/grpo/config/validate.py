@@ -68,7 +68,6 @@ def _sizes(cfg: GRPOConfig) -> None:
         "generation.max_new_tokens",
         "train.prompts_per_step",
         "algorithm.num_iterations",
-        "train.gradient_accumulation_steps",
         "data.max_prompt_length",
         "train.logging_steps",
         "train.eval_batch_size",
@@ -76,7 +75,14 @@ def _sizes(cfg: GRPOConfig) -> None:
     ):
         if get_path(cfg, path) < 1:
             raise ConfigError(f"{path} must be at least 1, got {get_path(cfg, path)}.")
-    for path in ("train.steps", "train.micro_batch_size", "train.save_total_limit", "data.eval_max_samples"):
+    for path in (
+        "train.steps",
+        "train.micro_batch_size",
+        "train.gradient_accumulation_steps",
+        "train.micro_batch_tokens",
+        "train.save_total_limit",
+        "data.eval_max_samples",
+    ):
         value = get_path(cfg, path)
         if value is not None and value < 1:
             raise ConfigError(f"{path} must be at least 1 (or unset), got {value}.")
@@ -176,7 +182,8 @@ def _optim_and_train(cfg: GRPOConfig) -> None:
 def _batch_split(cfg: GRPOConfig) -> None:
     """The P × G completions of a step must split into whole micro-batches."""
     t, n, mb = cfg.train, cfg.completions_per_step, cfg.resolved_micro_batch_size
-    if t.micro_batch_size is None and n % t.gradient_accumulation_steps:
+    gas = t.gradient_accumulation_steps
+    if t.micro_batch_size is None and gas is not None and n % gas:
         raise ConfigError(
             f"Completions per step = prompts_per_step × num_generations = {t.prompts_per_step} × "
             f"{cfg.generation.num_generations} = {n}, which gradient_accumulation_steps = "
@@ -184,7 +191,11 @@ def _batch_split(cfg: GRPOConfig) -> None:
             f"divisors of {n} ({', '.join(str(k) for k in range(1, n + 1) if n % k == 0)}) or set "
             "micro_batch_size."
         )
-    if mb < 1 or mb > n:
+    if t.activation_memory_gb is not None and not t.activation_memory_gb > 0:
+        raise ConfigError(
+            f"train.activation_memory_gb must be a positive number of GB, got {t.activation_memory_gb}."
+        )
+    if mb is not None and (mb < 1 or mb > n):
         raise ConfigError(
             f"micro_batch_size must be between 1 and prompts_per_step × num_generations = {n}, got {mb}."
         )

@@ -96,6 +96,9 @@ class PolicyForward:
             self.decoder = NativeDecoder(model, compute_dtype)
             self.decoder.gradient_checkpointing = gradient_checkpointing
         self.kind = "transformers" if self.decoder is None else "native"
+        mixed = compute_dtype not in (None, torch.float32)
+        # The transformers forward makes [tokens, vocab] logits unless its LM head can run in chunks.
+        self.full_logits = self.decoder is None and (entropy_grad or mixed or plain_lm_head(model) is None)
 
     def __call__(self, batch: TrainBatch, temperature: float, with_entropy: bool = False):
         if self.decoder is not None:

@@ -193,17 +193,15 @@ def explain_failure(run_dir: Path, rank: int, step: int, error: Exception) -> No
     )
 
 
-def log_sizes(cfg: GRPOConfig, micro_batch_size: int, total_steps: int, stream: PromptStream) -> None:
+def log_sizes(cfg: GRPOConfig, micro_batching: str, total_steps: int, stream: PromptStream) -> None:
     t = cfg.train
     log.info(
-        "Sizes: %d prompts/step × %d generations = %d completions/step; micro-batch %d "
-        "(%d forward/backward per optimizer step); %d optimizer step(s) per rollout; %d steps "
-        "(%d prompts, %d steps/epoch).",
+        "Sizes: %d prompts/step × %d generations = %d completions/step; %s; %d optimizer step(s) per "
+        "rollout; %d steps (%d prompts, %d steps/epoch).",
         t.prompts_per_step,
         cfg.generation.num_generations,
         cfg.completions_per_step,
-        micro_batch_size,
-        -(-cfg.completions_per_step // micro_batch_size),
+        micro_batching,
         cfg.algorithm.num_iterations,
         total_steps,
         len(stream.rows),

@@ -44,6 +44,8 @@ RESUME_SAFE_KEYS = frozenset(
         "train.num_epochs",
         "train.micro_batch_size",
         "train.gradient_accumulation_steps",
+        "train.micro_batch_tokens",
+        "train.activation_memory_gb",
         "train.output_dir",
         "train.base_output_directory",
         "train.run_name",

@@ -1,0 +1,128 @@
+"""Micro-batches cut by a token budget: the cuts, the per-token activation estimate, the budget."""
+
+import pytest
+import torch
+
+from grpo.config import GRPOConfig
+from grpo.learner import Learner
+from grpo.model.forward import PolicyForward
+from grpo.model.micro_batch import (
+    CPU_SPEED_TOKENS,
+    MIN_BUDGET_TOKENS,
+    activation_bytes_per_token,
+    budget_tokens,
+    cut_by_tokens,
+    cut_into,
+    row_costs,
+)
+from grpo.records import TrainBatch
+from tests.conftest import tiny_llama
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_cut_by_tokens_fills_each_micro_batch_up_to_the_budget():
+    costs = [5, 4, 3, 9, 2, 2, 2]
+    assert cut_by_tokens(costs, 10) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 7)]
+    assert cut_by_tokens(costs, 100) == [slice(0, 7)]
+    assert cut_by_tokens([30, 1], 10) == [slice(0, 1), slice(1, 2)]  # a row over the budget runs alone
+    assert cut_by_tokens([], 10) == []
+
+
+def test_cut_into_gives_exactly_that_many_balanced_slices():
+    costs = [5, 4, 3, 9, 2, 2, 2]
+    for parts in range(1, 8):
+        slices = cut_into(costs, parts)
+        assert len(slices) == parts
+        assert [i for s in slices for i in range(s.start, s.stop)] == list(range(7))  # contiguous cover
+    assert cut_into(costs, 2) == [slice(0, 3), slice(3, 7)]  # 12 | 15 tokens
+    assert cut_into([1, 1, 1, 1], 4) == [slice(i, i + 1) for i in range(4)]
+    assert len(cut_into([1, 2], 5)) == 2  # never an empty slice
+
+
+def _batch(prompt_lengths, completion_lengths, groups, width=6, t=5) -> TrainBatch:
+    n = len(groups)
+    attn = torch.zeros(n, width + t, dtype=torch.long)
+    mask = torch.zeros(n, t)
+    for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths, strict=True)):
+        attn[i, width - p : width + c] = 1
+        mask[i, :c] = 1
+    return TrainBatch(
+        input_ids=torch.ones(n, width + t, dtype=torch.long),
+        attention_mask=attn,
+        prompt_width=width,
+        completion_mask=mask,
+        advantages=mask.clone(),
+        group_ids=torch.tensor(groups),
+    )
+
+
+def test_row_costs_count_a_shared_prompt_once_per_group():
+    batch = _batch([4, 4, 6, 6], [1, 5, 2, 3], [0, 0, 1, 1])
+    assert row_costs(batch, shared_prompts=True) == [5, 5, 8, 3]
+    assert row_costs(batch, shared_prompts=False) == [5, 9, 8, 9]
+
+
+def _saved_bytes_per_token(forward: PolicyForward, model, lengths: tuple[int, int]) -> float:
+    """Bytes autograd saves for backward per extra token, weights excluded, from two batch sizes."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes = []
+    for completion in lengths:
+        batch = _batch([6] * 4, [completion] * 4, [0, 1, 2, 3], t=completion)
+        storages = {}
+
+        def pack(x, storages=storages):
+            s = x.untyped_storage()
+            if s.data_ptr() not in weights:
+                storages[s.data_ptr()] = s.nbytes()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            forward(batch, 1.0)
+        sizes.append((sum(storages.values()), 4 * (6 + completion)))
+    (b0, t0), (b1, t1) = sizes
+    return (b1 - b0) / (t1 - t0)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_activation_estimate_matches_what_autograd_saves(native):
+    # A model whose MLP and attention widths are not all equal, so a wrong coefficient shows.
+    model = tiny_llama(vocab_size=64)
+    model.config.intermediate_size = 64
+    forward = PolicyForward(model, native=native)
+    measured = _saved_bytes_per_token(forward, model, (8, 24))
+    estimate = activation_bytes_per_token(model.config, 4, native=native, checkpointing=False)
+    if forward.full_logits:
+        estimate += 3 * 4 * model.config.vocab_size
+    print(f"native={native}: measured {measured:.0f} B/token, estimate {estimate}")
+    assert 0.8 * measured <= estimate <= 1.25 * measured, (measured, estimate)
+
+
+def test_budget_in_tokens():
+    assert budget_tokens(1 << 30, 1 << 20, CUDA) == 1024
+    assert budget_tokens(1 << 40, 1 << 10, CPU) == CPU_SPEED_TOKENS  # large budgets hit the CPU speed cap
+    assert budget_tokens(1 << 20, 1 << 20, CUDA) == MIN_BUDGET_TOKENS
+
+
+def test_learner_defaults_to_token_budget_and_honours_fixed_sizes():
+    def learner(**kw):
+        cfg = GRPOConfig(batch_size=2, num_generations=4, max_new_tokens=7)
+        cfg.update(kw)
+        return Learner(tiny_llama(), None, cfg.validate(), total_optimizer_steps=1)
+
+    default = learner()
+    assert default.micro_batch_size is None and MIN_BUDGET_TOKENS <= default.micro_batch_tokens <= 4096
+    batch = _batch([6] * 8, [5] * 8, [0] * 4 + [1] * 4)
+    assert default.micro_slices(batch) == [slice(0, 8)]  # 8 × ~8 tokens fit one micro-batch
+    # rows cost 11 (a group's first: prompt 6 + completion 5), then 5 each
+    assert learner(**{"train.micro_batch_tokens": 20}).micro_slices(batch) == [
+        slice(i, i + 2) for i in range(0, 8, 2)
+    ]
+    assert learner(**{"train.micro_batch_tokens": 26}).micro_slices(batch) == [slice(0, 4), slice(4, 8)]
+    assert learner(**{"train.gradient_accumulation_steps": 4}).micro_slices(batch) == [
+        slice(i, i + 2) for i in range(0, 8, 2)
+    ]
+    assert learner(**{"train.micro_batch_size": 3}).micro_batch_tokens is None
+    # 1 GB for a 2-layer, 32-wide model: the budget is far beyond the CPU speed cap
+    assert learner(**{"train.activation_memory_gb": 1.0}).micro_batch_tokens == CPU_SPEED_TOKENS
+    assert learner(**{"train.activation_memory_gb": 1e-4}).micro_batch_tokens < CPU_SPEED_TOKENS
