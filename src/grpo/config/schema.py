@@ -335,7 +335,7 @@ class TrainConfig:
     activation_memory_gb: float | None = _f(
         None,
         "Memory for one micro-batch's activations, which sets micro_batch_tokens. Default: a third of "
-        "the GPU memory free after loading the models; 1 on a CPU.",
+        "the GPU memory free after loading the models; 0.5 on a CPU.",
     )
     steps: int | None = _f(None, "Optimizer steps to run; default: num_epochs over the dataset.")
     num_epochs: float = _f(3.0, "Passes over the training prompts (used when steps is unset).")

@@ -56,14 +56,15 @@ def default_activation_budget(device: torch.device) -> int:
     """Bytes for one micro-batch's activations when `train.activation_memory_gb` is unset.
 
     CUDA: a third of the memory free now (after the policy and reference are loaded; AdamW's state and
-    the rollout engine's cache come later and need the rest). CPU: 1 GiB. A CPU host's memory is shared
-    with everything else on it and measured peaks matter more than speed there: Qwen2.5-0.5B's 10.8 GiB
-    peak (docs/performance.md, "Real sizes") had ~0.75 GiB of activations, and small models reach the
-    CPU_SPEED_TOKENS cap first anyway (the 4.9M benchmark model needs 82 KB per token)."""
+    the rollout engine's cache come later and need the rest). CPU: 512 MiB. A CPU host's memory is
+    shared with everything else on it, and more tokens per micro-batch buy a CPU little speed: Qwen2.5-
+    0.5B's 10.8 GiB peak (docs/performance.md, "Real sizes") was measured with 4 rows of 64 tokens per
+    micro-batch, ~0.5 GiB of activations, and 512 MiB keeps it there (288 tokens at its 1.86 MB per
+    token); small models reach the CPU_SPEED_TOKENS cap first (the 4.9M benchmark model: 82 KB)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free // 3
-    return 1 << 30
+    return 512 << 20
 
 
 def budget_tokens(budget_bytes: int, bytes_per_token: int, device: torch.device) -> int:
