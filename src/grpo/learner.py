@@ -22,12 +22,12 @@ from grpo.model.forward import PolicyForward
 from grpo.model.loading import resolve_dtype
 from grpo.model.memory import release_large_frees
 from grpo.model.micro_batch import (
+    PaddedCost,
     activation_bytes_per_token,
     budget_tokens,
     cut_by_tokens,
     cut_into,
     default_activation_budget,
-    row_costs,
 )
 from grpo.records import TrainBatch
 
@@ -194,12 +194,12 @@ class Learner:
         """The row slices of `batch` that run as one forward/backward each (model/micro_batch.py)."""
         if self.micro_batch_size is not None:
             return micro_batches(len(batch), self.micro_batch_size)
-        costs = row_costs(batch, shared_prompts=self.policy_forward.kind == "native")
-        slices = cut_by_tokens(costs, self.micro_batch_tokens)
+        cost = PaddedCost(batch, shared_prompts=self.policy_forward.kind == "native")
+        slices = cut_by_tokens(cost, self.micro_batch_tokens)
         if self.rt.active:  # every process runs as many passes as the one that needs the most
             parts = int(self.rt.all_reduce(torch.tensor([len(slices)]), "max").item())
             if parts != len(slices):
-                slices = cut_into(costs, parts)
+                slices = cut_into(cost.rows(), parts)
         return slices
 
     def describe_micro_batches(self) -> str:

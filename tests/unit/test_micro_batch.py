@@ -9,24 +9,16 @@ from grpo.model.forward import PolicyForward
 from grpo.model.micro_batch import (
     CPU_SPEED_TOKENS,
     MIN_BUDGET_TOKENS,
+    PaddedCost,
     activation_bytes_per_token,
     budget_tokens,
     cut_by_tokens,
     cut_into,
-    row_costs,
 )
 from grpo.records import TrainBatch
 from tests.conftest import tiny_llama
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-
-
-def test_cut_by_tokens_fills_each_micro_batch_up_to_the_budget():
-    costs = [5, 4, 3, 9, 2, 2, 2]
-    assert cut_by_tokens(costs, 10) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 7)]
-    assert cut_by_tokens(costs, 100) == [slice(0, 7)]
-    assert cut_by_tokens([30, 1], 10) == [slice(0, 1), slice(1, 2)]  # a row over the budget runs alone
-    assert cut_by_tokens([], 10) == []
 
 
 def test_cut_into_gives_exactly_that_many_balanced_slices():
@@ -57,10 +49,22 @@ def _batch(prompt_lengths, completion_lengths, groups, width=6, t=5) -> TrainBat
     )
 
 
-def test_row_costs_count_a_shared_prompt_once_per_group():
+def test_padded_cost_counts_shared_prompts_once_and_pads_to_the_longest():
     batch = _batch([4, 4, 6, 6], [1, 5, 2, 3], [0, 0, 1, 1])
-    assert row_costs(batch, shared_prompts=True) == [5, 5, 8, 3]
-    assert row_costs(batch, shared_prompts=False) == [5, 9, 8, 9]
+    native, padded = PaddedCost(batch, shared_prompts=True), PaddedCost(batch, shared_prompts=False)
+    assert native.of(range(0, 2)) == 4 + 2 * 5 and native.of(range(0, 4)) == 4 + 6 + 4 * 5
+    assert padded.of(range(0, 2)) == 2 * (6 + 5)  # prompt width 6 + the longest completion, per row
+    assert native.rows() == [5, 5, 8, 3] and padded.rows() == [5, 9, 8, 9]
+
+
+def test_cut_by_tokens_keeps_groups_whole_where_they_fit():
+    # groups of 2 rows, 4-token prompts; padded cost: group 0 = 14, group 1 = 8, group 2 = 14
+    cost = PaddedCost(_batch([4] * 6, [5, 1, 2, 2, 5, 5], [0, 0, 1, 1, 2, 2]), shared_prompts=True)
+    assert cut_by_tokens(cost, 100) == [slice(0, 6)]
+    assert cut_by_tokens(cost, 28) == [slice(0, 4), slice(4, 6)]  # groups 0+1 pad to 5: 8 + 4 × 5
+    assert cut_by_tokens(cost, 20) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    # a group over the budget is cut by rows; a row over it (4 + 5 = 9 > 8) runs alone
+    assert cut_by_tokens(cost, 8) == [slice(0, 1), slice(1, 2), slice(2, 4), slice(4, 5), slice(5, 6)]
 
 
 def _saved_bytes_per_token(forward: PolicyForward, model, lengths: tuple[int, int]) -> float:

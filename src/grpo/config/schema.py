@@ -329,8 +329,8 @@ class TrainConfig:
         None,
         "Most tokens (prompt + completion) per forward/backward when neither micro_batch_size nor "
         "gradient_accumulation_steps is set; a longer completion runs alone. Default: "
-        "activation_memory_gb over the model's activation bytes per token (at most 4,096 on a CPU, "
-        "where larger ones ran slower).",
+        "activation_memory_gb over the model's activation bytes per token, padding included (at most 2,048 "
+        "on a CPU, where larger ones ran slower).",
     )
     activation_memory_gb: float | None = _f(
         None,

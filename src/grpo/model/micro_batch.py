@@ -20,10 +20,12 @@ import torch
 
 from grpo.records import TrainBatch
 
-# CPU forward+backward time per row, 16-row units of 192-token rows on the 4.9M benchmark model (AVX2
-# EPYC, 2 threads): 1,088 tokens per micro-batch 734 ms, 2,176: 667, 4,352: 650, 8,704: 703. Past ~4k
-# tokens the activations leave the caches; below ~2k the GEMMs are too thin.
-CPU_SPEED_TOKENS = 4096
+# CPU: the base matrix cell's update (64 rows, 64-token prompts, completions of 1-128 tokens, mean 30) and
+# its eos-off twin (every row 128 tokens), learner.train_step, 4.9M benchmark model, AVX2 EPYC, 2 threads,
+# medians of 7: 2,048 padded tokens per micro-batch 0.98 / 2.66 s, 3,072: 0.99 / 3.16 s, 16 rows:
+# 0.95 / 2.99 s; one micro-batch of all 64 ragged rows 1.29 s. Past ~2k tokens the activations leave the
+# caches; much below it the GEMMs get thin.
+CPU_SPEED_TOKENS = 2048
 MIN_BUDGET_TOKENS = 256  # below this, per-call overhead dominates whatever the memory says
 
 
@@ -72,31 +74,68 @@ def budget_tokens(budget_bytes: int, bytes_per_token: int, device: torch.device)
     return min(tokens, CPU_SPEED_TOKENS) if device.type == "cpu" else tokens
 
 
-def row_costs(batch: TrainBatch, shared_prompts: bool) -> list[int]:
-    """Tokens each row adds to a micro-batch, in row order. With `shared_prompts` (the native forward runs
-    each distinct prompt once) a row's prompt counts only where its group starts; otherwise every row
-    counts its whole real length (the transformers forward pads to the longest, which `trim` bounds)."""
-    width = batch.prompt_width
-    completion = batch.completion_mask.sum(-1).long().tolist()
-    prompt = batch.attention_mask[:, :width].sum(-1).long().tolist()
-    groups = batch.group_ids.tolist()
-    costs = []
-    for i, (c, p) in enumerate(zip(completion, prompt, strict=True)):
-        new_group = i == 0 or groups[i] != groups[i - 1]
-        costs.append(c + (p if new_group or not shared_prompts else 0))
-    return costs
+class PaddedCost:
+    """Tokens a forward over a micro-batch of a TrainBatch's rows really processes, padding included.
+
+    The native forward (`shared_prompts`) runs each distinct prompt once and lays the completions out
+    as a [rows, longest completion] grid for attention, so one long row makes every row of its
+    micro-batch cost the long row's length there (measured: the base cell's 64 ragged rows, lengths
+    1-128, mean 30, took 1.29 s as one micro-batch and 0.85 s as four of 16). The transformers forward
+    pads every row to prompt width + the longest completion."""
+
+    def __init__(self, batch: TrainBatch, shared_prompts: bool):
+        self.width = batch.prompt_width
+        self.completion = batch.completion_mask.sum(-1).long().tolist()
+        self.prompt = batch.attention_mask[:, : self.width].sum(-1).long().tolist()
+        self.groups = batch.group_ids.tolist()
+        self.shared = shared_prompts
+
+    def __len__(self) -> int:
+        return len(self.completion)
+
+    def of(self, rows: range) -> int:
+        longest = max(self.completion[i] for i in rows)
+        if not self.shared:
+            return len(rows) * (self.width + longest)
+        prompts = {self.groups[i]: self.prompt[i] for i in rows}
+        return sum(prompts.values()) + len(rows) * longest
+
+    def rows(self) -> list[int]:
+        """Each row's own tokens (its prompt where its group starts): the weights `cut_into` balances."""
+        return [
+            c + (p if i == 0 or g != self.groups[i - 1] or not self.shared else 0)
+            for i, (c, p, g) in enumerate(zip(self.completion, self.prompt, self.groups, strict=True))
+        ]
 
 
-def cut_by_tokens(costs: list[int], max_tokens: int) -> list[slice]:
-    """Contiguous slices, each as many rows as fit in max_tokens (at least one row)."""
-    out, start, total = [], 0, 0
-    for i, c in enumerate(costs):
-        if i > start and total + c > max_tokens:
-            out.append(slice(start, i))
-            start, total = i, 0
-        total += c
-    if costs:
-        out.append(slice(start, len(costs)))
+def cut_by_tokens(cost: PaddedCost, max_tokens: int) -> list[slice]:
+    """Contiguous slices of at most max_tokens each by `cost`, cut between groups where possible.
+
+    A group split over two micro-batches runs its shared prompt twice, so whole groups are added while
+    they fit; a group that does not fit alone is cut by rows (a row longer than the budget runs alone)."""
+    groups, start = [], 0
+    for i in range(1, len(cost) + 1):
+        if i == len(cost) or cost.groups[i] != cost.groups[i - 1]:
+            groups.append(range(start, i))
+            start = i
+    out: list[slice] = []
+    current: range | None = None
+    for group in groups:
+        if current is not None and cost.of(range(current.start, group.stop)) <= max_tokens:
+            current = range(current.start, group.stop)
+            continue
+        if current is not None:
+            out.append(slice(current.start, current.stop))
+        current = group
+        if cost.of(group) > max_tokens:  # too big alone: cut inside it, row by row
+            first = group.start
+            for i in range(group.start + 1, group.stop):
+                if cost.of(range(first, i + 1)) > max_tokens:
+                    out.append(slice(first, i))
+                    first = i
+            current = range(first, group.stop)
+    if current is not None:
+        out.append(slice(current.start, current.stop))
     return out
 
 

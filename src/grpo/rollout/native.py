@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
+from grpo.model import linear
 from grpo.model.decoder import GroupLayout, NativeDecoder, unsupported_reason
 from grpo.records import Rollouts, SamplingParams
 from grpo.rollout.engine import copy_weights, generate_in_chunks
@@ -25,8 +26,9 @@ from grpo.rollout.sampling import pad_and_eos, sample_tokens
 log = logging.getLogger("grpo")
 
 _COMPACT_FRACTION = 8  # drop finished rows once ≥ 1/8 of the active batch has finished
-# Below this many rows the decode projections leave oneDNN for F.linear (MKL): with eos-ended rows the
-# batch shrinks, and oneDNN's per-call cost at a few rows exceeds MKL's (see docs/performance.md).
+# Where oneDNN is the default (AVX-512), below this many rows the decode projections leave it for MKL:
+# with eos-ended rows the batch shrinks, and oneDNN's per-call cost at a few rows exceeds MKL's (see
+# docs/performance.md).
 _ONEDNN_MIN_ROWS = 32
 
 
@@ -83,7 +85,7 @@ class NativeEngine:
         rows = p * n
         prompt_cache, first_logits = dec.prefill(prompts, self.pad_id)  # first_logits [P, V]
         # oneDNN's own weight tensors are opaque to torch.compile: a compiled step keeps plain ones.
-        onednn = device.type == "cpu" and not self.compiled
+        onednn = device.type == "cpu" and not self.compiled and linear.ONEDNN  # the CPU's faster library
         weights = dec.decode_weights(fuse=device.type == "cpu", onednn=onednn)
         shape = (rows, dec.num_kv_heads, t_max, dec.head_dim)
         cache_k = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
