@@ -82,7 +82,7 @@ def main() -> None:
             "median_s": statistics.median(s["time/step"] for s in later),
             "completion_len": statistics.median(s["completion_len/mean"] for s in later),
             "stages": {k: statistics.median(s[k] for s in later) for k in later[0] if k.startswith("time/")},
-            "micro_batch": cfg.resolved_micro_batch_size,
+            "micro_batch": cfg.resolved_micro_batch_size or "by tokens (train.micro_batch_tokens)",
             "threads": torch.get_num_threads(),
             "peak_rss_mb": vm_hwm_mb(),
         },

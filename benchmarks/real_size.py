@@ -11,8 +11,8 @@ reference is the base model with the adapters off, on both sides. Each run is a
 fresh process; a sampler reads its /proc status every 0.2 s for the RSS timeline and the high-water mark
 (VmHWM, the peak RSS). Step times: grpo's metrics.jsonl `time/step`, TRL's trainer step callback.
 Writes benchmarks/results/real_size.json (appended per run) and prints a markdown table.
-Build the models first (scripts/build_real_model.py); TRL runs in benchmarks/.venv-trl (see
-run_trl_comparison.sh for how it is made).
+Build the models first (scripts/build_real_model.py); TRL runs in benchmarks/.venv-trl
+(benchmarks/setup_trl_venv.sh makes it).
 """
 
 from __future__ import annotations

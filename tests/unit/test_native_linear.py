@@ -74,3 +74,16 @@ def test_decode_linear_fused_ops(onednn, onednn_on):
     _close(layer.silu(x), F.silu(y))
     _close(layer.times(x, other), y * other)
     _close(layer.plus(x, other), y + other)
+
+
+@needs_onednn
+def test_decode_library_follows_model_width(monkeypatch):
+    from grpo.model.decoder import NativeDecoder
+    from tests.conftest import tiny_llama
+
+    dec = NativeDecoder(tiny_llama())  # 32 wide
+    monkeypatch.setattr(native_linear, "ONEDNN", False)  # an AVX2 CPU
+    assert not dec.decode_weights(fuse=True).layers[0].down.onednn  # narrow: MKL, lower per-call cost
+    monkeypatch.setattr(native_linear, "DECODE_ONEDNN_MIN_WIDTH", 32)
+    weights = dec.decode_weights(fuse=True)  # as wide as the threshold: oneDNN streams the weights
+    assert weights.layers[0].down.onednn and weights.lm_head.onednn

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo.model.linear import DecodeLinear, linear, swiglu_down
+from grpo.model.linear import DecodeLinear, decode_onednn, linear, swiglu_down
 
 ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq depends on the config only
@@ -201,10 +201,10 @@ class NativeDecoder:
     def decode_weights(self, fuse: bool, onednn: bool | None = None) -> DecodeWeights:
         """Weights for decoding, prepared once per generate call. fuse=True (the CPU path) concatenates
         q|k|v into one matmul and folds the attention scale into the q rows (RoPE is linear, so scaling
-        before it is the same); onednn (default: fuse) puts every projection on oneDNN with its following
-        elementwise op fused (see model/linear.py). On a CPU a decode step is bound by per-call
+        before it is the same); onednn (default: fuse, for widths `linear.decode_onednn` sends there) puts
+        every projection on oneDNN with its following elementwise op fused (see model/linear.py). On a CPU a decode step is bound by per-call
         overhead and small-GEMM efficiency, not arithmetic."""
-        onednn = fuse if onednn is None else onednn
+        onednn = (fuse and decode_onednn(self.hf.config.hidden_size)) if onednn is None else onednn
         layers = []
         fold = fuse and not self.qk_norm  # q/k RMSNorm would undo a scale folded into q
         w = self.w  # mixed precision: the per-generate cast of every weight to the compute dtype
