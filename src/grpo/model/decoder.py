@@ -202,8 +202,8 @@ class NativeDecoder:
         """Weights for decoding, prepared once per generate call. fuse=True (the CPU path) concatenates
         q|k|v into one matmul and folds the attention scale into the q rows (RoPE is linear, so scaling
         before it is the same); onednn (default: fuse, for widths `linear.decode_onednn` sends there) puts
-        every projection on oneDNN with its following elementwise op fused (see model/linear.py). On a CPU a decode step is bound by per-call
-        overhead and small-GEMM efficiency, not arithmetic."""
+        every projection on oneDNN with its following elementwise op fused (see model/linear.py). On a
+        CPU a decode step is bound by per-call overhead and small-GEMM efficiency, not arithmetic."""
         onednn = (fuse and decode_onednn(self.hf.config.hidden_size)) if onednn is None else onednn
         layers = []
         fold = fuse and not self.qk_norm  # q/k RMSNorm would undo a scale folded into q
