@@ -22,6 +22,7 @@ from grpo.model.forward import PolicyForward
 from grpo.model.loading import resolve_dtype
 from grpo.model.memory import release_large_frees
 from grpo.model.micro_batch import (
+    FALLBACK_TOKENS,
     PaddedCost,
     activation_bytes_per_token,
     budget_tokens,
@@ -184,10 +185,10 @@ class Learner:
                 native=self.policy_forward.kind == "native",
                 checkpointing=self.cfg.model.gradient_checkpointing,
             )
-        except AttributeError:  # a config without the usual decoder sizes: count on the speed cap alone
-            per_token = 1
-        if self.policy_forward.full_logits:  # float32 logits, log-softmax and its exp per token
-            per_token += 3 * 4 * policy.config.vocab_size
+            if self.policy_forward.full_logits:  # float32 logits, log-softmax and its exp per token
+                per_token += 3 * 4 * policy.config.vocab_size
+        except AttributeError:  # a config without the usual decoder sizes
+            return FALLBACK_TOKENS
         return budget_tokens(budget, per_token, device)
 
     def micro_slices(self, batch: TrainBatch) -> list[slice]:

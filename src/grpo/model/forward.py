@@ -22,6 +22,15 @@ from grpo.records import TrainBatch
 __all__ = ["PolicyForward", "token_logprobs"]
 
 
+def chunkable_head(model, compute_dtype: torch.dtype | None, entropy_grad: bool):
+    """The LM head `token_logprobs` runs in row chunks, or None where it takes the model's own
+    full-logits forward: a differentiable entropy, or mixed precision (the head's backward would mix
+    dtypes; the model's own forward handles that case)."""
+    if entropy_grad or compute_dtype not in (None, torch.float32):
+        return None
+    return plain_lm_head(model)
+
+
 def token_logprobs(
     model,
     batch: TrainBatch,
@@ -48,9 +57,9 @@ def token_logprobs(
         "use_cache": False,
     }
     targets = batch.input_ids[:, width:].to(device)  # [N, T]
-    # Under autocast the head's backward would mix dtypes: the model's own forward handles that case.
-    mixed = compute_dtype not in (None, torch.float32) or torch.is_autocast_enabled(device.type)
-    head = None if entropy_grad or mixed else plain_lm_head(model)
+    head = (
+        None if torch.is_autocast_enabled(device.type) else chunkable_head(model, compute_dtype, entropy_grad)
+    )
     if head is not None:
         hidden = model.get_decoder()(**inputs).last_hidden_state[:, width - 1 : -1]  # [N, T, d]
         n, d = hidden.shape[0], hidden.shape[-1]
@@ -96,9 +105,8 @@ class PolicyForward:
             self.decoder = NativeDecoder(model, compute_dtype)
             self.decoder.gradient_checkpointing = gradient_checkpointing
         self.kind = "transformers" if self.decoder is None else "native"
-        mixed = compute_dtype not in (None, torch.float32)
         # The transformers forward makes [tokens, vocab] logits unless its LM head can run in chunks.
-        self.full_logits = self.decoder is None and (entropy_grad or mixed or plain_lm_head(model) is None)
+        self.full_logits = self.decoder is None and chunkable_head(model, compute_dtype, entropy_grad) is None
 
     def __call__(self, batch: TrainBatch, temperature: float, with_entropy: bool = False):
         if self.decoder is not None:

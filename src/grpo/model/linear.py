@@ -45,11 +45,19 @@ ONEDNN = ONEDNN_AVAILABLE and torch.backends.cpu.get_cpu_capability().startswith
 # 30 GFLOP/s). A narrow model's decode is bound by per-call overhead, lower on MKL (the 4.9M benchmark
 # model, 256 wide: 1.58 s against 1.75 s per generate call).
 DECODE_ONEDNN_MIN_WIDTH = 512
+# A narrow model on oneDNN (AVX-512) leaves it for MKL below this many rows: with eos-ended rows the
+# batch shrinks, and oneDNN's per-call cost at a few rows exceeds MKL's (docs/performance.md).
+DECODE_ONEDNN_MIN_ROWS = 32
 
 
-def decode_onednn(width: int) -> bool:
-    """Whether decoding a model of this hidden width runs its projections on oneDNN (on a CPU)."""
-    return ONEDNN_AVAILABLE and (ONEDNN or width >= DECODE_ONEDNN_MIN_WIDTH)
+def decode_onednn(width: int, rows: int | None = None) -> bool:
+    """Whether decoding `rows` rows (None: any count) of a model of this hidden width runs its
+    projections on oneDNN (on a CPU)."""
+    if not ONEDNN_AVAILABLE:
+        return False
+    if width >= DECODE_ONEDNN_MIN_WIDTH:
+        return True
+    return ONEDNN and (rows is None or rows >= DECODE_ONEDNN_MIN_ROWS)
 
 
 def _onednn(

@@ -27,6 +27,8 @@ from grpo.records import TrainBatch
 # caches; much below it the GEMMs get thin.
 CPU_SPEED_TOKENS = 2048
 MIN_BUDGET_TOKENS = 256  # below this, per-call overhead dominates whatever the memory says
+# For a model whose config gives no layer sizes to estimate from: the CPU cap, modest on a GPU too.
+FALLBACK_TOKENS = CPU_SPEED_TOKENS
 
 
 def activation_bytes_per_token(config, element_bytes: int, native: bool, checkpointing: bool) -> int:

@@ -26,10 +26,6 @@ from grpo.rollout.sampling import pad_and_eos, sample_tokens
 log = logging.getLogger("grpo")
 
 _COMPACT_FRACTION = 8  # drop finished rows once ≥ 1/8 of the active batch has finished
-# A narrow model decoding on oneDNN (AVX-512) leaves it for MKL below this many rows: with eos-ended
-# rows the batch shrinks, and oneDNN's per-call cost at a few rows exceeds MKL's (docs/performance.md).
-# Wide models stay on oneDNN, which streams their weights faster (model/linear.py).
-_ONEDNN_MIN_ROWS = 32
 
 
 class NativeEngine:
@@ -86,7 +82,7 @@ class NativeEngine:
         prompt_cache, first_logits = dec.prefill(prompts, self.pad_id)  # first_logits [P, V]
         # oneDNN's own weight tensors are opaque to torch.compile: a compiled step keeps plain ones.
         width = dec.hf.config.hidden_size
-        onednn = device.type == "cpu" and not self.compiled and linear.decode_onednn(width)
+        onednn = device.type == "cpu" and not self.compiled and linear.decode_onednn(width, rows)
         weights = dec.decode_weights(fuse=device.type == "cpu", onednn=onednn)
         shape = (rows, dec.num_kv_heads, t_max, dec.head_dim)
         cache_k = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
@@ -124,7 +120,7 @@ class NativeEngine:
                     cache[: keep.numel(), :, :step] = cache[keep.to(device), :, :step]
                 active, alive, tokens = active[keep], alive[keep], tokens[keep.to(device)]
                 layout = GroupLayout(active.to(device) // n, prompt_cache.lengths, p)
-                if onednn and keep.numel() < _ONEDNN_MIN_ROWS and width < linear.DECODE_ONEDNN_MIN_WIDTH:
+                if onednn and not linear.decode_onednn(width, keep.numel()):
                     onednn = False
                     weights = dec.decode_weights(fuse=True, onednn=False)
             cos, sin = dec.rope(layout.prompt_len_per_row + step, limit=rope_limit)  # [n, D]
