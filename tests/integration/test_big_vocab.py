@@ -97,13 +97,18 @@ def test_ids_beyond_the_tokenizer_do_not_crash_anything(tmp_path, engine):
     assert (ids >= len(tokenizer)).float().mean() > 0.4
 
 
-@pytest.mark.parametrize("engine", ["native", "transformers"])
-def test_no_tokens_by_vocab_tensor_in_a_training_run(tmp_path, engine):
+LORA = {"lora.enabled": True, "lora.r": 4, "lora.alpha": 8}
+
+
+@pytest.mark.parametrize(
+    ("engine", "lora"), [("native", False), ("transformers", False), ("native", True)], ids=str
+)
+def test_no_tokens_by_vocab_tensor_in_a_training_run(tmp_path, engine, lora):
     vocab = 32768
     model_dir = small_qwen(tmp_path / "model", vocab=vocab)
     watch = VocabRows(vocab)
     with watch:
-        train(model_dir, tmp_path, engine=engine)
+        train(model_dir, tmp_path, engine=engine, **(LORA if lora else {}))
     # 8 completions × 32 tokens = 256 predicted tokens per update; a [N, T, V] tensor would be 256 rows.
     # Allowed: sampling's [rows, V] per step (8) and the chunked head's CHUNK_ELEMENTS / V rows (128).
     assert 0 < watch.most <= max(8, CHUNK_ELEMENTS // vocab) < 256
@@ -162,6 +167,54 @@ def test_chunked_head_matches_full_log_softmax_values_and_gradients(tmp_path, mo
     for name, g in want_grads.items():
         torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
     assert want_grads["model.embed_tokens.weight"].abs().sum() > 0
+
+
+def test_lora_chunked_head_matches_the_peft_forward_values_and_gradients(tmp_path, monkeypatch):
+    """LoRA policy and its adapters-off reference run the decoder + chunked head, and equal peft's own
+    full-logits forward: log-probs, and the adapters' gradients."""
+    from grpo.config import LoraSettings
+    from grpo.model.lora import ReferenceWithoutAdapters, apply_lora
+
+    vocab = 4096
+    monkeypatch.setattr("grpo.model.packed.CHUNK_ELEMENTS", 5 * vocab)
+    model_dir = small_qwen(tmp_path / "m", vocab=vocab)
+    policy = apply_lora(
+        AutoModelForCausalLM.from_pretrained(model_dir), LoraSettings(r=4, alpha=8, dropout=0.0)
+    )
+    with torch.no_grad():  # peft starts B at 0 (adapters a no-op); move them so they change the logits
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    batch = _batch(AutoTokenizer.from_pretrained(model_dir), vocab=vocab)
+    width, inputs = batch.prompt_width, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+
+    def full_logprobs(model):
+        logits = model(**inputs, position_ids=batch.position_ids, use_cache=False).logits
+        logp_all = torch.log_softmax(logits[:, width - 1 : -1].float() / 0.7, -1)  # [N, T, V]
+        return logp_all.gather(-1, batch.input_ids[:, width:, None]).squeeze(-1)
+
+    def adapter_grads(logp):
+        policy.zero_grad()
+        ((logp * batch.completion_mask * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum()).backward()
+        return {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+
+    want = full_logprobs(policy)
+    want_grads = adapter_grads(want)
+    watch = VocabRows(vocab)
+    with watch:
+        got, _ = token_logprobs(policy, batch, 0.7)
+        got_grads = adapter_grads(got)
+        with torch.no_grad():
+            ref, _ = token_logprobs(ReferenceWithoutAdapters(policy), batch, 0.7)
+    assert watch.most == 16  # d: the head weight's transposed view in backward; chunks are 5 rows, N·T 48
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert want_grads and all(g.abs().sum() > 0 for g in want_grads.values())
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad(), policy.disable_adapter():
+        base = full_logprobs(policy)
+    torch.testing.assert_close(ref, base, rtol=1e-5, atol=1e-5)
+    assert (ref - got.detach()).abs().max() > 0.1  # the adapters matter, and were switched off for π_ref
 
 
 def test_likelihood_reward_scores_as_full_logits_without_them(tmp_path):

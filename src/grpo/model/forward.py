@@ -16,6 +16,7 @@ import torch
 
 from grpo.model.decoder import NativeDecoder, unsupported_reason
 from grpo.model.loading import autocast
+from grpo.model.lora import ReferenceWithoutAdapters, lora_base
 from grpo.model.packed import ChunkedTokenLogprobs, plain_lm_head, shared_prompt_logprobs
 from grpo.records import TrainBatch
 
@@ -42,11 +43,16 @@ def token_logprobs(
     """log π(completion token | prefix) for every completion position: [N, T] (and entropy [N, T],
     differentiable when `entropy_grad`, for the entropy bonus).
 
-    A plain Hugging Face model runs its decoder here and its LM head in row chunks (`ChunkedTokenLogprobs`,
-    logits recomputed chunk by chunk in backward), so no [N, T, vocab] tensor exists: 0.6 GB per copy for
-    16 × 64 tokens of a 151,936-token vocabulary. Wrapped models (DDP/FSDP2, peft), heads that rescale
-    their logits, autocast, and the entropy bonus's differentiable entropy take the model's own
-    full-logits forward."""
+    A plain Hugging Face model, with or without LoRA adapters, runs its decoder here and its LM head in
+    row chunks (`ChunkedTokenLogprobs`, logits recomputed chunk by chunk in backward), so no
+    [N, T, vocab] tensor exists: 0.6 GB per copy for 16 × 64 tokens of a 151,936-token vocabulary.
+    Wrapped models (DDP/FSDP2), heads that rescale their logits or carry an adapter, autocast, and the
+    entropy bonus's differentiable entropy take the model's own full-logits forward."""
+    if isinstance(model, ReferenceWithoutAdapters):  # π_ref of a LoRA policy: the same modules, adapters off
+        with model.adapters_off():
+            return token_logprobs(
+                model.peft_model, batch, temperature, with_entropy, entropy_grad, compute_dtype
+            )
     width = batch.prompt_width
     num_completion = batch.input_ids.shape[1] - width
     device = next(model.parameters()).device
@@ -61,7 +67,7 @@ def token_logprobs(
         None if torch.is_autocast_enabled(device.type) else chunkable_head(model, compute_dtype, entropy_grad)
     )
     if head is not None:
-        hidden = model.get_decoder()(**inputs).last_hidden_state[:, width - 1 : -1]  # [N, T, d]
+        hidden = lora_base(model).get_decoder()(**inputs).last_hidden_state[:, width - 1 : -1]  # [N, T, d]
         n, d = hidden.shape[0], hidden.shape[-1]
         logp, entropy = ChunkedTokenLogprobs.apply(
             hidden.reshape(n * num_completion, d), head.weight, targets.reshape(-1), temperature, with_entropy

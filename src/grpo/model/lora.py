@@ -39,6 +39,14 @@ def is_lora(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
+def lora_base(model):
+    """The transformers model inside a peft wrapper (or inside `ReferenceWithoutAdapters`), else `model`.
+    peft puts its adapters into that model's own modules, so calling its decoder directly runs them."""
+    if isinstance(model, ReferenceWithoutAdapters):
+        model = model.peft_model
+    return model.get_base_model() if is_lora(model) else model
+
+
 class ReferenceWithoutAdapters:
     """π_ref = the policy's base weights: calls the peft model with its adapters disabled.
 
@@ -51,6 +59,10 @@ class ReferenceWithoutAdapters:
     def __call__(self, **inputs):
         with self.peft_model.disable_adapter():
             return self.peft_model(**inputs)
+
+    def adapters_off(self):
+        """Context in which the peft model (and its base's decoder, called directly) is π_ref."""
+        return self.peft_model.disable_adapter()
 
     def parameters(self):
         return self.peft_model.parameters()

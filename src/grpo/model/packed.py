@@ -15,6 +15,7 @@ import torch
 
 from grpo.model.decoder import NativeDecoder, SharedPromptPack, pack_shared_prompts
 from grpo.model.linear import linear
+from grpo.model.lora import lora_base
 from grpo.records import TrainBatch
 
 CHUNK_ELEMENTS = 1 << 22  # logits elements per chunk (16 MB in float32)
@@ -108,10 +109,12 @@ _LOGIT_TRANSFORMS = (
 
 
 def plain_lm_head(model):
-    """The LM head when `model` is an unwrapped transformers causal LM whose logits are exactly
-    decoder_output @ head.weightᵀ (no bias, no rescaling), else None."""
+    """The LM head when `model` is an unwrapped transformers causal LM (or one under LoRA adapters whose
+    head is not adapted) whose logits are exactly decoder_output @ head.weightᵀ (no bias, no rescaling),
+    else None."""
     from transformers import PreTrainedModel
 
+    model = lora_base(model)
     if not isinstance(model, PreTrainedModel) or model.get_decoder() is model:
         return None
     # fully_shard (FSDP2) keeps the class a PreTrainedModel, but its root hooks must run: use its forward.
