@@ -297,8 +297,10 @@ def test_ray_async_mode_runs_with_vllm_actors(tmp_path: Path):
     assert max(r["rollout/staleness_max"] for r in steps if "rollout/staleness_max" in r) <= 1
 
 
-def test_lora_adapter_sync_matches_the_peft_model(parts):
-    """vllm_lora_sync=adapter: vLLM serves the saved adapter as a LoRARequest; each sync pushes a new one."""
+@pytest.mark.parametrize("sync", ["adapter", "merge"])
+def test_lora_sync_matches_the_peft_model(parts, sync):
+    """vllm_lora_sync=adapter: vLLM serves the saved adapter as a LoRARequest, each sync pushes a new one;
+    merge: each sync pushes the base weights with the adapters folded in (lora.merged_state)."""
     pytest.importorskip("peft")
     from grpo.config import GenerationConfig, LoraSettings
     from grpo.model.lora import apply_lora
@@ -315,7 +317,7 @@ def test_lora_adapter_sync_matches_the_peft_model(parts):
         for name, p in lora.named_parameters():
             if "lora_B" in name:  # peft starts B at 0 (the adapter a no-op); give it something to do
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    engine = build_engine("vllm", lora, tokenizer, generation=GenerationConfig(vllm_lora_sync="adapter"))
+    engine = build_engine("vllm", lora, tokenizer, generation=GenerationConfig(vllm_lora_sync=sync))
     reference = build_engine("transformers", lora, tokenizer)
     _same_rollouts(_greedy(engine, prompts), _greedy(reference, prompts))
     with torch.no_grad():

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo.distributed.runtime import Runtime
-from grpo.model.lora import adapter_state, is_lora, merged_model
+from grpo.model.lora import adapter_state, is_lora, merged_state
 from grpo.run.checkpoint import save_model_dir
 
 ADAPTER_SUBDIR = "adapter"
@@ -65,9 +65,11 @@ def save_policy_dir(
     full = rt.full_state_dict(policy)
     if rt.is_main:
         if is_lora(policy) and merge_lora:
-            merged = merged_model(policy, full)
             target = _PrepareWeights(
-                merged, merged.state_dict(), adapters=_PrepareWeights(policy, full), dtype=dtype
+                policy.get_base_model(),  # writes config.json; the weights are the merged state's
+                merged_state(policy, full),
+                adapters=_PrepareWeights(policy, full),
+                dtype=dtype,
             )
         else:
             target = _PrepareWeights(policy, full, dtype=dtype)
