@@ -53,9 +53,47 @@ def random_model(arch: str, seed: int = 0):
     return model
 
 
+def lora_model(arch: str, targets: list[str]):
+    """random_model(arch) under peft LoRA adapters whose B is random (peft starts it at 0: a no-op)."""
+    from grpo.config import LoraSettings
+    from grpo.model.lora import apply_lora
+
+    model = apply_lora(random_model(arch), LoraSettings(r=4, alpha=8, target_modules=targets)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_prefill_and_decode_logits_match_transformers(arch):
-    model = random_model(arch)
+    check_prefill_and_decode(random_model(arch), arch)
+
+
+@pytest.mark.parametrize(("arch", "targets"), [("qwen2", ["all-linear"]), ("qwen3", [])], ids=str)
+def test_lora_models_decode_natively_with_their_adapters(arch, targets):
+    """The native decoder folds active LoRA adapters into the projections (W + s·BA) and matches peft's
+    forward; with the adapters switched off it matches the base model."""
+    model = lora_model(arch, targets)
+    assert unsupported_reason(model) is None
+    check_prefill_and_decode(model, arch)
+    with torch.no_grad(), model.disable_adapter():
+        _, base_logits = NativeDecoder(model).prefill([[3, 4, 5]], pad_id=0)
+        assert torch.allclose(base_logits[0], model(torch.tensor([[3, 4, 5]])).logits[0, -1], atol=1e-5)
+    with torch.no_grad():
+        _, lora_logits = NativeDecoder(model).prefill([[3, 4, 5]], pad_id=0)
+    assert (lora_logits - base_logits).abs().max() > 0.1  # the adapters change the logits
+
+
+def test_lora_adapters_the_native_decoder_cannot_fold_are_named():
+    assert "lm_head" in unsupported_reason(lora_model("llama", ["q_proj", "lm_head"]))
+    model = lora_model("llama", [])
+    model.peft_config["default"].use_dora = True
+    assert "DoRA" in unsupported_reason(model)
+
+
+def check_prefill_and_decode(model, arch: str):
     assert unsupported_reason(model) is None
     dec = NativeDecoder(model)
     prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]

@@ -121,6 +121,37 @@ def test_greedy_matches_transformers_generate(tiny_model, id_tokenizer):
     assert torch.equal(ours.truncated, ref.truncated)
 
 
+def test_lora_policy_rolls_out_natively_and_matches_transformers_generate(tiny_model, id_tokenizer):
+    """A LoRA policy gets the native engine (adapters folded into each call's weights), which samples what
+    peft's own forward under transformers generate does, log-probs included."""
+    from grpo.config import LoraSettings
+    from grpo.model.lora import apply_lora
+
+    policy = apply_lora(tiny_model, LoraSettings(r=4, alpha=8, target_modules=["all-linear"]))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    engine = build_engine("native", policy, id_tokenizer)
+    assert isinstance(engine, NativeEngine)
+    prompts = [[2, 9, 4], [2, 3], [2, 5, 6, 7]]
+    params = SamplingParams(max_new_tokens=8, greedy=True)
+    ours = engine.generate(prompts, 1, params)
+    ref = TransformersEngine(policy, id_tokenizer).generate(prompts, 1, params)
+    with torch.no_grad(), policy.disable_adapter():
+        base = TransformersEngine(policy, id_tokenizer).generate(prompts, 1, params)
+    assert not torch.equal(base.completion_ids, ref.completion_ids)  # the adapters change what is sampled
+    width = ref.completion_ids.shape[1]
+    assert torch.equal(ours.completion_ids[:, :width], ref.completion_ids)
+    assert torch.equal(ours.completion_mask[:, :width], ref.completion_mask)
+    torch.testing.assert_close(
+        ours.sampling_logprobs[:, :width] * ref.completion_mask,
+        ref.sampling_logprobs * ref.completion_mask,
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
 @pytest.mark.slow  # ~1 min of compilation
 def test_compiled_decode_step_on_cpu_matches_eager(tiny_model, id_tokenizer):
     """compile_decode on a CPU: the compiled step runs on plain weights and gives the eager output."""

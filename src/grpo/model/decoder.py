@@ -23,13 +23,19 @@ import torch
 import torch.nn.functional as F
 
 from grpo.model.linear import DecodeLinear, decode_onednn, linear, swiglu_down
+from grpo.model.lora import adapted_weight, is_lora, lora_base, unfoldable_reason
 
 ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq depends on the config only
 
 
 def unsupported_reason(model) -> str | None:
-    """Why the native decoder cannot run this model exactly, or None when it can."""
+    """Why the native decoder cannot run this model exactly, or None when it can. A peft LoRA model is
+    run through its base model, whose projections carry the adapters (`adapted_weight`)."""
+    if is_lora(model):
+        if (reason := unfoldable_reason(model)) is not None:
+            return reason
+        model = lora_base(model)
     cfg = getattr(model, "config", None)
     kind = getattr(cfg, "model_type", None)
     if kind not in ARCHITECTURES:
@@ -81,6 +87,7 @@ class NativeDecoder:
         reason = unsupported_reason(hf_model)
         if reason is not None:
             raise ValueError(f"The native decoder does not support this model: {reason}.")
+        hf_model = lora_base(hf_model)  # LoRA: the base model's projections carry the adapters
         cfg = hf_model.config
         self.hf = hf_model
         self.base = hf_model.model
@@ -115,6 +122,10 @@ class NativeDecoder:
         """A parameter as computed with: cast to the compute dtype (a no-op when it already is)."""
         return t if t is None or t.dtype == self.dtype else t.to(self.dtype)
 
+    def proj(self, module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A projection's (weight, bias) as computed with: LoRA adapters folded in, in the compute dtype."""
+        return self.w(adapted_weight(module)), self.w(getattr(module, "base_layer", module).bias)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.w(self.base.embed_tokens.weight))
 
@@ -145,26 +156,24 @@ class NativeDecoder:
     def qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [S, d] (packed tokens) → q [S, H, D], k, v [S, Hkv, D]; RoPE applied (cos/sin [S, D])."""
         a = layer.self_attn
-        s = x.shape[0]
-        w = self.w
-        q = linear(x, w(a.q_proj.weight), w(a.q_proj.bias)).view(s, self.num_heads, self.head_dim)
-        k = linear(x, w(a.k_proj.weight), w(a.k_proj.bias)).view(s, self.num_kv_heads, self.head_dim)
-        v = linear(x, w(a.v_proj.weight), w(a.v_proj.bias)).view(s, self.num_kv_heads, self.head_dim)
+        s, w = x.shape[0], self.w
+        q = linear(x, *self.proj(a.q_proj)).view(s, self.num_heads, self.head_dim)
+        k = linear(x, *self.proj(a.k_proj)).view(s, self.num_kv_heads, self.head_dim)
+        v = linear(x, *self.proj(a.v_proj)).view(s, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = rms_norm(q, w(a.q_norm.weight), self.eps)
             k = rms_norm(k, w(a.k_norm.weight), self.eps)
         return rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None]), v
 
     def mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
-        m, w = layer.mlp, self.w
-        return swiglu_down(
-            linear(x, w(m.gate_proj.weight)), linear(x, w(m.up_proj.weight)), w(m.down_proj.weight)
+        (gate, _), (up, _), (down, _) = (
+            self.proj(p) for p in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
         )
+        return swiglu_down(linear(x, gate), linear(x, up), down)
 
     def block_tail(self, layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection + residual + MLP; h, attn [S, d]."""
-        o = layer.self_attn.o_proj
-        h = h + linear(attn, self.w(o.weight), self.w(o.bias))
+        h = h + linear(attn, *self.proj(layer.self_attn.o_proj))
         return h + self.mlp(layer, rms_norm(h, self.w(layer.post_attention_layernorm.weight), self.eps))
 
     # -- rollout ------------------------------------------------------------------------------------
@@ -210,11 +219,7 @@ class NativeDecoder:
         w = self.w  # mixed precision: the per-generate cast of every weight to the compute dtype
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv = [
-                (w(a.q_proj.weight), w(a.q_proj.bias)),
-                (w(a.k_proj.weight), w(a.k_proj.bias)),
-                (w(a.v_proj.weight), w(a.v_proj.bias)),
-            ]
+            qkv = [self.proj(a.q_proj), self.proj(a.k_proj), self.proj(a.v_proj)]
             if fuse:
                 q_w, q_b = qkv[0]
                 if fold:
@@ -231,11 +236,11 @@ class NativeDecoder:
                     qkv=[DecodeLinear(wt, b, onednn) for wt, b in qkv],
                     q_norm=w(a.q_norm.weight) if self.qk_norm else None,
                     k_norm=w(a.k_norm.weight) if self.qk_norm else None,
-                    o_proj=DecodeLinear(w(a.o_proj.weight), w(a.o_proj.bias), onednn),
+                    o_proj=DecodeLinear(*self.proj(a.o_proj), onednn),
                     post_norm=w(layer.post_attention_layernorm.weight),
-                    gate=DecodeLinear(w(m.gate_proj.weight), None, onednn),
-                    up=DecodeLinear(w(m.up_proj.weight), None, onednn),
-                    down=DecodeLinear(w(m.down_proj.weight), None, onednn),
+                    gate=DecodeLinear(self.proj(m.gate_proj)[0], None, onednn),
+                    up=DecodeLinear(self.proj(m.up_proj)[0], None, onednn),
+                    down=DecodeLinear(self.proj(m.down_proj)[0], None, onednn),
                     q_scaled=fold,
                 )
             )

@@ -16,7 +16,7 @@ import torch
 
 from grpo.model.decoder import NativeDecoder, unsupported_reason
 from grpo.model.loading import autocast
-from grpo.model.lora import ReferenceWithoutAdapters, lora_base
+from grpo.model.lora import ReferenceWithoutAdapters, has_adapters, lora_base
 from grpo.model.packed import ChunkedTokenLogprobs, plain_lm_head, shared_prompt_logprobs
 from grpo.records import TrainBatch
 
@@ -107,7 +107,9 @@ class PolicyForward:
     ):
         self.model, self.compute_dtype, self.entropy_grad = model, compute_dtype, entropy_grad
         self.decoder = None
-        if native and not entropy_grad and unsupported_reason(model) is None:
+        # LoRA trains through peft's forward (x Wᵀ + s (x Aᵀ) Bᵀ): the native forward would fold each adapter
+        # into a merged [out, in] weight that autograd keeps for backward, a copy of every adapted weight.
+        if native and not entropy_grad and not has_adapters(model) and unsupported_reason(model) is None:
             self.decoder = NativeDecoder(model, compute_dtype)
             self.decoder.gradient_checkpointing = gradient_checkpointing
         self.kind = "transformers" if self.decoder is None else "native"

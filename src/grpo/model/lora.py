@@ -15,6 +15,7 @@ import torch
 from grpo.config import LoraSettings
 
 ADAPTER_MARK = "lora_"  # substring of every adapter parameter's name
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def apply_lora(model, settings: LoraSettings):
@@ -35,6 +36,11 @@ def apply_lora(model, settings: LoraSettings):
 
 def is_lora(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def has_adapters(model) -> bool:
+    """A peft model, or the adapters-off reference over one."""
+    return is_lora(model) or isinstance(model, ReferenceWithoutAdapters)
 
 
 def lora_base(model):
@@ -100,3 +106,30 @@ def merged_state(peft_model, full_state: dict[str, torch.Tensor]) -> dict[str, t
         delta = (b @ a).T if transpose else b @ a
         merged[f"{name}.weight"] = merged[f"{name}.weight"] + delta * scaling["default"]
     return merged
+
+
+def unfoldable_reason(peft_model) -> str | None:
+    """Why `adapted_weight` cannot stand for this model's adapters (the native decoder then declines it)."""
+    if any(getattr(c, "use_dora", False) for c in peft_model.peft_config.values()):
+        return "DoRA adapters"
+    for name, module in peft_model.get_base_model().named_modules():
+        if hasattr(module, "base_layer") and not name.endswith(_PROJECTIONS):
+            return f"a LoRA adapter on {name} (native: on the attention and MLP projections only)"
+    return None
+
+
+def adapted_weight(module) -> torch.Tensor:
+    """A projection's weight as its forward computes with it: for a peft LoRA layer whose adapters are on,
+    W + scale · B A (exact up to float rounding: x(W + sBA)ᵀ = xWᵀ + s(xAᵀ)Bᵀ). Rollout folds the adapters
+    in per call this way (a [out, in] temporary per adapted layer, freed after use)."""
+    base = getattr(module, "base_layer", None)
+    if base is None:
+        return module.weight
+    weight = base.weight
+    if module.disable_adapters or module.merged:
+        return weight
+    for name in module.active_adapters:
+        if name in module.lora_A:
+            delta = module.lora_B[name].weight @ module.lora_A[name].weight  # [out, r] @ [r, in]
+            weight = weight + delta.to(weight.dtype) * module.scaling[name]
+    return weight
