@@ -152,6 +152,31 @@ def test_lora_policy_rolls_out_natively_and_matches_transformers_generate(tiny_m
     )
 
 
+def test_low_memory_host_decodes_on_the_live_weights(tiny_model, id_tokenizer, monkeypatch, caplog):
+    """Where a per-call weight copy would take over half the available memory, decode uses the live
+    weights (no copy) and samples the same tokens."""
+    prompts = [[2, 9, 4], [2, 3], [2, 5, 6, 7]]
+    params = SamplingParams(max_new_tokens=8, greedy=True)
+    copied = NativeEngine(tiny_model, id_tokenizer).generate(prompts, 2, params)
+    size = sum(p.numel() * p.element_size() for p in tiny_model.parameters())
+    monkeypatch.setattr("grpo.rollout.native.available_bytes", lambda: 2 * size - 1)
+    engine = NativeEngine(tiny_model, id_tokenizer)
+    with caplog.at_level("INFO", logger="grpo"):
+        live = engine.generate(prompts, 2, params)
+    assert "decodes on the live weights" in caplog.text
+    assert torch.equal(live.completion_ids, copied.completion_ids)
+    torch.testing.assert_close(live.sampling_logprobs, copied.sampling_logprobs, rtol=1e-5, atol=1e-5)
+    weights = engine.decoder.decode_weights(fuse=True, copy=False)
+    layer, first = weights.layers[0], tiny_model.model.layers[0]
+    assert layer.down.weight_t is None and not layer.down.onednn
+    assert layer.down.weight.data_ptr() == first.mlp.down_proj.weight.data_ptr()  # no copy
+    assert [q.weight.data_ptr() for q in layer.qkv] == [
+        getattr(first.self_attn, f"{m}_proj").weight.data_ptr() for m in "qkv"
+    ]  # q|k|v not fused (a concatenation is a copy)
+    monkeypatch.setattr("grpo.rollout.native.available_bytes", lambda: 2 * size)
+    assert NativeEngine(tiny_model, id_tokenizer)._copy_fits()
+
+
 @pytest.mark.slow  # ~1 min of compilation
 def test_compiled_decode_step_on_cpu_matches_eager(tiny_model, id_tokenizer):
     """compile_decode on a CPU: the compiled step runs on plain weights and gives the eager output."""

@@ -207,13 +207,16 @@ class NativeDecoder:
         )
         return PromptCache(keys, values, bias, lengths), self.logits(last)
 
-    def decode_weights(self, fuse: bool, onednn: bool | None = None) -> DecodeWeights:
+    def decode_weights(self, fuse: bool, onednn: bool | None = None, copy: bool = True) -> DecodeWeights:
         """Weights for decoding, prepared once per generate call. fuse=True (the CPU path) concatenates
         q|k|v into one matmul and folds the attention scale into the q rows (RoPE is linear, so scaling
         before it is the same); onednn (default: fuse, for widths `linear.decode_onednn` sends there) puts
         every projection on oneDNN with its following elementwise op fused (see model/linear.py). On a
-        CPU a decode step is bound by per-call overhead and small-GEMM efficiency, not arithmetic."""
+        CPU a decode step is bound by per-call overhead and small-GEMM efficiency, not arithmetic.
+        Each of these makes a copy of the weights for the call; copy=False makes none (beyond a
+        mixed-precision cast or a LoRA fold), decoding with plain F.linear on the live weights."""
         onednn = (fuse and decode_onednn(self.hf.config.hidden_size)) if onednn is None else onednn
+        fuse, onednn = fuse and copy, onednn and copy
         layers = []
         fold = fuse and not self.qk_norm  # q/k RMSNorm would undo a scale folded into q
         w = self.w  # mixed precision: the per-generate cast of every weight to the compute dtype
@@ -233,19 +236,19 @@ class NativeDecoder:
             layers.append(
                 LayerWeights(
                     input_norm=w(layer.input_layernorm.weight),
-                    qkv=[DecodeLinear(wt, b, onednn) for wt, b in qkv],
+                    qkv=[DecodeLinear(wt, b, onednn, copy) for wt, b in qkv],
                     q_norm=w(a.q_norm.weight) if self.qk_norm else None,
                     k_norm=w(a.k_norm.weight) if self.qk_norm else None,
-                    o_proj=DecodeLinear(*self.proj(a.o_proj), onednn),
+                    o_proj=DecodeLinear(*self.proj(a.o_proj), onednn, copy),
                     post_norm=w(layer.post_attention_layernorm.weight),
-                    gate=DecodeLinear(self.proj(m.gate_proj)[0], None, onednn),
-                    up=DecodeLinear(self.proj(m.up_proj)[0], None, onednn),
-                    down=DecodeLinear(self.proj(m.down_proj)[0], None, onednn),
+                    gate=DecodeLinear(self.proj(m.gate_proj)[0], None, onednn, copy),
+                    up=DecodeLinear(self.proj(m.up_proj)[0], None, onednn, copy),
+                    down=DecodeLinear(self.proj(m.down_proj)[0], None, onednn, copy),
                     q_scaled=fold,
                 )
             )
         return DecodeWeights(
-            layers, w(self.base.norm.weight), DecodeLinear(self.lm_head_weight, None, onednn)
+            layers, w(self.base.norm.weight), DecodeLinear(self.lm_head_weight, None, onednn, copy)
         )
 
     def decode_step(

@@ -99,17 +99,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class DecodeLinear:
     """An inference-only linear layer for the decode loop, optionally fused with the op after it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool, copy: bool = True):
         cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-        self.onednn = onednn and ONEDNN_AVAILABLE and cpu_fp32
+        self.onednn = onednn and copy and ONEDNN_AVAILABLE and cpu_fp32
         weight = weight.detach()
         self.weight = weight.to_mkldnn() if self.onednn else weight
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
         # MKL on a CPU: x @ Wᵀ from a [in, out] copy made once per generate call. For decode's few rows
         # it ran 5-30% faster than F.linear on the [out, in] weight (1-64 rows, AVX2 EPYC, 2 threads),
-        # and `addmm` then folds a residual add into the product.
-        self.weight_t = weight.t().contiguous() if not self.onednn and weight.device.type == "cpu" else None
+        # and `addmm` then folds a residual add into the product. copy=False: F.linear on the live weight.
+        cpu_copy = copy and not self.onednn and weight.device.type == "cpu"
+        self.weight_t = weight.t().contiguous() if cpu_copy else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:

@@ -33,3 +33,15 @@ def release_large_frees() -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     except (OSError, AttributeError):  # not glibc
         return False
+
+
+def available_bytes() -> int | None:
+    """Memory the kernel says new allocations can get without swapping (Linux MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None

@@ -19,6 +19,7 @@ import torch
 
 from grpo.model import linear
 from grpo.model.decoder import GroupLayout, NativeDecoder, unsupported_reason
+from grpo.model.memory import available_bytes
 from grpo.records import Rollouts, SamplingParams
 from grpo.rollout.engine import copy_weights, generate_in_chunks
 from grpo.rollout.sampling import pad_and_eos, sample_tokens
@@ -51,6 +52,7 @@ class NativeEngine:
             else self.decoder.decode_step
         )
         self.tokenizer = tokenizer
+        self._said_no_copy = False
         self.pad_id, eos = pad_and_eos(model, tokenizer)
         self.eos_ids = torch.tensor(eos or [-1], dtype=torch.long)  # -1: no eos, run to the limit
 
@@ -75,6 +77,26 @@ class NativeEngine:
     def sync_weights(self, policy: torch.nn.Module) -> None:
         pass  # the decoder reads self.model's parameters, the policy's own unless they arrive by load_weights
 
+    def _copy_fits(self) -> bool:
+        """Whether a generate call may copy the weights into its faster CPU layouts (oneDNN's, a
+        transposed [in, out] copy, fused q|k|v; 4.6 GiB for Llama-3.2-1B): only while that takes at most
+        half of the memory the host has available now. Otherwise decode multiplies by the live weights
+        (F.linear): slower per step, no copy. A GPU decodes on the live weights anyway."""
+        if self.decoder.device.type != "cpu":
+            return True
+        need = sum(p.numel() * p.element_size() for p in self.decoder.hf.parameters())
+        have = available_bytes()
+        fits = have is None or need <= have // 2
+        if not fits and not self._said_no_copy:
+            self._said_no_copy = True
+            log.info(
+                "Rollout decodes on the live weights: a per-call copy (%.1f GiB) would take more than half "
+                "of the %.1f GiB available.",
+                need / 2**30,
+                have / 2**30,
+            )
+        return fits
+
     def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
         dec, device = self.decoder, self.decoder.device
         p, t_max = len(prompts), sampling.max_new_tokens
@@ -82,8 +104,9 @@ class NativeEngine:
         prompt_cache, first_logits = dec.prefill(prompts, self.pad_id)  # first_logits [P, V]
         # oneDNN's own weight tensors are opaque to torch.compile: a compiled step keeps plain ones.
         width = dec.hf.config.hidden_size
-        onednn = device.type == "cpu" and not self.compiled and linear.decode_onednn(width, rows)
-        weights = dec.decode_weights(fuse=device.type == "cpu", onednn=onednn)
+        copy = self._copy_fits()
+        onednn = copy and device.type == "cpu" and not self.compiled and linear.decode_onednn(width, rows)
+        weights = dec.decode_weights(fuse=device.type == "cpu", onednn=onednn, copy=copy)
         shape = (rows, dec.num_kv_heads, t_max, dec.head_dim)
         cache_k = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
         cache_v = [torch.empty(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
@@ -122,7 +145,7 @@ class NativeEngine:
                 layout = GroupLayout(active.to(device) // n, prompt_cache.lengths, p)
                 if onednn and not linear.decode_onednn(width, keep.numel()):
                     onednn = False
-                    weights = dec.decode_weights(fuse=True, onednn=False)
+                    weights = dec.decode_weights(fuse=True, onednn=False, copy=copy)
             cos, sin = dec.rope(layout.prompt_len_per_row + step, limit=rope_limit)  # [n, D]
             n_rows = tokens.shape[0]
             caches = [
