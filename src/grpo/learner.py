@@ -172,10 +172,11 @@ class Learner:
         t = self.cfg.train
         if t.micro_batch_tokens is not None:
             return t.micro_batch_tokens
+        gradient_bytes = sum(p.numel() * 4 for p in policy.parameters() if p.requires_grad)  # float32 masters
         budget = (
             int(t.activation_memory_gb * 2**30)
             if t.activation_memory_gb is not None
-            else default_activation_budget(device)
+            else default_activation_budget(device, gradient_bytes)
         )
         element_bytes = (self.compute_dtype or torch.float32).itemsize
         try:

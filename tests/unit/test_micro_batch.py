@@ -1,5 +1,7 @@
 """Micro-batches cut by a token budget: the cuts, the per-token activation estimate, the budget."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from grpo.model.micro_batch import (
     budget_tokens,
     cut_by_tokens,
     cut_into,
+    default_activation_budget,
 )
 from grpo.records import TrainBatch
 from tests.conftest import tiny_llama
@@ -130,3 +133,24 @@ def test_learner_defaults_to_token_budget_and_honours_fixed_sizes():
     # 1 GB for a 2-layer, 32-wide model: the budget is far beyond the CPU speed cap
     assert learner(**{"train.activation_memory_gb": 1.0}).micro_batch_tokens == CPU_SPEED_TOKENS
     assert learner(**{"train.activation_memory_gb": 1e-4}).micro_batch_tokens < CPU_SPEED_TOKENS
+
+
+def test_cpu_budget_is_at_least_twice_the_gradient():
+    """Micro-batches under ~2× the gradient lower no peak (the gradient stays resident through later
+    micro-batches) and slow the update: a CPU's default budget does not go below that."""
+    assert default_activation_budget(CPU) == 512 << 20  # LoRA-sized gradients: the 512 MiB floor
+    assert default_activation_budget(CPU, 1 << 20) == 512 << 20
+    qwen_05b = 494_032_768 * 4  # float32 gradient of Qwen2.5-0.5B, 1.98 GB
+    assert default_activation_budget(CPU, qwen_05b) == 2 * qwen_05b
+    # Qwen2.5-0.5B's 1.86 MB of activations per token (native forward): one micro-batch of up to the
+    # CPU speed cap instead of 288-token ones
+    config = SimpleNamespace(
+        hidden_size=896,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+    )
+    per_token = activation_bytes_per_token(config, 4, native=True, checkpointing=False)
+    assert budget_tokens(default_activation_budget(CPU), per_token, CPU) == 288
+    assert budget_tokens(default_activation_budget(CPU, qwen_05b), per_token, CPU) == CPU_SPEED_TOKENS

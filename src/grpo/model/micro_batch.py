@@ -56,19 +56,24 @@ def activation_bytes_per_token(config, element_bytes: int, native: bool, checkpo
     return element_bytes * (layers * per_layer + 2 * d)
 
 
-def default_activation_budget(device: torch.device) -> int:
+def default_activation_budget(device: torch.device, gradient_bytes: int = 0) -> int:
     """Bytes for one micro-batch's activations when `train.activation_memory_gb` is unset.
 
     CUDA: a third of the memory free now (after the policy and reference are loaded; AdamW's state and
-    the rollout engine's cache come later and need the rest). CPU: 512 MiB. A CPU host's memory is
-    shared with everything else on it, and more tokens per micro-batch buy a CPU little speed: Qwen2.5-
-    0.5B's 10.8 GiB peak (docs/performance.md, "Real sizes") was measured with 4 rows of 64 tokens per
-    micro-batch, ~0.5 GiB of activations, and 512 MiB keeps it there (288 tokens at its 1.86 MB per
-    token); small models reach the CPU_SPEED_TOKENS cap first (the 4.9M benchmark model: 82 KB)."""
+    the rollout engine's cache come later and need the rest). CPU: 512 MiB, or twice the trainable
+    parameters' gradient if that is more. A CPU host's memory is shared with everything else on it. The
+    floor: once a step runs in several micro-batches, the accumulated gradient is resident through every
+    later one, so the peak is gradient + one micro-batch; in one micro-batch it is the larger of the
+    step's activations and the gradient (backward frees the first as it fills the second). Splitting
+    activations under about twice the gradient lowers no peak and slows the update. Measured on
+    Qwen2.5-0.5B (2 GB of gradient; 4 × 4 completions of 64 tokens, 2 steps): micro-batches of 288
+    tokens peaked at 11.25 GiB with 78 s updates, one micro-batch at 10.77 GiB with 55-59 s. Full
+    fine-tuning of small models reaches the CPU_SPEED_TOKENS cap first; LoRA (a tiny gradient) keeps
+    512 MiB."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free // 3
-    return 512 << 20
+    return max(512 << 20, 2 * gradient_bytes)
 
 
 def budget_tokens(budget_bytes: int, bytes_per_token: int, device: torch.device) -> int:
