@@ -2,6 +2,8 @@
 
     PYTHONPATH=src .venv/bin/python benchmarks/real_size.py --models qwen2.5-0.5b --frameworks grpo,trl
     PYTHONPATH=src .venv/bin/python benchmarks/real_size.py --models all --frameworks grpo
+    PYTHONPATH=src .venv/bin/python benchmarks/real_size.py --frameworks grpo \
+        --grpo-extra="--gradient-accumulation-steps 1"      # an A/B of one setting
 
 Settings (both sides): float32 on the CPU, β 0.04, 4 prompts × 4 completions, 64 new tokens, 2 steps,
 temperature 1, the bundled tiny_math prompts through the chat template, evaluation off. Llama-3.2-1B
@@ -131,11 +133,13 @@ class RssSampler(threading.Thread):
             time.sleep(0.2)
 
 
-def run_one(framework: str, name: str, model: Path) -> dict:
+def run_one(framework: str, name: str, model: Path, grpo_extra: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         make = grpo_command if framework == "grpo" else trl_command
         cmd = make(model, out, name in LORA)
+        if framework == "grpo":
+            cmd += grpo_extra or []
         env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{HERE}", OMP_NUM_THREADS="2")
         log = Path(tmp) / "log.txt"
         start = time.perf_counter()
@@ -181,14 +185,19 @@ def main() -> None:
         "--frameworks", default="grpo,trl", help="comma list: grpo, trl (run alternately per model)"
     )
     ap.add_argument("--label", default="", help="stored with each result (e.g. the commit)")
+    ap.add_argument(
+        "--grpo-extra",
+        default="",
+        help="more `grpo train` arguments in one string, for an A/B: '--gradient-accumulation-steps 1'",
+    )
     args = ap.parse_args()
     names = list(ARCHITECTURES) if args.models == "all" else args.models.split(",")
     results = []
     for name in names:
         model = build(name)
         for framework in args.frameworks.split(","):
-            r = run_one(framework, name, model)
-            r["label"] = args.label
+            r = run_one(framework, name, model, args.grpo_extra.split())
+            r["label"], r["grpo_extra"] = args.label, args.grpo_extra
             results.append(r)
             RESULTS.parent.mkdir(exist_ok=True)
             with RESULTS.open("a") as fh:
