@@ -5,7 +5,9 @@ same module with the adapters switched off (`ReferenceWithoutAdapters`), so β >
 model. Only adapter tensors (names containing `lora_`) travel to rollout workers after the first
 full sync. Checkpoints hold the adapters (a peft directory that `AutoModelForCausalLM.from_pretrained`
 loads when peft is installed); `final_model/` holds the merged model, adapters folded in, as a plain
-Hugging Face model (`lora.save_merged`).
+Hugging Face model (`lora.save_merged`; `merged_state` makes new tensors for the adapted weights only).
+Training runs peft's forward (decoder + chunked LM head, model/forward.py); the native rollout engine
+folds the active adapters into each generate call's weights (`adapted_weight`).
 """
 
 from __future__ import annotations
