@@ -1,5 +1,7 @@
 """Micro-batches cut by a token budget: the cuts, the per-token activation estimate, the budget."""
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +22,9 @@ from grpo.model.micro_batch import (
 )
 from grpo.records import TrainBatch
 from tests.conftest import tiny_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from build_real_model import ARCHITECTURES, PARAMS
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -140,17 +145,11 @@ def test_cpu_budget_is_at_least_twice_the_gradient():
     micro-batches) and slow the update: a CPU's default budget does not go below that."""
     assert default_activation_budget(CPU) == 512 << 20  # LoRA-sized gradients: the 512 MiB floor
     assert default_activation_budget(CPU, 1 << 20) == 512 << 20
-    qwen_05b = 494_032_768 * 4  # float32 gradient of Qwen2.5-0.5B, 1.98 GB
+    qwen_05b = PARAMS["qwen2.5-0.5b"] * 4  # float32 gradient of Qwen2.5-0.5B, 1.98 GB
     assert default_activation_budget(CPU, qwen_05b) == 2 * qwen_05b
     # Qwen2.5-0.5B's 1.86 MB of activations per token (native forward): one micro-batch of up to the
     # CPU speed cap instead of 288-token ones
-    config = SimpleNamespace(
-        hidden_size=896,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-    )
+    config = SimpleNamespace(**ARCHITECTURES["qwen2.5-0.5b"])  # its published config.json numbers
     per_token = activation_bytes_per_token(config, 4, native=True, checkpointing=False)
     assert budget_tokens(default_activation_budget(CPU), per_token, CPU) == 288
     assert budget_tokens(default_activation_budget(CPU, qwen_05b), per_token, CPU) == CPU_SPEED_TOKENS
