@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.model.linear import DecodeLinear, decode_onednn, linear, swiglu_down
-from grpo.model.lora import adapted_weight, is_lora, lora_base, unfoldable_reason
+from grpo.model.lora import adapted_linear, is_lora, lora_base, unfoldable_reason
 
 ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq depends on the config only
@@ -31,7 +31,7 @@ STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq depends on the
 
 def unsupported_reason(model) -> str | None:
     """Why the native decoder cannot run this model exactly, or None when it can. A peft LoRA model is
-    run through its base model, whose projections carry the adapters (`adapted_weight`)."""
+    run through its base model, whose projections carry the adapters (`adapted_linear`)."""
     if is_lora(model):
         if (reason := unfoldable_reason(model)) is not None:
             return reason
@@ -124,7 +124,8 @@ class NativeDecoder:
 
     def proj(self, module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A projection's (weight, bias) as computed with: LoRA adapters folded in, in the compute dtype."""
-        return self.w(adapted_weight(module)), self.w(getattr(module, "base_layer", module).bias)
+        weight, bias = adapted_linear(module)
+        return self.w(weight), self.w(bias)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.w(self.base.embed_tokens.weight))

@@ -7,7 +7,7 @@ full sync. Checkpoints hold the adapters (a peft directory that `AutoModelForCau
 loads when peft is installed); `final_model/` holds the merged model, adapters folded in, as a plain
 Hugging Face model (`lora.save_merged`; `merged_state` makes new tensors for the adapted weights only).
 Training runs peft's forward (decoder + chunked LM head, model/forward.py); the native rollout engine
-folds the active adapters into each generate call's weights (`adapted_weight`).
+folds the active adapters into each generate call's weights (`adapted_linear`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from grpo.config import LoraSettings
 
 ADAPTER_MARK = "lora_"  # substring of every adapter parameter's name
+_PEFT_PREFIX = "base_model.model."  # what peft puts before the wrapped model's own parameter names
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -82,6 +83,16 @@ def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if ADAPTER_MARK in k}
 
 
+def base_state(full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base weights of a peft model's state dict under plain Hugging Face names, adapters left out
+    (the same tensors, not copies)."""
+    return {
+        k.removeprefix(_PEFT_PREFIX).replace(".base_layer.", "."): v
+        for k, v in full_state.items()
+        if ADAPTER_MARK not in k
+    }
+
+
 def merged_state(peft_model, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The merged model's float32 state dict under plain Hugging Face names, from the peft model's full CPU
     state dict (so it works the same when the live model is sharded by FSDP2): W + scale · B A for each
@@ -93,25 +104,20 @@ def merged_state(peft_model, full_state: dict[str, torch.Tensor]) -> dict[str, t
     if getattr(config, "use_dora", False):  # DoRA rescales each column by a learned magnitude: not W + BA
         raise ValueError("Merging DoRA adapters is not supported; set lora.save_merged=false.")
     transpose = bool(getattr(config, "fan_in_fan_out", False))  # GPT-2's Conv1D stores W as [in, out]
-    prefix = "base_model.model."
-    merged = {
-        k.removeprefix(prefix).replace(".base_layer.", "."): v.float()
-        for k, v in full_state.items()
-        if ADAPTER_MARK not in k
-    }
+    merged = {k: v.float() for k, v in base_state(full_state).items()}
     for name, module in peft_model.get_base_model().named_modules():
         scaling = getattr(module, "scaling", None)
         if not isinstance(scaling, dict) or "default" not in scaling:
             continue
-        a = full_state[f"{prefix}{name}.lora_A.default.weight"].float()  # [r, in]
-        b = full_state[f"{prefix}{name}.lora_B.default.weight"].float()  # [out, r]
+        a = full_state[f"{_PEFT_PREFIX}{name}.lora_A.default.weight"].float()  # [r, in]
+        b = full_state[f"{_PEFT_PREFIX}{name}.lora_B.default.weight"].float()  # [out, r]
         delta = (b @ a).T if transpose else b @ a
         merged[f"{name}.weight"] = merged[f"{name}.weight"] + delta * scaling["default"]
     return merged
 
 
 def unfoldable_reason(peft_model) -> str | None:
-    """Why `adapted_weight` cannot stand for this model's adapters (the native decoder then declines it)."""
+    """Why `adapted_linear` cannot stand for this model's adapters (the native decoder then declines it)."""
     if any(getattr(c, "use_dora", False) for c in peft_model.peft_config.values()):
         return "DoRA adapters"
     for name, module in peft_model.get_base_model().named_modules():
@@ -120,18 +126,19 @@ def unfoldable_reason(peft_model) -> str | None:
     return None
 
 
-def adapted_weight(module) -> torch.Tensor:
-    """A projection's weight as its forward computes with it: for a peft LoRA layer whose adapters are on,
-    W + scale · B A (exact up to float rounding: x(W + sBA)ᵀ = xWᵀ + s(xAᵀ)Bᵀ). Rollout folds the adapters
-    in per call this way (a [out, in] temporary per adapted layer, freed after use)."""
+def adapted_linear(module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A projection's (weight, bias) as its forward computes with them: for a peft LoRA layer whose
+    adapters are on, the weight is W + scale · B A (exact up to float rounding: x(W + sBA)ᵀ = xWᵀ +
+    s(xAᵀ)Bᵀ). Rollout folds the adapters in per call this way (a [out, in] temporary per adapted layer,
+    freed after use); a plain nn.Linear comes back as it is."""
     base = getattr(module, "base_layer", None)
     if base is None:
-        return module.weight
+        return module.weight, module.bias
     weight = base.weight
     if module.disable_adapters or module.merged:
-        return weight
+        return weight, base.bias
     for name in module.active_adapters:
         if name in module.lora_A:
             delta = module.lora_B[name].weight @ module.lora_A[name].weight  # [out, r] @ [r, in]
             weight = weight + delta.to(weight.dtype) * module.scaling[name]
-    return weight
+    return weight, base.bias

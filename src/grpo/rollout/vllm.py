@@ -79,23 +79,14 @@ def _import_vllm():
 def hf_state(policy, merge_lora: bool = True) -> dict[str, torch.Tensor]:
     """The policy's weights under Hugging Face names (what vLLM's loader reads); LoRA adapters merged, or
     (merge_lora=False) left out: the frozen base weights alone."""
-    from grpo.model.lora import ADAPTER_MARK, is_lora, merged_state
+    from grpo.model.lora import base_state, is_lora, merged_state
 
-    if is_lora(policy) and not merge_lora:
-        base = policy.get_base_model()
-        state = {
-            k.replace(".base_layer.", "."): v.detach().to("cpu", copy=True).contiguous()
-            for k, v in base.state_dict().items()
-            if ADAPTER_MARK not in k
-        }
-        if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-        return state
-    if is_lora(policy):
+    if is_lora(policy) and merge_lora:
         merged = merged_state(policy, {k: v.detach().cpu() for k, v in policy.state_dict().items()})
         state = {k: v.clone().contiguous() for k, v in merged.items()}
     else:
-        state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in policy.state_dict().items()}
+        live = base_state(policy.state_dict()) if is_lora(policy) else policy.state_dict()
+        state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in live.items()}
     if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
     return state
