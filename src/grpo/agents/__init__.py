@@ -1,0 +1,26 @@
+"""Agents: the pure parts of multi-turn tool-calling episodes (parsing calls, running tools, exact ids)."""
+
+from grpo.agents.chat import ChatRenderer, ChatTemplateError
+from grpo.agents.parsing import (
+    PARSERS,
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    ParsedTurn,
+    ToolCall,
+    ToolCallParser,
+    detect_parser,
+)
+
+__all__ = [
+    "PARSERS",
+    "ChatRenderer",
+    "ChatTemplateError",
+    "HermesParser",
+    "Llama3JsonParser",
+    "MistralParser",
+    "ParsedTurn",
+    "ToolCall",
+    "ToolCallParser",
+    "detect_parser",
+]

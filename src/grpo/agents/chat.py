@@ -1,0 +1,181 @@
+"""Token-exact multi-turn rendering: the ids injected between sampled turns come from the chat template.
+
+An episode's token sequence is ``prompt_ids(messages)``, then what the policy sampled (ending with its
+end-of-turn token), then ``injected_ids(history, new_messages)``, then the next sample, and so on. Sampled ids
+are never decoded and re-encoded (a round trip can change them: the policy would be trained on tokens it did
+not sample). The injected ids are the text the template adds for the new messages: render(history + new, with
+the generation prompt) minus render(history), plus what the template writes after the assistant's end-of-turn
+token (Qwen's "\\n" after <|im_end|>), tokenized on their own. That is exact because the sampled turn ends
+with a special token, where every tokenizer splits.
+
+It needs the template to be prefix-preserving: rendering a longer conversation must not change how the earlier
+turns render. Qwen2.5 is; Qwen3 is not (it drops the <think> blocks of assistant turns before the last user
+query, and the empty one of a last assistant turn once more messages follow). ``prefix_problem()`` finds out
+at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo.config.errors import ConfigError
+
+_PROBE_TEXT = "PROBE-7f3a"  # an assistant reply no template would write by itself
+
+
+class ChatTemplateError(ConfigError):
+    """The chat template cannot give token-exact multi-turn ids; the message says what changed and why."""
+
+
+def _describe_change(before: str, after: str) -> str:
+    """One phrase: where `after` stops extending `before`, and what the text became."""
+    at = next(
+        (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b),
+        min(len(before), len(after)),
+    )
+    if before.count("<think>") > after[: len(before) + 200].count("<think>"):
+        return "it drops the <think> blocks of earlier assistant turns"
+    was, now = before[max(0, at - 20) : at + 40], after[max(0, at - 20) : at + 40]
+    return f"at character {at} the earlier text {was!r} became {now!r}"
+
+
+class ChatRenderer:
+    """Renders conversations with the tokenizer's chat template, as token ids (see the module docstring).
+
+    `tool_schemas` are transformers/OpenAI-style ``{"type": "function", "function": {...}}`` dicts
+    (``ToolBox.schemas``); `template_kwargs` go to every render (``enable_thinking=False`` for Qwen3's
+    no-thinking mode, a fixed ``date_string`` for Llama's templates).
+    """
+
+    def __init__(
+        self, tokenizer: Any, tool_schemas: list[dict] | None = None, **template_kwargs: Any
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.tools = list(tool_schemas) if tool_schemas else None
+        self.template_kwargs = template_kwargs
+        self.end_of_turn, self.turn_tail = self._end_of_turn()
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=self.tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        # The rendered text already holds the template's special tokens (bos included): add none.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The ids the policy continues from: `messages` rendered with the generation prompt."""
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def injected_ids(self, history: list[dict], new_messages: list[dict]) -> list[int]:
+        """The ids after the sampled end-of-turn token, up to and including the next generation prompt.
+
+        `history` ends with the assistant message just sampled (with its ``tool_calls``, as the template
+        expects them); `new_messages` are the tool or environment messages to inject.
+        """
+        before = self.render(history, add_generation_prompt=False)
+        after = self.render(history + new_messages, add_generation_prompt=True)
+        end = self.end_of_turn + self.turn_tail
+        if not history or history[-1].get("role") != "assistant" or not before.endswith(end):
+            raise ChatTemplateError(
+                "the history must end with the assistant message just sampled, whose rendering ends with "
+                f"the end-of-turn token {self.end_of_turn!r}; it ends with {before[-40:]!r}."
+            )
+        if not after.startswith(before):
+            roles = ", ".join(sorted({str(m.get("role")) for m in new_messages}))
+            raise ChatTemplateError(
+                f"the chat template re-renders earlier turns when {roles} messages are added "
+                f"({_describe_change(before, after)}), so injected tokens cannot be taken as a difference; "
+                "check ChatRenderer.prefix_problem() at start-up and train each turn as its own sample."
+            )
+        return self.encode(self.turn_tail + after[len(before) :])
+
+    def _end_of_turn(self) -> tuple[str, str]:
+        """The end-of-turn token the template writes after an assistant message, and the text after it."""
+        probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": _PROBE_TEXT}]
+        text = self.render(probe, add_generation_prompt=False)
+        if _PROBE_TEXT not in text:
+            raise ChatTemplateError("the chat template does not render an assistant message's content.")
+        after = text[text.rindex(_PROBE_TEXT) + len(_PROBE_TEXT) :]
+        special = {self.tokenizer.convert_ids_to_tokens(i) for i in self.tokenizer.all_special_ids}
+        # The first special token after the content is what the policy samples to end its turn.
+        found = [(after.find(tok), tok) for tok in special if tok and after.find(tok) >= 0]
+        if not found:
+            raise ChatTemplateError(
+                "the chat template writes no special end-of-turn token after an assistant message (it "
+                f"writes {after!r}), so a sampled turn has no token boundary to inject at; register it as a "
+                "special token."
+            )
+        at, token = min(found, key=lambda f: (f[0], -len(f[1])))
+        return token, after[at + len(token) :]
+
+    def prefix_problem(self, opening: list[dict] | None = None) -> str | None:
+        """None if the template is prefix-preserving across turns, else one sentence saying what changes.
+
+        Probes a synthetic conversation (user, assistant with a tool call, tool, assistant, user, ...; user
+        and assistant only without tools), with and without <think> reasoning in the assistant turns.
+        `opening` replaces its first user message with a real prompt's messages (a system message can matter:
+        Mistral's templates move it), so the probe sees what the run will render.
+        """
+        for thinking in (True, False):
+            messages = self._probe_conversation(opening, thinking)
+            try:
+                problem = self._first_break(messages)
+            except Exception as err:  # noqa: BLE001 - any template failure is the answer, in words
+                kind = type(err).__name__
+                return f"the chat template cannot render a multi-turn conversation ({kind}: {err})."
+            if problem:
+                return problem
+        return None
+
+    def _probe_conversation(self, opening: list[dict] | None, thinking: bool) -> list[dict]:
+        def reply(text: str) -> str:
+            return f"<think>\nI work it out.\n</think>\n\n{text}" if thinking else text
+
+        def step(question: str, call_id: str, answer: str) -> list[dict]:
+            turn = [{"role": "user", "content": question}]
+            if self.tools:
+                name = self.tools[0].get("function", self.tools[0]).get("name", "probe_tool")
+                call = {"type": "function", "id": call_id, "function": {"name": name, "arguments": {}}}
+                turn += [
+                    {"role": "assistant", "content": reply(""), "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call_id, "name": name, "content": "408"},
+                ]
+            return [*turn, {"role": "assistant", "content": reply(answer)}]
+
+        first = step(
+            "What is 12 * 34?", "call00001", "It is 408."
+        )  # 9-character ids: Mistral's templates check
+        if opening:
+            first = list(opening) + first[1:]
+        return first + step("And 408 + 1?", "call00002", "It is 409.")
+
+    def _first_break(self, messages: list[dict]) -> str | None:
+        """Check every hand-off an episode makes; describe the first one whose earlier text changes."""
+        last_assistant = None
+        for k in range(1, len(messages)):
+            if messages[k]["role"] == "assistant":
+                # Sampling: the policy continues the generation prompt; the rendered turn must start with it.
+                before = self.render(messages[:k], add_generation_prompt=True)
+                after = self.render(messages[: k + 1], add_generation_prompt=False)
+                what = "an assistant turn is rendered after the generation prompt"
+                last_assistant = k
+            elif last_assistant is not None and (
+                k + 1 == len(messages) or messages[k + 1]["role"] == "assistant"
+            ):
+                # Injection: the messages after the last assistant turn, up to the next generation prompt.
+                before = self.render(messages[: last_assistant + 1], add_generation_prompt=False)
+                after = self.render(messages[: k + 1], add_generation_prompt=True)
+                roles = "/".join(dict.fromkeys(m["role"] for m in messages[last_assistant + 1 : k + 1]))
+                what = f"a {roles} message follows an assistant turn"
+            else:
+                continue
+            if not after.startswith(before):
+                change = _describe_change(before, after)
+                return f"The chat template is not prefix-preserving: when {what}, {change}."
+        return None
