@@ -286,9 +286,10 @@ def dry_run(cfg: GRPOConfig) -> str:
 
 def cmd_eval(args) -> int:
     from grpo.data import PromptFormatter, load_rows
-    from grpo.evaluation import evaluate
+    from grpo.evaluation import EngineSampler, evaluate
     from grpo.model.loading import load_policy, load_tokenizer, resolve_device, resolve_dtype
     from grpo.rollout import build_engine
+    from grpo.rollout.episodes import build_episodes
     from grpo.run.preflight import check_model_paths
 
     for flag, value in (("--k", args.k), ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
@@ -316,19 +317,25 @@ def cmd_eval(args) -> int:
     rows = rows[: args.limit] if args.limit else rows
     model = load_policy(cfg, device)
     formatter = PromptFormatter(tokenizer, cfg.data)
+    episodes = build_episodes(cfg, formatter)  # the config's tools / environment: evaluated with them
     engine = build_engine(
         cfg.generation.engine, model, tokenizer, compute_dtype=resolve_dtype(cfg.model.dtype, device)
     )
-    result = evaluate(
-        engine,
-        formatter,
-        rows,
-        k=args.k,
-        temperature=args.temperature,
-        batch_size=cfg.train.eval_batch_size,
-        max_new_tokens=args.max_new_tokens or cfg.train.eval_max_new_tokens or cfg.effective_max_new_tokens,
-        stop_strings=cfg.generation.stop_strings,
-    )
+    try:
+        result = evaluate(
+            EngineSampler(engine, episodes),
+            formatter,
+            rows,
+            k=args.k,
+            temperature=args.temperature,
+            batch_size=cfg.train.eval_batch_size,
+            max_new_tokens=args.max_new_tokens
+            or cfg.train.eval_max_new_tokens
+            or cfg.effective_max_new_tokens,
+            stop_strings=cfg.generation.stop_strings,
+        )
+    finally:
+        engine.close()
     if args.dump:
         with open(args.dump, "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(record) + "\n" for record in result.records)

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from grpo.data import PromptFormatter, prompt_text
+from grpo.data import PromptFormatter, make_prompt_batch, prompt_text
 from grpo.data.tasks import Scorer, scorer_for_rows
 from grpo.records import SamplingParams
 from grpo.rollout import RolloutEngine
+from grpo.rollout.episodes import SingleTurn, answer_texts
 
 SOURCE_COLUMNS = ("source", "task", "category", "subject", "level", "type")
 
@@ -39,8 +40,18 @@ class EvalResult:
         return {**out, **self.extra}
 
 
+class EngineSampler:
+    """An engine (and the episodes to run with it) seen as a source's `sample`."""
+
+    def __init__(self, engine: RolloutEngine, episodes=None):
+        self.engine, self.episodes = engine, episodes or SingleTurn()
+
+    def sample(self, prompts, n: int, sampling: SamplingParams):
+        return self.episodes.run(self.engine, prompts, n, sampling)
+
+
 def evaluate(
-    engine: RolloutEngine,
+    sampler,
     formatter: PromptFormatter,
     rows: list[dict[str, Any]],
     *,
@@ -54,7 +65,8 @@ def evaluate(
     scorer: Scorer | None = None,
 ) -> EvalResult:
     """Generate k completions per row (greedy when k == 1) and score them with `scorer` (default: the
-    scorer of the task whose columns the rows carry, `scorer_for_rows`)."""
+    scorer of the task whose columns the rows carry, `scorer_for_rows`). `sampler` is a rollout source
+    (its `sample`: the run's own engine and episodes, tools included) or a bare engine (one turn)."""
     if not rows:
         raise ValueError("Evaluation needs at least one row.")
     scorer = scorer or scorer_for_rows(rows)
@@ -74,15 +86,21 @@ def evaluate(
     details: list[Any] = []
     records: list[dict[str, Any]] = []
     tokenizer = formatter.tokenizer
+    if not hasattr(sampler, "sample"):
+        sampler = EngineSampler(sampler)
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        ids = formatter.encode([r["prompt"] for r in chunk])
-        rollouts = engine.generate(ids, k, sampling)
-        texts = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+        prompts = make_prompt_batch(list(range(start, start + len(chunk))), chunk, formatter)
+        _, rollouts = sampler.sample(prompts, k, sampling)
+        texts = answer_texts(rollouts, tokenizer)
         for i, row in enumerate(chunk):
             prompt, row_texts = prompt_text(row["prompt"]), texts[i * k : (i + 1) * k]
             scored = scorer.score(row, prompt, row_texts)
             record = {"prompt": prompt, "completions": row_texts, **scored.record, "correct": scored.scores}
+            if rollouts.episodes is not None:
+                episodes = rollouts.episodes[i * k : (i + 1) * k]
+                record["tool_calls"] = [e.tool_calls for e in episodes]
+                record["messages"] = [e.messages for e in episodes]
             record.update({c: row[c] for c in SOURCE_COLUMNS if c in row})
             correct.append(scored.scores)
             votes.append(scored.majority_correct)
@@ -90,6 +108,9 @@ def evaluate(
             records.append(record)
     per_prompt = [sum(r) / len(r) for r in correct]
     result = EvalResult(accuracy=sum(per_prompt) / len(rows), n=len(rows), k=k, records=records)
+    if records and "tool_calls" in records[0]:
+        calls = [c for r in records for c in r["tool_calls"]]
+        result.extra["tool_call_rate"] = sum(c > 0 for c in calls) / len(calls)
     lo, hi = bootstrap_interval(per_prompt)
     result.extra.update({"accuracy_ci_low": lo, "accuracy_ci_high": hi})
     result.extra.update(_by_source(rows, per_prompt))

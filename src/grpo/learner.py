@@ -37,28 +37,6 @@ class NonFiniteWeightsError(RuntimeError):
     """The policy's weights hold NaN/inf after an optimizer step: training cannot go on from here."""
 
 
-def trim(batch: TrainBatch) -> TrainBatch:
-    """Drop completion columns that are padding in every row of this micro-batch."""
-    longest = int(batch.completion_mask.sum(-1).max().item()) if len(batch) else 0
-    keep = batch.prompt_width + max(longest, 1)
-    cols = slice(0, max(longest, 1))
-
-    def pick(x):
-        return None if x is None else x[:, cols]
-
-    return TrainBatch(
-        input_ids=batch.input_ids[:, :keep],
-        attention_mask=batch.attention_mask[:, :keep],
-        prompt_width=batch.prompt_width,
-        completion_mask=batch.completion_mask[:, cols],
-        advantages=batch.advantages[:, cols],
-        group_ids=batch.group_ids,
-        ref_logprobs=pick(batch.ref_logprobs),
-        old_logprobs=pick(batch.old_logprobs),
-        behaviour_logprobs=pick(batch.behaviour_logprobs),
-    )
-
-
 def micro_batches(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
@@ -216,7 +194,7 @@ class Learner:
         t = batch.completion_mask.shape[1]
         out = torch.zeros(len(batch), t)
         for rows in self.micro_slices(batch):
-            mb = trim(batch.rows(rows))
+            mb = batch.rows(rows).trim()
             logp, _ = self.reference_forward(mb, self.cfg.generation.temperature)
             out[rows, : logp.shape[1]] = logp.float().cpu()
         return out  # [N, T]
@@ -228,7 +206,7 @@ class Learner:
         rt = self.rt
         norm = LossNorm(
             num_sequences=int(rt.sum(len(batch))),
-            num_tokens=int(rt.sum(batch.completion_mask.sum().item())),
+            num_tokens=int(rt.sum(batch.loss_mask.sum().item())),
             max_completion_length=self.cfg.effective_max_new_tokens,
         )
         # The first pass fills π_old and, for rollouts of another policy, the importance-weighted
@@ -244,7 +222,7 @@ class Learner:
         for iteration in range(a.num_iterations):
             first_pass, loss_finite = iteration == 0, True
             for k, rows in enumerate(slices):
-                mb = trim(work.rows(rows))
+                mb = work.rows(rows).trim()
                 rt.set_grad_sync(self.model, k == len(slices) - 1)  # all-reduce once, after the last
                 logp, entropy = self.policy_forward(
                     mb, self.cfg.generation.temperature, with_entropy=first_pass
@@ -260,7 +238,7 @@ class Learner:
                             mb.advantages,
                             old.float().cpu(),
                             mb.behaviour_logprobs,
-                            mb.completion_mask,
+                            mb.loss_mask,
                             d.importance_correction,
                             d.importance_cap,
                         )
@@ -268,7 +246,7 @@ class Learner:
                         weight_sums = weight_sums + sums_w
                 else:
                     old = mb.old_logprobs.to(device)
-                mask = mb.completion_mask.to(device)
+                mask = mb.loss_mask.to(device)
                 out = grpo_loss(
                     logp,
                     old,

@@ -5,13 +5,21 @@
 P = prompts in the batch, G = completions per prompt, N = P × G completions, T = longest completion,
 Lp = longest prompt. A group is the G completions of one prompt; `group_ids` [N] names it everywhere by
 the index of its prompt in the PromptBatch.
+
+A completion is everything after the prompt: in a multi-turn episode, the turns the policy sampled and
+the tool or environment messages injected between them. `completion_mask` says which columns hold a
+token (the model attends to them); `loss_mask` says which of those the policy sampled (the loss, KL,
+entropy, importance weights and metrics read only these). Single-turn, the two are the same tensor.
+
+Every per-row or per-token field is declared with `per_row()` / `per_token()`, and `take_rows`,
+`trim_columns` and `concat_rollouts` carry every such field: a new field is one line here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +30,84 @@ from grpo.algorithm.loss import apply_truncation_mask
 
 if TYPE_CHECKING:  # grpo.rewards imports the model code, which reads these records
     from grpo.rewards import RewardScores
+
+R = TypeVar("R")
+
+
+def per_row(**kwargs) -> Any:
+    """A field with one entry per row (completion): a [N, ...] tensor or a list of N."""
+    return field(metadata={"axis": "row"}, **kwargs)
+
+
+def per_token(**kwargs) -> Any:
+    """A [N, T] field aligned with the completion columns."""
+    return field(metadata={"axis": "token"}, **kwargs)
+
+
+def per_position(**kwargs) -> Any:
+    """A [N, Lp + T] field: prompt columns, then completion columns."""
+    return field(metadata={"axis": "position"}, **kwargs)
+
+
+def _axis_fields(record) -> list[tuple[str, str]]:
+    return [(f.name, f.metadata["axis"]) for f in dataclasses.fields(record) if "axis" in f.metadata]
+
+
+def _pick(value, index: slice | Tensor):
+    if value is None or isinstance(value, Tensor):
+        return None if value is None else value[index]
+    if isinstance(index, slice):
+        return value[index]
+    return [value[i] for i in index.tolist()]
+
+
+def take_rows(record: R, index: slice | Tensor) -> R:
+    """The same record restricted to some rows (a slice, or a [M] index tensor); every per-row,
+    per-token and per-position field follows."""
+    done: dict[int, Any] = {}  # fields that alias one tensor (loss_mask = completion_mask) stay aliased
+    changes = {}
+    for name, _ in _axis_fields(record):
+        value = getattr(record, name)
+        if id(value) not in done:
+            done[id(value)] = _pick(value, index)
+        changes[name] = done[id(value)]
+    return dataclasses.replace(record, **changes)
+
+
+def trim_columns(record: R, width: int, prompt_width: int = 0) -> R:
+    """The first `width` completion columns of every per-token field (and prompt_width + width of every
+    per-position field)."""
+    done: dict[int, Any] = {}
+    changes = {}
+    for name, axis in _axis_fields(record):
+        value = getattr(record, name)
+        if value is None or axis == "row":
+            continue
+        if id(value) not in done:
+            done[id(value)] = value[:, : (width if axis == "token" else prompt_width + width)]
+        changes[name] = done[id(value)]
+    return dataclasses.replace(record, **changes)
+
+
+@dataclass
+class Episode:
+    """What one multi-turn episode did, beside its tokens (rollout/episodes.py)."""
+
+    # the messages the episode added after the prompt, roles included: assistant turns (with their parsed
+    # tool calls), tool results and environment messages
+    messages: list[dict]
+    env_reward: float | None = None  # the environment's own reward for the episode, if it gives one
+    turns: int = 0  # assistant turns sampled
+    tool_calls: int = 0
+    tool_errors: dict[str, int] = field(default_factory=dict)  # error kind → count
+    # why it ended: "answer" (a turn without a tool call), "done" (the environment said so), or a cap:
+    # "max_turns", "max_tokens", "turn_length" (a turn hit the per-turn token limit)
+    ended_by: str = "answer"
+    environment: Any = None  # the environment instance (TRL reward functions receive it as `environments`)
+
+    @property
+    def truncated(self) -> bool:
+        return self.ended_by in ("max_turns", "max_tokens", "turn_length")
 
 
 @dataclass
@@ -57,15 +143,28 @@ class SamplingParams:
 class Rollouts:
     """What a RolloutEngine returns: N = P × G completions, grouped by prompt."""
 
-    group_ids: Tensor  # [N] long: which prompt of the batch (0..P-1) each completion answers
-    completion_ids: Tensor  # [N, T] long, right-padded with pad_token_id
-    completion_mask: Tensor  # [N, T] float: 1 on generated tokens (eos/stop included)
-    sampling_logprobs: Tensor  # [N, T] float: log-prob of each token under the sampling distribution
-    truncated: Tensor  # [N] bool: hit max_new_tokens before eos or a stop string
+    group_ids: Tensor = per_row()  # [N] long: which prompt of the batch (0..P-1) each completion answers
+    completion_ids: Tensor = per_token()  # [N, T] long, right-padded with pad_token_id
+    completion_mask: Tensor = per_token()  # [N, T] float: 1 on every completion token (eos/stop included)
+    sampling_logprobs: Tensor = per_token()  # [N, T] float: log-prob of each sampled token (0 if injected)
+    truncated: Tensor = per_row()  # [N] bool: hit a length/turn cap before eos, a stop string or done
+    # [N, T] float: 1 on the tokens the policy sampled, 0 on injected ones (tool results, environment
+    # messages); None → the completion mask (single turn: every token was sampled)
+    loss_mask: Tensor | None = per_token(default=None)
+    episodes: list[Episode] | None = per_row(default=None)  # multi-turn: what each episode did
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = self.completion_mask
 
     @property
     def lengths(self) -> Tensor:
+        """Completion tokens per row, injected ones included (the length caps count them)."""
         return self.completion_mask.sum(-1).long()  # [N]
+
+    @property
+    def sampled_lengths(self) -> Tensor:
+        return self.loss_mask.sum(-1).long()  # [N]
 
 
 @dataclass
@@ -88,18 +187,27 @@ class ScoredRollouts:
 class TrainBatch:
     """Everything the learner needs for one optimisation step; rows are completions."""
 
-    input_ids: Tensor  # [N, Lp + T] left-padded prompt then right-padded completion
-    attention_mask: Tensor  # [N, Lp + T]
+    input_ids: Tensor = per_position()  # [N, Lp + T] left-padded prompt then right-padded completion
+    attention_mask: Tensor = per_position()  # [N, Lp + T]
     prompt_width: int  # Lp: completion tokens start at this column
-    completion_mask: Tensor  # [N, T] float, after mask_truncated_completions
-    advantages: Tensor  # [N, T] float, per-token (γ credit applied)
-    group_ids: Tensor  # [N] long
-    ref_logprobs: Tensor | None = None  # [N, T] when β > 0
+    # [N, T] float: the completion tokens the forward computes (truncated rows zeroed under
+    # mask_truncated_completions)
+    completion_mask: Tensor = per_token()
+    advantages: Tensor = per_token()  # [N, T] float, per-token (γ credit applied)
+    group_ids: Tensor = per_row()  # [N] long
+    # [N, T] float: the tokens the loss reads, those the policy sampled (⊆ completion_mask); None → the
+    # completion mask
+    loss_mask: Tensor | None = per_token(default=None)
+    ref_logprobs: Tensor | None = per_token(default=None)  # [N, T] when β > 0
     # [N, T] π_old: the sampler's log-probs when they are the learner's own, else the learner's first pass
-    old_logprobs: Tensor | None = None
+    old_logprobs: Tensor | None = per_token(default=None)
     # [N, T] log-probs of the sampler when it is not the learner (older weights or other kernels); set,
     # they turn on the importance correction
-    behaviour_logprobs: Tensor | None = None
+    behaviour_logprobs: Tensor | None = per_token(default=None)
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = self.completion_mask
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -111,21 +219,12 @@ class TrainBatch:
 
     def rows(self, index: slice) -> TrainBatch:
         """A micro-batch: the same record restricted to some rows."""
+        return take_rows(self, index)
 
-        def pick(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t[index]
-
-        return TrainBatch(
-            input_ids=self.input_ids[index],
-            attention_mask=self.attention_mask[index],
-            prompt_width=self.prompt_width,
-            completion_mask=self.completion_mask[index],
-            advantages=self.advantages[index],
-            group_ids=self.group_ids[index],
-            ref_logprobs=pick(self.ref_logprobs),
-            old_logprobs=pick(self.old_logprobs),
-            behaviour_logprobs=pick(self.behaviour_logprobs),
-        )
+    def trim(self) -> TrainBatch:
+        """Without the completion columns that are padding in every row."""
+        longest = int(self.completion_mask.sum(-1).max().item()) if len(self) else 0
+        return trim_columns(self, max(longest, 1), self.prompt_width)
 
 
 def build_train_batch(
@@ -152,15 +251,21 @@ def build_train_batch(
         prompt_ids[row, width - len(ids) :] = torch.tensor(ids)
         prompt_mask[row, width - len(ids) :] = 1
     mask = rollouts.completion_mask  # [N, T]
+    loss_mask = rollouts.loss_mask  # [N, T]
     if mask_truncated:
         mask = apply_truncation_mask(mask, rollouts.truncated)
+        loss_mask = mask if rollouts.loss_mask is rollouts.completion_mask else mask * rollouts.loss_mask
+    elif rollouts.loss_mask is rollouts.completion_mask:
+        loss_mask = mask
     return TrainBatch(
         input_ids=torch.cat([prompt_ids, rollouts.completion_ids], dim=1),  # [N, Lp + T]
         attention_mask=torch.cat([prompt_mask, rollouts.completion_mask.long()], dim=1),
         prompt_width=width,
         completion_mask=mask,
-        advantages=discounted_token_advantages(advantages, mask, gamma),  # [N, T]
+        # γ credit runs over the sampled tokens: injected ones carry no action to credit
+        advantages=discounted_token_advantages(advantages, loss_mask, gamma),  # [N, T]
         group_ids=rollouts.group_ids,
+        loss_mask=loss_mask,
         old_logprobs=old_logprobs,
         behaviour_logprobs=behaviour_logprobs,
     )
@@ -174,19 +279,24 @@ def concat_rollouts(parts: list[Rollouts], num_prompts: list[int], pad_id: int) 
         return parts[0]
     width = max(p.completion_ids.shape[1] for p in parts)
     offsets = torch.tensor([0, *num_prompts[:-1]]).cumsum(0).tolist()
-
-    def cat(name: str, fill: float = 0.0) -> Tensor:
-        return torch.cat(
-            [F.pad(getattr(p, name), (0, width - p.completion_ids.shape[1]), value=fill) for p in parts]
-        )
-
-    return Rollouts(
-        group_ids=torch.cat([p.group_ids + o for p, o in zip(parts, offsets, strict=True)]),
-        completion_ids=cat("completion_ids", pad_id),
-        completion_mask=cat("completion_mask"),
-        sampling_logprobs=cat("sampling_logprobs"),
-        truncated=torch.cat([p.truncated for p in parts]),
-    )
+    shared_mask = all(p.loss_mask is p.completion_mask for p in parts)
+    joined = {}
+    for name, axis in _axis_fields(parts[0]):
+        values = [getattr(p, name) for p in parts]
+        if name == "group_ids":
+            joined[name] = torch.cat([v + o for v, o in zip(values, offsets, strict=True)])
+        elif all(v is None for v in values) or (name == "loss_mask" and shared_mask):
+            joined[name] = None
+        elif any(v is None for v in values):
+            raise ValueError(f"Rollouts to join disagree on whether they carry {name}.")
+        elif axis == "token":
+            fill = pad_id if name == "completion_ids" else 0.0
+            joined[name] = torch.cat([F.pad(v, (0, width - v.shape[1]), value=fill) for v in values])
+        elif isinstance(values[0], Tensor):
+            joined[name] = torch.cat(values)
+        else:
+            joined[name] = [x for v in values for x in v]
+    return Rollouts(**joined)
 
 
 def select_groups(part: ScoredRollouts, keep: Tensor) -> ScoredRollouts:
@@ -204,13 +314,7 @@ def select_groups(part: ScoredRollouts, keep: Tensor) -> ScoredRollouts:
             columns={k: [v[i] for i in kept] for k, v in p.columns.items()},
             indices=[p.indices[i] for i in kept] if p.indices else [],
         ),
-        rollouts=Rollouts(
-            group_ids=renumber[r.group_ids[rows]],
-            completion_ids=r.completion_ids[rows],
-            completion_mask=r.completion_mask[rows],
-            sampling_logprobs=r.sampling_logprobs[rows],
-            truncated=r.truncated[rows],
-        ),
+        rollouts=dataclasses.replace(take_rows(r, rows), group_ids=renumber[r.group_ids[rows]]),
         texts=[part.texts[i] for i in rows.tolist()],
         # What reward functions logged describes a whole scoring call, not the rows kept from it.
         scores=dataclasses.replace(

@@ -66,7 +66,11 @@ class GRPOTrainer:
 
     TRL's call works too (docs/trl.md): `GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
     train_dataset=..., eval_dataset=..., processing_class=..., peft_config=LoraConfig(...))`; `args` is
-    `config` and `processing_class` is `tokenizer` under TRL's names."""
+    `config` and `processing_class` is `tokenizer` under TRL's names.
+
+    Agents (docs/agents.md): `tools=[fn, ...]` (typed, documented functions the model may call) or
+    `environment_factory=Cls` (TRL's form: reset(**row), public methods as tools; or the step form
+    reset(row)/step(messages)); a dict of classes is routed by the dataset's `environment` column."""
 
     def __init__(
         self,
@@ -85,6 +89,8 @@ class GRPOTrainer:
         callbacks=None,
         optimizers=(None, None),
         reward_processing_classes=None,
+        tools=None,
+        environment_factory=None,
     ):
         # TRL's positional order: (model, reward_funcs, args, ...)
         if trl_compat.looks_like_rewards(ref_model):
@@ -115,8 +121,13 @@ class GRPOTrainer:
             reward_funcs=reward_funcs,
             eval_dataset=eval_dataset,
             rt=self.rt,
+            tools=tools,
+            environment=environment_factory,
         )
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
+        self.source: RolloutSource | None = (
+            None  # while train() runs: where rollouts and evaluations come from
+        )
         self.args, self.processing_class = self.cfg, self.tokenizer  # TRL's names for them
         self.stops = lifecycle.StopRequests()
         self.step, self.total_steps = 0, 0
@@ -135,26 +146,50 @@ class GRPOTrainer:
             self.rt, path, p.policy, p.tokenizer, self.cfg.to_yaml(), None, merge_lora=merge
         )
 
+    def _sampling(self) -> SamplingParams:
+        g = self.cfg.generation
+        return SamplingParams(
+            self.cfg.effective_max_new_tokens, g.temperature, g.top_k, g.top_p, stop_strings=g.stop_strings
+        )
+
     def evaluate(self) -> EvalResult | None:
+        """Held-out accuracy through the rollout source (its engine and episodes, tools included): the one
+        training samples from, or outside train() one made for this call."""
         p, t, g = self.parts, self.cfg.train, self.cfg.generation
         if not p.eval_rows:
             return None
         max_new_tokens = t.eval_max_new_tokens or self.cfg.effective_max_new_tokens
-        return evaluate(
-            p.engine, p.formatter, p.eval_rows, batch_size=t.eval_batch_size, max_new_tokens=max_new_tokens,
-            stop_strings=g.stop_strings,
-        )  # fmt: skip
+        source = self.source
+        if source is None:
+            stream = PromptStream(p.eval_rows, seed=t.seed, shuffle=False)
+            source = build_source(self.cfg, p, self.rt, stream, self._sampling())
+            source.sync_weights(self.step, p.policy)
+        try:
+            return evaluate(
+                source, p.formatter, p.eval_rows, batch_size=t.eval_batch_size, max_new_tokens=max_new_tokens,
+                stop_strings=g.stop_strings,
+            )  # fmt: skip
+        finally:
+            if source is not self.source:
+                source.close()
 
     @holding_run_lock
     def train(self) -> dict[str, float]:
+        cfg, p = self.cfg, self.parts
+        stream = PromptStream(p.train_rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+        self.total_steps = planned_steps(cfg, len(p.train_rows))
+        # The source owns its engine: built here, before the learner shards the policy; closed at the end,
+        # after the final evaluation, however the run ends.
+        self.source = build_source(cfg, p, self.rt, stream, self._sampling())
+        try:
+            return self._train(self.source, stream)
+        finally:
+            source, self.source = self.source, None
+            source.close()
+
+    def _train(self, source: RolloutSource, stream: PromptStream) -> dict[str, float]:
         cfg, p, rt = self.cfg, self.parts, self.rt
-        g, t, a = cfg.generation, cfg.train, cfg.algorithm
-        stream = PromptStream(p.train_rows, seed=t.seed, shuffle=cfg.data.shuffle)
-        self.total_steps = total_steps = planned_steps(cfg, len(p.train_rows))
-        sampling = SamplingParams(
-            cfg.effective_max_new_tokens, g.temperature, g.top_k, g.top_p, stop_strings=g.stop_strings
-        )
-        source = build_source(cfg, p, rt, stream, sampling)  # before the learner shards the policy
+        t, a, total_steps = cfg.train, cfg.algorithm, self.total_steps
         learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt)
         start_step, nonfinite_total = lifecycle.resume(cfg, p, rt, learner, stream)
         source.sync_weights(start_step, learner.policy)
@@ -164,11 +199,13 @@ class GRPOTrainer:
         best = lifecycle.BestModel(cfg, p, rt)
         summary = self._log_eval(report, best, 0, "before") if t.eval_before and start_step == 0 else {}
 
+        length_limit = cfg.episode_max_tokens if source.multi_turn else cfg.effective_max_new_tokens
+
         def score(prompts: PromptBatch, rollouts: Rollouts, texts: list[str], lag: int) -> ScoredRollouts:
             state = trl_compat.RewardState(global_step=step, epoch=float(stream.epoch), max_steps=total_steps)
             return score_rollouts(
                 prompts, rollouts, texts, lag, funcs=p.reward_funcs, weights=p.reward_weights, algorithm=a,
-                max_new_tokens=cfg.effective_max_new_tokens, trainer_state=state,
+                max_new_tokens=length_limit, trainer_state=state,
             )  # fmt: skip
 
         def checkpoint_state(step: int) -> dict:
@@ -176,7 +213,7 @@ class GRPOTrainer:
 
         step = self.step = start_step
         with lifecycle.running(
-            self.stops, p.run_dir, rt.rank, lambda: step, (profiler.close, report.close_bar, source.close)
+            self.stops, p.run_dir, rt.rank, lambda: step, (profiler.close, report.close_bar)
         ):
             while step < total_steps:
                 if rt.any(self.stops.signal is not None):  # every rank stops at the same step
@@ -209,7 +246,7 @@ class GRPOTrainer:
                 seconds = time.perf_counter() - step_start
                 metrics = {
                     **step_metrics(scored, advantages, sampling_stats, stats.as_dict()),
-                    **sampler_metrics(sampled, stats.old_logprobs, batch.completion_mask, stats.importance),
+                    **sampler_metrics(sampled, stats.old_logprobs, batch.loss_mask, stats.importance),
                     "nonfinite_steps_total": nonfinite_total,
                     "lr": learner.scheduler.get_last_lr()[0],
                     "epoch": stream.epoch,

@@ -122,13 +122,22 @@ class RewardState:
 def reward_inputs(prompts: PromptBatch, rollouts: Rollouts, texts: list[str]) -> tuple[list, list, dict]:
     """Prompts, completions and `completion_ids` as TRL gives reward functions: one entry per completion;
     a conversational prompt's completion is `[{"role": "assistant", "content": text}]`, plain text stays
-    text."""
+    text. A multi-turn episode's completion is the list of messages it added (assistant turns with their
+    tool calls, tool results, environment messages), and `environments` its environment objects (TRL)."""
     group = rollouts.group_ids.tolist()  # [N]
     reward_prompts = [prompts.prompts[i] for i in group]
-    completions = [
-        [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
-        for prompt, text in zip(reward_prompts, texts, strict=True)
-    ]
+    if rollouts.episodes is not None:
+        completions = [[dict(m) for m in e.messages] for e in rollouts.episodes]
+        extra = {
+            "env_reward": [e.env_reward for e in rollouts.episodes],
+            "environments": [e.environment for e in rollouts.episodes],
+        }
+    else:
+        completions = [
+            [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+            for prompt, text in zip(reward_prompts, texts, strict=True)
+        ]
+        extra = {}
     lengths = rollouts.lengths.tolist()  # [N]
     completion_ids = [ids[:n] for ids, n in zip(rollouts.completion_ids.tolist(), lengths, strict=True)]
-    return reward_prompts, completions, {"completion_ids": completion_ids}
+    return reward_prompts, completions, {"completion_ids": completion_ids, **extra}

@@ -1,4 +1,4 @@
-"""The configuration schema: eight section dataclasses, each field with its default and its `help`.
+"""The configuration schema: nine section dataclasses, each field with its default and its `help`.
 
 This file holds only the fields; keys.py maps the names users type onto them, validate.py checks their
 values and tree.py assembles the sections into `GRPOConfig`. A new setting is one field here (plus, when
@@ -514,6 +514,43 @@ class LoraSettings:
     )
 
 
+@dataclass
+class EnvConfig:
+    """Multi-turn episodes: tools and environments (docs/agents.md). Unset tools and environment: one turn."""
+
+    tools: list[str] = _f(
+        [],
+        "Tool functions as package.module:function import paths (typed arguments and a docstring become "
+        "the schema the chat template shows the model), e.g. grpo.agents.calculator:calculator.",
+    )
+    environment: str | None = _f(
+        None,
+        "An environment class as package.module:Class: TRL's form (reset(**row), public methods are tools, "
+        "optional reward()) or the step form (reset(row) -> messages, step(messages) -> (messages, reward, "
+        "done)); one instance per episode.",
+    )
+    max_turns: int = _f(4, "Assistant turns per episode; an episode still calling tools then ends truncated.")
+    max_tokens: int | None = _f(
+        None,
+        "Completion tokens per episode, sampled and injected together (the overlong shaping limit); "
+        "default: max_turns × generation.max_new_tokens.",
+    )
+    tool_timeout_s: float = _f(
+        10.0, "Seconds a tool call may run; past it the model reads a timeout message."
+    )
+    tool_max_chars: int = _f(
+        4000, "Characters of a tool's output the model reads; longer output is cut with a marker."
+    )
+    tool_parser: str = _f(
+        "auto",
+        "How tool calls are written: auto (what the tokenizer's chat template declares), hermes "
+        "(<tool_call> JSON: Qwen, Hermes), llama3_json or mistral.",
+    )
+    reward_weight: float = _f(
+        1.0, "Weight of the environment's own reward (step rewards or reward()) beside the reward functions."
+    )
+
+
 SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -523,4 +560,5 @@ SECTIONS = {
     "train": TrainConfig,
     "distributed": DistributedConfig,
     "lora": LoraSettings,
+    "env": EnvConfig,
 }

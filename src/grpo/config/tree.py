@@ -23,6 +23,7 @@ from grpo.config.schema import (
     AlgorithmConfig,
     DataConfig,
     DistributedConfig,
+    EnvConfig,
     GenerationConfig,
     LoraSettings,
     ModelConfig,
@@ -51,6 +52,7 @@ class GRPOConfig:
     train: TrainConfig
     distributed: DistributedConfig
     lora: LoraSettings
+    env: EnvConfig
 
     def __init__(self, **kwargs: Any) -> None:
         for section, cls in SECTIONS.items():
@@ -139,6 +141,11 @@ class GRPOConfig:
         if cap is None:
             return self.generation.max_new_tokens
         return min(self.generation.max_new_tokens, cap - self.data.max_prompt_length)
+
+    @property
+    def episode_max_tokens(self) -> int:
+        """Completion tokens a multi-turn episode may hold, sampled and injected together."""
+        return self.env.max_tokens or self.env.max_turns * self.effective_max_new_tokens
 
     def hf_token(self) -> str | None:
         return self.model.hf_token or os.environ.get("HF_TOKEN") or None

@@ -44,6 +44,7 @@ def validate(cfg: GRPOConfig) -> None:
         _reference_devices,
         _ray_settings,
         _lora,
+        _env,
         _runtime_values,
         _devices_and_names,
     ):
@@ -397,6 +398,24 @@ def _lora(cfg: GRPOConfig) -> None:
 
 
 # -- values torch or the file system would otherwise reject with a traceback deep inside start-up ----------
+
+
+def _env(cfg: GRPOConfig) -> None:
+    e = cfg.env
+    if e.max_turns < 1:
+        raise ConfigError(f"env.max_turns must be at least 1, got {e.max_turns}.")
+    if e.max_tokens is not None and e.max_tokens < 1:
+        raise ConfigError(f"env.max_tokens must be at least 1 token (or unset), got {e.max_tokens}.")
+    if not 0 < e.tool_timeout_s <= 86400:
+        raise ConfigError(f"env.tool_timeout_s must be in (0, 86400] seconds, got {e.tool_timeout_s}.")
+    if e.tool_max_chars < 1:
+        raise ConfigError(f"env.tool_max_chars must be at least 1, got {e.tool_max_chars}.")
+    if e.tool_parser == "auto":
+        return
+    from grpo.agents.parsing import PARSERS
+
+    if e.tool_parser not in PARSERS:
+        raise ConfigError(f"env.tool_parser = {e.tool_parser!r} is not one of auto, {', '.join(PARSERS)}.")
 
 
 def _runtime_values(cfg: GRPOConfig) -> None:

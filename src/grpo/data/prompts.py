@@ -44,6 +44,20 @@ class PromptFormatter:
             messages, tokenize=False, add_generation_prompt=True, **(self.cfg.chat_template_kwargs or {})
         )
 
+    def messages(self, prompt: str | list[dict[str, str]]) -> list[dict[str, str]]:
+        """A prompt as the conversation a multi-turn episode starts from (with data.system_prompt)."""
+        if isinstance(prompt, str) and self.templated and self._already_templated(prompt):
+            raise ConfigError(
+                "Multi-turn episodes need prompts as text or messages, not text already rendered with the "
+                "chat template: the template must render each turn (give the raw question or messages)."
+            )
+        messages = (
+            [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        )
+        if self.cfg.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
+        return messages
+
     def _already_templated(self, prompt: str) -> bool:
         """The text starts as the chat template starts a conversation (a dataset templated beforehand)."""
         if not hasattr(self, "_template_head"):

@@ -1,9 +1,11 @@
-"""Rollout in the learner's process (`rollout.mode=colocated`, the default): a prompt feed and an engine.
+"""Rollout in the learner's process (`rollout.mode=colocated`, the default): a prompt feed, an engine and
+the episode runner.
 
-The native and transformers engines sample with the policy's own parameters, so a weight sync costs
-nothing; vLLM keeps its own copy and reloads it (`RolloutEngine.sync_weights`). Under FSDP2 no rank holds
-whole weights, so the engine samples from a full copy that receives the gathered weights after every
-update (every rank takes part in the gather; each samples its own prompts).
+The source builds its engine. The native and transformers engines sample with the policy's own
+parameters, so a weight sync costs nothing; vLLM keeps its own copy and reloads it
+(`RolloutEngine.sync_weights`). Under FSDP2 no rank holds whole weights, so the engine samples from a full
+copy that receives the gathered weights after every update (every rank takes part in the gather; each
+samples its own prompts). Evaluation samples with the same engine and episodes; `close` releases it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from grpo.distributed.runtime import Runtime
 from grpo.records import PromptBatch, Rollouts, SamplingParams
 from grpo.rollout import RolloutEngine, build_engine
 from grpo.rollout.engine import logprobs_match_policy
+from grpo.rollout.episodes import EpisodeRunner, SingleTurn
 from grpo.rollout.source import PromptFeed
 
 Gather = Callable[[torch.nn.Module], Iterable[tuple[str, torch.Tensor]]]
@@ -31,19 +34,24 @@ class ColocatedRollout:
         sampling: SamplingParams,
         chunk_prompts: int | None = None,
         gather: Gather | None = None,
+        episodes: EpisodeRunner | None = None,
     ):
         self.engine, self.feed, self.n, self.sampling = engine, feed, num_generations, sampling
         self.chunk_prompts = chunk_prompts
         self.gather = gather  # set: the engine gets whole weights pushed by name (from a sharded policy)
+        self.episodes = episodes or SingleTurn()
+        self.multi_turn = self.episodes.multi_turn
         self.exact_logprobs = logprobs_match_policy(engine, sampling)
         self.sampler_differs = engine.sampler_differs
 
     def next_batch(self) -> tuple[PromptBatch, Rollouts, int]:
-        prompts = self.feed.next()
-        rollouts = self.engine.generate(
-            prompts.prompt_token_ids, self.n, self.sampling, chunk_prompts=self.chunk_prompts
+        prompts, rollouts = self.episodes.run(
+            self.engine, self.feed.next(), self.n, self.sampling, chunk_prompts=self.chunk_prompts
         )
         return prompts, rollouts, 0
+
+    def sample(self, prompts: PromptBatch, n: int, sampling: SamplingParams) -> tuple[PromptBatch, Rollouts]:
+        return self.episodes.run(self.engine, prompts, n, sampling, chunk_prompts=self.chunk_prompts)
 
     def sync_weights(self, step: int, policy: torch.nn.Module) -> None:
         del step  # colocated engines sample with the newest weights, whichever step made them
@@ -59,15 +67,29 @@ class ColocatedRollout:
         return {}
 
     def close(self) -> None:
-        pass  # the engine outlives training: evaluation after the last step samples with it
+        self.engine.close()
 
 
 def build(cfg, parts, rt: Runtime, feed: PromptFeed, sampling: SamplingParams, chunk_prompts: int | None):
-    engine, gather = parts.engine, None
+    """The engine samples from the policy itself, or (FSDP2, about to shard it) from a full copy that gets
+    the gathered weights after every update. `parts.engine`, when a caller set one, is used as given."""
+    g, gather = cfg.generation, None
+    model = parts.policy
     if rt.sharded:
-        if not engine.needs_weight_sync:  # it reads the policy's parameters, which FSDP2 is about to shard
-            full = copy.deepcopy(parts.policy).to(parts.compute_dtype)
-            # Evaluation samples from the same copy, the only whole weights on this rank.
-            engine = parts.engine = build_engine(cfg.generation.engine, full, parts.tokenizer)
         gather = rt.full_named_parameters
-    return ColocatedRollout(engine, feed, cfg.generation.num_generations, sampling, chunk_prompts, gather)
+        if parts.engine is None or not parts.engine.needs_weight_sync:
+            model = copy.deepcopy(parts.policy).to(parts.compute_dtype)
+    engine = parts.engine
+    if engine is None:
+        engine = build_engine(
+            g.engine,
+            model,
+            parts.tokenizer,
+            g.compile_decode,
+            parts.compute_dtype,
+            generation=g,
+            seed=cfg.train.seed,
+        )
+    return ColocatedRollout(
+        engine, feed, g.num_generations, sampling, chunk_prompts, gather, getattr(parts, "episodes", None)
+    )

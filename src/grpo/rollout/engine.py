@@ -5,6 +5,11 @@ weights are either the learner's own parameters (colocated native and transforme
 sync) or its own copy (vLLM, a Ray actor's engine, the full copy FSDP2 needs): `needs_weight_sync` says
 which, `sync_weights(policy)` pulls a policy's current weights and `load_weights` takes them pushed by
 name. `exact_logprobs` and `sampler_differs` tell the loop what the sampling log-probs are worth.
+
+Two ways to sample: `generate` (P prompts × n completions, the batched shared-prompt fast path) and
+`continue_rows` (token in, token out: extend each given row of ids by one sampled continuation, what a
+multi-turn episode calls once per turn for all its live episodes). The rollout source owns its engine and
+calls `close` when the run ends (an engine may hold a weight folder, a server connection, a process).
 """
 
 from __future__ import annotations
@@ -36,11 +41,18 @@ class RolloutEngine(Protocol):
         """n completions for each prompt, at most chunk_prompts prompts at a time (None: all at once);
         completion i·n … i·n+n−1 answer prompt i."""
 
+    def continue_rows(self, rows: list[list[int]], sampling: SamplingParams) -> Rollouts:
+        """Token in, token out: one sampled continuation of each row of ids (prompt and turns so far);
+        result row i continues rows[i] (group_ids = i). Nothing given is re-tokenized."""
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """New weights pushed by (parameter name, full tensor), in the policy's naming."""
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         """Refresh the engine's own copy from `policy`; a no-op for an engine that samples with it."""
+
+    def close(self) -> None:
+        """Release what the engine holds outside the process's memory (weight folders, connections)."""
 
 
 def generate_in_chunks(

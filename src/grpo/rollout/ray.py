@@ -29,7 +29,7 @@ from grpo.config import ConfigError, DistributedConfig
 from grpo.distributed.runtime import Runtime
 from grpo.model.lora import ADAPTER_MARK, is_lora
 from grpo.records import PromptBatch, Rollouts, SamplingParams, concat_rollouts
-from grpo.rollout.source import PromptFeed
+from grpo.rollout.source import PromptFeed, join_prompts, prompt_rows
 
 log = logging.getLogger("grpo")
 ACTOR_PREFIX = "grpo-rollout-"
@@ -47,13 +47,15 @@ class EngineSpec:
     generation: Any  # GenerationConfig; generation.engine names the engine
     seed: int
     num_threads: int
+    episodes: Any = None  # the EpisodeRunner (rollout/episodes.py); None: one turn
 
     @classmethod
-    def of_policy(cls, policy, dtype: torch.dtype, tokenizer, cfg, rank: int) -> EngineSpec:
+    def of_policy(cls, policy, dtype: torch.dtype, tokenizer, cfg, rank: int, episodes=None) -> EngineSpec:
         base = policy.get_base_model() if is_lora(policy) else policy
         lora = asdict(cfg.lora) if is_lora(policy) else None
         threads = cfg.train.num_threads or 1
-        return cls(base.config, dtype, lora, tokenizer, cfg.generation, cfg.train.seed + rank, threads)
+        seed = cfg.train.seed + rank
+        return cls(base.config, dtype, lora, tokenizer, cfg.generation, seed, threads, episodes)
 
 
 @dataclass
@@ -74,6 +76,7 @@ class RolloutWorker:
         from grpo.config import LoraSettings
         from grpo.model.lora import apply_lora
         from grpo.rollout import build_engine
+        from grpo.rollout.episodes import SingleTurn
 
         torch.set_num_threads(spec.num_threads)
         model = AutoModelForCausalLM.from_config(spec.model_config, dtype=spec.dtype)
@@ -88,6 +91,7 @@ class RolloutWorker:
             spec.seed
         )  # after the random init: sampling noise starts where a colocated run's does
         self.version = -1  # no weights yet
+        self.episodes = spec.episodes or SingleTurn()
 
     def sampler_differs(self) -> bool:
         return self.engine.sampler_differs
@@ -98,9 +102,17 @@ class RolloutWorker:
         return version
 
     def generate(
-        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, chunk_prompts: int | None
-    ) -> tuple[Rollouts, int]:
-        return self.engine.generate(prompt_token_ids, n, sampling, chunk_prompts=chunk_prompts), self.version
+        self, prompts: PromptBatch, n: int, sampling: SamplingParams, chunk_prompts: int | None
+    ) -> tuple[PromptBatch, Rollouts, int]:
+        """The prompts' episodes (one turn or many) and the weight version that sampled them."""
+        prompts, rollouts = self.episodes.run(self.engine, prompts, n, sampling, chunk_prompts)
+        if rollouts.episodes is not None:  # environment objects stay here: they need not pickle
+            for episode in rollouts.episodes:
+                episode.environment = None
+        return prompts, rollouts, self.version
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 @dataclass
@@ -155,8 +167,10 @@ class RayRollout:
         self.actors = [self._spawn(i) for i in range(placement.replicas)]
         self.sampler_differs = self._get(self.actors[0].sampler_differs.remote(), "sampler_differs")
         self.pending: deque[_Request] = deque()
+        self.multi_turn = spec.episodes is not None and spec.episodes.multi_turn
         self.policy: torch.nn.Module | None = None  # what sync_weights last pushed; None: nothing yet
         self.version = 0  # optimizer steps the learner had taken at the last sync
+        self.pushed = -1  # the version the actors hold
         self.consumed: dict | None = None  # the data position after the last batch handed to the learner
         self.restarts = self.dropped = self.staleness_max = self.last_lag = 0
         self.behaviour, self.wait_s = 0, 0.0
@@ -199,6 +213,8 @@ class RayRollout:
     def _push(self, full: bool, actors: list[int] | None = None) -> None:
         import ray
 
+        if actors is None:
+            self.pushed = self.version
         weights = ray.put(self._weights(full))
         for i in range(len(self.actors)) if actors is None else actors:
             try:
@@ -212,7 +228,7 @@ class RayRollout:
         k = len(self.actors)
         size = -(-len(prompts) // k)
         splits = [slice(i, min(i + size, len(prompts))) for i in range(0, len(prompts), size)]
-        parts = [self._generate(i, prompts.prompt_token_ids[s]) for i, s in enumerate(splits)]
+        parts = [self._generate(i, prompt_rows(prompts, s)) for i, s in enumerate(splits)]
         self.pending.append(_Request(prompts, parts, splits, self.feed.stream.state_dict()))
 
     def next_batch(self) -> tuple[PromptBatch, Rollouts, int]:
@@ -223,13 +239,13 @@ class RayRollout:
             request = self.pending.popleft()
             while len(self.pending) < self.ahead:  # keep sampling while the learner trains on this batch
                 self._submit()
-            rollouts, behaviour = self._collect(request)
+            prompts, rollouts, behaviour = self._collect(request)
             lag = self.version - behaviour
             self.consumed = request.data_state
             if lag <= self.d.max_staleness:
                 self.staleness_max = max(self.staleness_max, lag)
                 self.last_lag, self.behaviour = lag, behaviour
-                return request.prompts, rollouts, lag
+                return prompts, rollouts, lag
             self.dropped += len(request.prompts)
             log.warning(
                 "Dropped %d prompts sampled with weights %d steps old (max_staleness %d).",
@@ -242,7 +258,14 @@ class RayRollout:
         """After the last batch the learner *used*, not after the batches still sampling ahead of it."""
         return dict(self.consumed) if self.consumed is not None else self.feed.stream.state_dict()
 
-    def _collect(self, request: _Request) -> tuple[Rollouts, int]:
+    def sample(self, prompts: PromptBatch, n: int, sampling: SamplingParams) -> tuple[PromptBatch, Rollouts]:
+        """On the first actor, after giving it the newest weights if it holds older ones."""
+        if self.policy is not None and self.pushed != self.version:
+            self._push(full=False)
+        out = self._get(self.actors[0].generate.remote(prompts, n, sampling, self.chunk_prompts), "sample")
+        return out[0], out[1]
+
+    def _collect(self, request: _Request) -> tuple[PromptBatch, Rollouts, int]:
         import ray
 
         results = []
@@ -252,16 +275,15 @@ class RayRollout:
                 results.append(self._get(request.parts[i], "generate"))
             except ray.exceptions.RayActorError as e:
                 self._replace(i, e)
-                results.append(
-                    self._get(self._generate(i, request.prompts.prompt_token_ids[split]), "generate")
-                )
+                results.append(self._get(self._generate(i, prompt_rows(request.prompts, split)), "generate"))
             self.wait_s += time.perf_counter() - start
         sizes = [s.stop - s.start for s in request.splits]
         pad_id = self.spec.tokenizer.pad_token_id
-        return concat_rollouts([r for r, _ in results], sizes, pad_id), min(v for _, v in results)
+        rollouts = concat_rollouts([r for _, r, _ in results], sizes, pad_id)
+        return join_prompts([p for p, _, _ in results]), rollouts, min(v for _, _, v in results)
 
-    def _generate(self, i: int, prompt_ids: list[list[int]]):
-        return self.actors[i].generate.remote(prompt_ids, self.n, self.sampling, self.chunk_prompts)
+    def _generate(self, i: int, prompts: PromptBatch):
+        return self.actors[i].generate.remote(prompts, self.n, self.sampling, self.chunk_prompts)
 
     def _replace(self, i: int, error: Exception) -> None:
         """Actor i died: start another with the current weights and resend what was queued on it."""
@@ -286,7 +308,7 @@ class RayRollout:
             self._push(full=True, actors=[i])
         for request in self.pending:  # requests queued on the dead actor died with it
             if i < len(request.splits):
-                request.parts[i] = self._generate(i, request.prompts.prompt_token_ids[request.splits[i]])
+                request.parts[i] = self._generate(i, prompt_rows(request.prompts, request.splits[i]))
 
     def _get(self, refs, what: str):
         import ray
@@ -314,6 +336,10 @@ class RayRollout:
         import ray
 
         for actor in self.actors:
+            try:  # the actor's engine releases what it holds outside memory (vLLM's weight folder)
+                ray.get(actor.close.remote(), timeout=min(self.timeout, 60))
+            except Exception as e:  # noqa: BLE001 - a dead or hung actor is killed below all the same
+                log.warning("Rollout actor did not close cleanly (%s); killing it.", type(e).__name__)
             ray.kill(actor, no_restart=True)
         self.actors = []
         if self.started_ray:
@@ -337,7 +363,9 @@ def placement(cfg, rt: Runtime) -> Placement:
 
 
 def build(cfg, parts, rt: Runtime, feed: PromptFeed, sampling: SamplingParams, chunk_prompts: int | None):
-    spec = EngineSpec.of_policy(parts.policy, parts.compute_dtype, parts.tokenizer, cfg, rt.rank)
+    spec = EngineSpec.of_policy(
+        parts.policy, parts.compute_dtype, parts.tokenizer, cfg, rt.rank, getattr(parts, "episodes", None)
+    )
     g = cfg.generation
     return RayRollout(
         cfg.distributed, spec, placement(cfg, rt), feed, g.num_generations, sampling, rt, chunk_prompts

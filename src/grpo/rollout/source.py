@@ -6,8 +6,12 @@
 
 The loop asks a source for a batch, trains on it and hands it the new weights; everything that
 differs between deployments (who holds weights, how far sampling runs ahead, what data position a
-checkpoint must record) stays behind these five calls. DAPO's dynamic sampling sits above the source
+checkpoint must record) stays behind these calls. DAPO's dynamic sampling sits above the source
 (train.collect), so it works the same on all of them.
+
+A source owns its engine(s): it builds them, syncs them, samples evaluations with them (`sample`, with the
+newest weights) and closes them. Inside it, an episode runner (rollout/episodes.py) turns prompts into
+completions: one turn, or a multi-turn episode with tools or an environment.
 """
 
 from __future__ import annotations
@@ -36,10 +40,15 @@ class RolloutSource(Protocol):
     exact_logprobs: bool
     # Sampled by other kernels than the learner's: the learner corrects with importance weights.
     sampler_differs: bool
+    multi_turn: bool  # completions are episodes (tools or an environment), not one sampled turn
 
     def next_batch(self) -> tuple[PromptBatch, Rollouts, int]:
         """The next step's prompts, their rollouts, and the lag: learner steps between the weights that
         sampled them and now (0 on-policy)."""
+
+    def sample(self, prompts: PromptBatch, n: int, sampling: SamplingParams) -> tuple[PromptBatch, Rollouts]:
+        """Prompts outside the training stream (evaluation), sampled now with the newest weights, through
+        the same episodes as training."""
 
     def sync_weights(self, step: int, policy: torch.nn.Module) -> None:
         """From now on sample with `policy`'s weights, those of learner step `step`: called once before the
@@ -65,6 +74,27 @@ class PromptFeed:
 
         indices, rows = self.rt.shard(*self.stream.next_rows(self.per_step))
         return make_prompt_batch(indices, rows, self.formatter)
+
+
+def prompt_rows(batch: PromptBatch, rows: slice) -> PromptBatch:
+    """Some prompts of a batch (a rollout actor's share)."""
+    return PromptBatch(
+        prompts=batch.prompts[rows],
+        prompt_token_ids=batch.prompt_token_ids[rows],
+        columns={k: v[rows] for k, v in batch.columns.items()},
+        indices=batch.indices[rows],
+    )
+
+
+def join_prompts(parts: list[PromptBatch]) -> PromptBatch:
+    if len(parts) == 1:
+        return parts[0]
+    return PromptBatch(
+        prompts=[x for p in parts for x in p.prompts],
+        prompt_token_ids=[x for p in parts for x in p.prompt_token_ids],
+        columns={k: [x for p in parts for x in p.columns[k]] for k in parts[0].columns},
+        indices=[x for p in parts for x in p.indices],
+    )
 
 
 def build_source(cfg, parts, rt: Runtime, stream: PromptStream, sampling: SamplingParams) -> RolloutSource:

@@ -68,6 +68,12 @@ class TransformersEngine:
     ) -> Rollouts:
         return generate_in_chunks(self._generate, prompt_token_ids, n, sampling, chunk_prompts, self.pad_id)
 
+    def continue_rows(self, rows: list[list[int]], sampling: SamplingParams) -> Rollouts:
+        return self.generate(rows, 1, sampling)  # each row its own prompt: prefill, then decode
+
+    def close(self) -> None:
+        pass  # holds nothing outside the policy's own parameters
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         copy_weights(self.model, named_tensors)
 

@@ -314,6 +314,11 @@ class VLLMEngine:
         self.sleep()
         return to_rollouts(completions, self.pad_id)
 
+    def continue_rows(self, rows: list[list[int]], sampling: SamplingParams) -> Rollouts:
+        # One call for every live episode: vLLM batches them continuously; prefix caching reuses the KV of
+        # the turns so far.
+        return self.generate(rows, 1, sampling)
+
     def close(self) -> None:
         self.dir.close()
 
@@ -418,6 +423,9 @@ class VLLMServerEngine:
 
         # Concurrent requests: the server batches them (continuous batching), as the offline engine does.
         return to_rollouts(list(self.executor.map(one, prompt_token_ids)), self.pad_id)
+
+    def continue_rows(self, rows: list[list[int]], sampling: SamplingParams) -> Rollouts:
+        return self.generate(rows, 1, sampling)  # concurrent requests: the server batches them
 
     def close(self) -> None:
         self.executor.shutdown(wait=False)

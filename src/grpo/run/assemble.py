@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from grpo.agents.environments import env_reward
 from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptFormatter, load_rows, rows_from_dataset
 from grpo.data.tasks import missing_reward_columns, scorer_for_rows, task_of_rows
@@ -33,7 +34,8 @@ from grpo.model.loading import (
 )
 from grpo.redact import RedactingFilter
 from grpo.rewards import resolve_rewards
-from grpo.rollout import RolloutEngine, build_engine
+from grpo.rollout import RolloutEngine
+from grpo.rollout.episodes import EpisodeRunner, SingleTurn, build_episodes
 from grpo.run.console import StderrHandler
 from grpo.run.preflight import check_model_paths, plan_resume
 from grpo.run.runlock import lock_run_dir
@@ -48,7 +50,6 @@ class RunParts:
     policy: Any
     ref_model: Any | None
     tokenizer: Any
-    engine: RolloutEngine
     formatter: PromptFormatter
     train_rows: list[dict[str, Any]]
     eval_rows: list[dict[str, Any]]
@@ -57,6 +58,9 @@ class RunParts:
     resume_from: Path | None = None  # a verified checkpoint whose settings match this run's
     compute_dtype: torch.dtype = torch.float32  # model.dtype resolved; trained weights stay float32
     lock: Any = None  # runlock.RunLock on run_dir, held while this run may write there
+    episodes: EpisodeRunner = field(default_factory=SingleTurn)  # one turn, or tools / an environment
+    # An engine the caller made (tests, embedding); None: the rollout source builds and owns its own.
+    engine: RolloutEngine | None = None
 
 
 def make_run_dir(cfg: GRPOConfig) -> Path:
@@ -122,6 +126,8 @@ def build_run(
     reward_funcs=None,
     eval_dataset=None,
     rt=None,
+    tools=None,
+    environment=None,
 ) -> RunParts:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
@@ -148,6 +154,8 @@ def build_run(
             reward_funcs=reward_funcs,
             eval_dataset=eval_dataset,
             is_main=rt is None or rt.is_main,
+            tools=tools,
+            environment=environment,
         )
     except BaseException:
         lock.release()
@@ -168,6 +176,8 @@ def _build_parts(
     reward_funcs,
     eval_dataset,
     is_main: bool,
+    tools=None,
+    environment=None,
 ) -> RunParts:
     setup_logging(run_dir)
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
@@ -205,7 +215,7 @@ def _build_parts(
                 resolve_device(cfg.algorithm.reward_model_device or cfg.model.device),
             )
         )
-    if not funcs:
+    if not funcs and not (tools or environment or cfg.env.environment):
         raise ConfigError(
             "No reward: pass reward_funcs=[...] or reward_model=..., or set algorithm.reward_funcs."
         )
@@ -215,15 +225,18 @@ def _build_parts(
 
     formatter = PromptFormatter(tokenizer, cfg.data)
     formatter.check_lengths(train_rows)
-    engine = build_engine(
-        cfg.generation.engine,
-        policy,
-        tokenizer,
-        cfg.generation.compile_decode,
-        compute,
-        generation=cfg.generation,
-        seed=cfg.train.seed,
-    )
+    episodes = build_episodes(cfg, formatter, tools=tools, environment=environment)
+    if episodes.multi_turn and episodes.factory.gives_rewards:
+        funcs.append(env_reward)
+        if weights is not None:
+            weights = [*weights, cfg.env.reward_weight]
+        elif cfg.env.reward_weight != 1.0:
+            weights = [1.0] * (len(funcs) - 1) + [cfg.env.reward_weight]
+    if not funcs:
+        raise ConfigError(
+            "No reward: the environment gives none (no reward() method, no step rewards); pass reward_funcs="
+            "[...] or set algorithm.reward_funcs."
+        )
     n_params = sum(p.numel() for p in policy.parameters())
     log.info("Run directory: %s", run_dir)
     log.info(
@@ -247,7 +260,6 @@ def _build_parts(
         policy,
         ref,
         tokenizer,
-        engine,
         formatter,
         train_rows,
         eval_rows,
@@ -255,6 +267,7 @@ def _build_parts(
         weights,
         resume_from,
         compute,
+        episodes=episodes,
     )
 
 

@@ -216,7 +216,30 @@ def sample_records(scored: ScoredRollouts, advantages: torch.Tensor, limit: int)
                 "truncated": bool(scored.rollouts.truncated[i]),
             }
         )
+        if scored.rollouts.episodes is not None:  # the whole trajectory, with roles
+            episode = scored.rollouts.episodes[i]
+            records[-1].update(
+                {
+                    "messages": [_plain_message(m) for m in episode.messages],
+                    "turns": episode.turns,
+                    "ended_by": episode.ended_by,
+                    "sampled_tokens": int(scored.rollouts.sampled_lengths[i]),
+                }
+            )
     return records
+
+
+def _plain_message(message: dict) -> dict:
+    """A message as JSON can hold it (tool calls as name + arguments)."""
+    out = {"role": str(message.get("role")), "content": str(message.get("content") or "")}
+    calls = message.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [
+            {"name": c["function"]["name"], "arguments": c["function"].get("arguments")} for c in calls
+        ]
+    if message.get("name"):
+        out["name"] = str(message["name"])
+    return out
 
 
 class StepReport:
@@ -299,12 +322,46 @@ def reward_metrics(scored: ScoredRollouts) -> dict[str, float]:
 
 def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
     lengths = rollouts.lengths.float()  # [N]
-    return {
+    metrics = {
         "completion_len/mean": lengths.mean().item(),
         "completion_len/max": lengths.max().item(),
         "completion_len/min": lengths.min().item(),
         "truncated_frac": rollouts.truncated.float().mean().item(),
     }
+    if rollouts.episodes is not None:
+        metrics.update(episode_metrics(rollouts))
+    return metrics
+
+
+TOOL_ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout")
+EPISODE_ENDINGS = ("answer", "done", "max_turns", "max_tokens", "turn_length")
+
+
+def episode_metrics(rollouts: Rollouts) -> dict[str, float]:
+    """Multi-turn episodes: turns, tool calls and their errors by kind, how episodes ended, and how many of
+    the completion tokens the policy sampled versus the environment injected (means per episode)."""
+    episodes = rollouts.episodes or []
+    n = max(len(episodes), 1)
+    sampled = rollouts.loss_mask.sum().item()
+    injected = rollouts.completion_mask.sum().item() - sampled
+    metrics = {
+        "episode/turns": sum(e.turns for e in episodes) / n,
+        "episode/tool_calls": sum(e.tool_calls for e in episodes) / n,
+        "episode/tool_call_frac": sum(e.tool_calls > 0 for e in episodes) / n,
+        "episode/truncated_frac": sum(e.truncated for e in episodes) / n,
+        "episode/sampled_tokens": sampled / n,
+        "episode/injected_tokens": injected / n,
+        "episode/tool_errors": sum(sum(e.tool_errors.values()) for e in episodes) / n,
+    }
+    # A fixed set of keys, so that every process reduces the same metrics.
+    for kind in TOOL_ERROR_KINDS:
+        metrics[f"episode/tool_errors/{kind}"] = sum(e.tool_errors.get(kind, 0) for e in episodes) / n
+    for reason in EPISODE_ENDINGS:
+        metrics[f"episode/ended_by/{reason}"] = sum(e.ended_by == reason for e in episodes) / n
+    rewards = [e.env_reward for e in episodes if e.env_reward is not None]
+    if rewards:
+        metrics["episode/env_reward"] = sum(rewards) / len(rewards)
+    return metrics
 
 
 def sampler_metrics(

@@ -1,0 +1,337 @@
+"""Episodes: how the rollout source turns a step's prompts into completions, one turn or many.
+
+    single turn   engine.generate(prompts, n): one sampled completion per row, the shared-prompt fast path
+    multi turn    every episode of the step advances together, one batched engine call per turn:
+                  sample a turn → parse its tool calls → run every episode's tools at once (time-limited)
+                  or the environment's step → append the injected messages' tokens (loss_mask 0) → repeat
+                  until an answer, `done`, or a cap (turns, tokens per episode, tokens per turn)
+
+Token in, token out: sampled ids are kept as sampled; an injected message's ids are the chat template's
+rendering of the conversation with it minus the rendering without it (agents/chat.py). Nothing sampled is
+ever re-tokenized, so the learner scores exactly the tokens the sampler produced.
+
+A completion here is everything after the prompt: [turn 1 | tool result | turn 2 | ...]; `loss_mask` marks
+the sampled turns. A group's G episodes start from one prompt (GRPO's baseline compares them), so an
+environment whose reset gives different starting points for the same row is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Protocol
+
+import torch
+
+from grpo.agents.chat import ChatRenderer
+from grpo.agents.environments import EnvironmentFactory, StepEnvironment
+from grpo.agents.parsing import ParsedTurn, ToolCallParser
+from grpo.agents.tools import ToolBox, ToolResult
+from grpo.records import Episode, PromptBatch, Rollouts, SamplingParams
+
+log = logging.getLogger("grpo")
+
+
+class EpisodeRunner(Protocol):
+    multi_turn: bool
+
+    def run(
+        self, engine, prompts: PromptBatch, n: int, sampling: SamplingParams, chunk_prompts: int | None = None
+    ) -> tuple[PromptBatch, Rollouts]:
+        """n completions for every prompt; the prompts as sampled from (an environment may extend them)."""
+
+
+class SingleTurn:
+    """One sampled completion per row: today's path, unchanged (the engine's shared-prompt generate)."""
+
+    multi_turn = False
+
+    def run(self, engine, prompts, n, sampling, chunk_prompts=None):
+        return prompts, engine.generate(prompts.prompt_token_ids, n, sampling, chunk_prompts=chunk_prompts)
+
+
+@dataclasses.dataclass
+class EpisodeLimits:
+    max_turns: int  # assistant turns per episode
+    max_tokens: int  # completion tokens per episode, sampled and injected
+    turn_tokens: int  # sampled tokens per turn (generation.max_new_tokens)
+
+
+@dataclasses.dataclass
+class _Live:
+    """One episode in progress."""
+
+    group: int
+    row: dict
+    env: object
+    messages: list[dict]  # the whole conversation so far, prompt included
+    prompt_messages: int  # how many of `messages` are the prompt
+    ids: list[int] = dataclasses.field(default_factory=list)  # completion ids so far
+    sampled: list[float] = dataclasses.field(default_factory=list)  # 1 = sampled, 0 = injected
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    episode: Episode = dataclasses.field(default_factory=lambda: Episode(messages=[]))
+    done: bool = False
+    toolbox: ToolBox | None = None  # this episode's own tools (an environment instance's methods)
+
+    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+        self.ids += ids
+        self.sampled += [1.0 if logprobs is not None else 0.0] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def end(self, why: str) -> None:
+        self.done, self.episode.ended_by = True, why
+
+
+class MultiTurn:
+    """Episodes with tools or an environment (see the module docstring)."""
+
+    multi_turn = True
+
+    def __init__(
+        self,
+        factory: EnvironmentFactory,
+        formatter,
+        parser: ToolCallParser,
+        limits: EpisodeLimits,
+        *,
+        tool_timeout_s: float = 10.0,
+        tool_max_chars: int = 4000,
+    ):
+        self.factory, self.formatter, self.parser, self.limits = factory, formatter, parser, limits
+        self.tokenizer = formatter.tokenizer
+        # Environment instances are stateful: one episode's calls run in the order written (episodes still
+        # run concurrently); plain tools are stateless and all run at once.
+        self.toolbox = ToolBox(
+            factory.fixed_tools,
+            timeout_s=tool_timeout_s,
+            max_chars=tool_max_chars,
+            in_episode_order=bool(factory.factories),
+        )
+        self.template_kwargs = dict(formatter.cfg.chat_template_kwargs or {})
+        self.eos_ids = _eos_ids(self.tokenizer)
+        self._renderers: dict[str, ChatRenderer] = {}
+
+    def renderer(self, schemas: list[dict]) -> ChatRenderer:
+        key = repr(schemas)
+        if key not in self._renderers:
+            self._renderers[key] = ChatRenderer(self.tokenizer, schemas or None, **self.template_kwargs)
+        return self._renderers[key]
+
+    # -- the episode loop ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, engine, prompts, n, sampling, chunk_prompts=None):
+        del chunk_prompts  # one row per live episode; the engine bounds its own batch
+        prompts, live = self._start(prompts, n)
+        lim = self.limits
+        for turn in range(1, lim.max_turns + 1):
+            for e in live:
+                if not e.done and len(e.ids) >= lim.max_tokens:
+                    e.end("max_tokens")
+            active = [e for e in live if not e.done]
+            if not active:
+                break
+            room = [lim.max_tokens - len(e.ids) for e in active]  # each ≥ 1
+            step_sampling = dataclasses.replace(
+                sampling, max_new_tokens=max(1, min(lim.turn_tokens, max(room)))
+            )
+            rows = [prompts.prompt_token_ids[e.group] + e.ids for e in active]
+            out = engine.continue_rows(rows, step_sampling)
+            waiting: list[tuple[_Live, ParsedTurn]] = []
+            for r, (e, budget) in enumerate(zip(active, room, strict=True)):
+                parsed = self._take_turn(e, out, r, budget, turn)
+                if parsed is not None:
+                    waiting.append((e, parsed))
+            if waiting:
+                self._run_tools(waiting)
+        for e in live:
+            if not e.done:  # the last allowed turn asked for more
+                e.end("max_turns")
+            e.episode.messages = e.messages[e.prompt_messages :]
+            e.episode.env_reward = e.env.reward()
+            e.episode.environment = getattr(e.env, "instance", None)
+        return prompts, self._rollouts(live)
+
+    def _run_tools(self, waiting: list[tuple[_Live, ParsedTurn]]) -> None:
+        """Every waiting episode's calls at once; each episode gets its results as tool messages."""
+        boxes = [e.toolbox or self.toolbox for e, _ in waiting]
+        results = self.toolbox.run([p for _, p in waiting], episode_tools=boxes)
+        for (e, _), res in zip(waiting, results, strict=True):
+            self._inject(e, [_tool_message(x) for x in res])
+            e.episode.tool_calls += sum(x.call is not None for x in res)
+            for x in res:
+                if x.error:
+                    e.episode.tool_errors[x.error] = e.episode.tool_errors.get(x.error, 0) + 1
+
+    def _take_turn(self, e: _Live, out: Rollouts, r: int, budget: int, turn: int) -> ParsedTurn | None:
+        """Append row r of a turn's sampling to episode e; the parsed turn when its tool calls are to run."""
+        length = int(out.completion_mask[r].sum())
+        cut = min(length, budget)
+        new = out.completion_ids[r, :cut].tolist()
+        e.add(new, out.sampling_logprobs[r, :cut].tolist())
+        e.episode.turns = turn
+        parsed = self.parser.parse(self.tokenizer.decode(new, skip_special_tokens=True))
+        e.messages.append(_assistant_message(parsed))
+        if cut < length or (bool(out.truncated[r]) and cut >= budget):
+            e.end("max_tokens")
+        elif bool(out.truncated[r]):
+            e.end("turn_length")
+        elif isinstance(e.env, StepEnvironment):
+            self._step(e)
+        elif not parsed.calls and not parsed.errors:
+            e.end("answer")
+        elif turn == self.limits.max_turns:
+            e.episode.tool_calls += len(parsed.calls)
+            e.end("max_turns")
+        else:
+            return parsed
+        return None
+
+    def _step(self, e: _Live) -> None:
+        result = e.env.step(e.messages)
+        if result.done or not result.messages:
+            e.end("done")
+            return
+        self._inject(e, result.messages)
+
+    def _inject(self, e: _Live, messages: list[dict]) -> None:
+        """Append the tokens of injected messages (loss_mask 0), ending the episode if they do not fit."""
+        history = e.messages
+        ids = []
+        if e.ids and e.ids[-1] not in self.eos_ids and self.eos_ids:
+            # The turn stopped on a stop string: the template closes it with the end-of-turn token.
+            ids.append(self.eos_ids[0])
+        ids += self.renderer(self.factory.schemas(e.row)).injected_ids(history, messages)
+        if len(e.ids) + len(ids) > self.limits.max_tokens:
+            e.end("max_tokens")
+            return
+        e.add(ids, None)
+        e.messages = [*history, *messages]
+
+    # -- start and finish ---------------------------------------------------------------------------
+    def _start(self, prompts: PromptBatch, n: int) -> tuple[PromptBatch, list[_Live]]:
+        live, ids = [], []
+        for i, prompt in enumerate(prompts.prompts):
+            row = {"prompt": prompt, **{k: v[i] for k, v in prompts.columns.items()}}
+            base = self.formatter.messages(prompt)
+            group = []
+            for _ in range(n):
+                env = self.factory.make(row)
+                start = env.start(base, {k: v for k, v in row.items() if k != "prompt"})
+                own = None
+                if env.kind == "tools" and env.tools.keys() != set(self.toolbox.names):
+                    own = ToolBox(env.tools, self.toolbox.timeout_s, self.toolbox.max_chars)
+                group.append(_Live(i, row, env, list(start), len(start), toolbox=own))
+            first = group[0].messages
+            if any(g.messages != first for g in group[1:]):
+                raise ValueError(
+                    f"The environment started the {n} episodes of one prompt (dataset row "
+                    f"{prompts.indices[i] if prompts.indices else i}) from different conversations. GRPO "
+                    "compares a group's episodes from one starting point: make reset deterministic for a "
+                    "row, or put the variation in the dataset."
+                )
+            ids.append(self.renderer(self.factory.schemas(row)).prompt_ids(first))
+            live += group
+        prompts = dataclasses.replace(
+            prompts,
+            prompts=[g.messages[: g.prompt_messages] for g in live[::n]],
+            prompt_token_ids=ids,
+        )
+        return prompts, live
+
+    def _rollouts(self, live: list[_Live]) -> Rollouts:
+        width = max(1, max(len(e.ids) for e in live))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        n = len(live)
+        ids = torch.full((n, width), pad, dtype=torch.long)
+        mask, loss, logprobs = torch.zeros(n, width), torch.zeros(n, width), torch.zeros(n, width)
+        for r, e in enumerate(live):
+            k = len(e.ids)
+            ids[r, :k] = torch.tensor(e.ids, dtype=torch.long)
+            mask[r, :k] = 1.0
+            loss[r, :k] = torch.tensor(e.sampled)
+            logprobs[r, :k] = torch.tensor(e.logprobs)
+        episodes = [e.episode for e in live]
+        return Rollouts(
+            group_ids=torch.tensor([e.group for e in live], dtype=torch.long),
+            completion_ids=ids,
+            completion_mask=mask,
+            sampling_logprobs=logprobs * loss,
+            truncated=torch.tensor([ep.truncated for ep in episodes]),
+            loss_mask=loss,
+            episodes=episodes,
+        )
+
+
+def _assistant_message(parsed: ParsedTurn) -> dict:
+    message: dict = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = [
+            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            | ({"id": c.id} if c.id else {})
+            for c in parsed.calls
+        ]
+    return message
+
+
+def _tool_message(result: ToolResult) -> dict:
+    message = {"role": "tool", "content": result.content}
+    if result.call is not None:
+        message["name"] = result.call.name
+        if result.call.id:
+            message["tool_call_id"] = result.call.id
+    return message
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [int(eos)]
+
+
+def answer_texts(rollouts: Rollouts, tokenizer) -> list[str]:
+    """What an evaluation scores: the last assistant message of each episode (a tool's output is never
+    an answer), or the decoded completion of a single turn."""
+    if rollouts.episodes is None:
+        return tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+    return [
+        next((m.get("content") or "" for m in reversed(e.messages) if m["role"] == "assistant"), "")
+        for e in rollouts.episodes
+    ]
+
+
+def build_episodes(cfg, formatter, tools=None, environment=None) -> EpisodeRunner:
+    """One turn, or multi-turn episodes when tools or an environment are given (objects from
+    GRPOTrainer(tools=, environment_factory=), else env.tools / env.environment import paths). Refuses at
+    start-up a model whose tool-call format is unknown or whose chat template rewrites earlier turns."""
+    from grpo.agents.environments import build_factory
+    from grpo.agents.parsing import detect_parser
+    from grpo.config import ConfigError
+
+    factory = build_factory(tools or cfg.env.tools, environment or cfg.env.environment)
+    if factory is None:
+        return SingleTurn()
+    name = cfg.model.name_or_path
+    parser = detect_parser(formatter.tokenizer, name, cfg.env.tool_parser)
+    schemas = factory.fixed_schemas or next(iter(factory._schemas.values()), [])
+    problem = ChatRenderer(formatter.tokenizer, schemas or None).prefix_problem()
+    if problem is not None:
+        raise ConfigError(
+            f"The chat template of {name} is not prefix-preserving across turns ({problem}): training on "
+            "its episodes would score tokens the model never saw. Give the tokenizer a template that renders "
+            "earlier turns as they were sampled (tokenizer.chat_template = ...), then start again."
+        )
+    limits = EpisodeLimits(cfg.env.max_turns, cfg.episode_max_tokens, cfg.effective_max_new_tokens)
+    log.info(
+        "Episodes: up to %d turns and %d tokens each; tools %s; tool calls parsed as %s.",
+        limits.max_turns,
+        limits.max_tokens,
+        ", ".join(s["function"]["name"] for s in schemas) or "from the environment",
+        parser.name,
+    )
+    return MultiTurn(
+        factory,
+        formatter,
+        parser,
+        limits,
+        tool_timeout_s=cfg.env.tool_timeout_s,
+        tool_max_chars=cfg.env.tool_max_chars,
+    )
