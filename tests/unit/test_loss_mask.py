@@ -168,3 +168,26 @@ def test_episode_metrics_count_turns_calls_errors_and_injected_tokens():
     assert m["episode/tool_errors/timeout"] == 0.25 and m["episode/truncated_frac"] == 0.25
     assert m["episode/sampled_tokens"] == (r.loss_mask.sum() / 4).item()
     assert m["episode/injected_tokens"] == ((r.completion_mask.sum() - r.loss_mask.sum()) / 4).item()
+
+
+def test_the_lm_head_runs_on_sampled_tokens_only(monkeypatch):
+    from grpo.model import packed
+    from grpo.model.decoder import NativeDecoder
+
+    batch = random_batch(seed=2)
+    loss = batch.completion_mask.clone()
+    loss[:, 1:3] = 0
+    multi = dataclasses.replace(batch, loss_mask=loss)
+    rows, apply = [], packed.ChunkedTokenLogprobs.apply
+    monkeypatch.setattr(
+        packed.ChunkedTokenLogprobs,
+        "apply",
+        lambda hidden, *args: rows.append(hidden.shape[0]) or apply(hidden, *args),
+    )
+    decoder = NativeDecoder(tiny_llama())
+    full, _ = packed.shared_prompt_logprobs(decoder, batch, 1.0)
+    part, _ = packed.shared_prompt_logprobs(decoder, multi, 1.0)
+    assert rows == [int(batch.completion_mask.sum()), int(loss.sum())]
+    sampled = loss.bool()
+    assert torch.allclose(part[sampled], full[sampled], atol=1e-6)
+    assert (part[~sampled] == 0).all()

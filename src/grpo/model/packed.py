@@ -85,17 +85,24 @@ def pack_batch(batch: TrainBatch, device: torch.device) -> SharedPromptPack:
 def shared_prompt_logprobs(
     decoder: NativeDecoder, batch: TrainBatch, temperature: float, with_entropy: bool = False
 ):
-    """log π(completion token | prefix) [N, T] (and entropy [N, T]); zeros on padding."""
+    """log π(completion token | prefix) [N, T] (and entropy [N, T]); zeros on padding, and on tokens the
+    policy did not sample (loss_mask 0: tool results, environment messages), whose LM head is skipped."""
     packed = pack_batch(batch, decoder.device)
     hidden = decoder.shared_prompt_hidden(packed)  # [M, d]
+    targets, slots = packed.targets, packed.target_slot  # [M], [M]
+    if batch.loss_mask is not batch.completion_mask:  # multi-turn: the head runs on sampled tokens only
+        sampled = batch.loss_mask.flatten().to(slots.device)[slots] > 0  # [M]
+        if not sampled.all():
+            keep = sampled.nonzero().squeeze(-1)  # [M']
+            hidden, targets, slots = hidden[keep], targets[keep], slots[keep]
     logp, entropy = ChunkedTokenLogprobs.apply(
-        hidden, decoder.lm_head_weight, packed.targets, temperature, with_entropy
-    )  # [M], [M]
+        hidden, decoder.lm_head_weight, targets, temperature, with_entropy
+    )  # [M'], [M']
     shape = (packed.num_rows, packed.completion_width)
-    grid = logp.new_zeros(shape[0] * shape[1]).index_copy(0, packed.target_slot, logp).view(shape)  # [N, T]
+    grid = logp.new_zeros(shape[0] * shape[1]).index_copy(0, slots, logp).view(shape)  # [N, T]
     if not with_entropy:
         return grid, None
-    return grid, entropy.new_zeros(shape[0] * shape[1]).index_copy(0, packed.target_slot, entropy).view(shape)
+    return grid, entropy.new_zeros(shape[0] * shape[1]).index_copy(0, slots, entropy).view(shape)
 
 
 # Config fields under which a model's forward changes its logits after the LM head's product.

@@ -67,7 +67,9 @@ class ColocatedRollout:
         return {}
 
     def close(self) -> None:
-        self.engine.close()
+        close = getattr(self.engine, "close", None)  # an engine a caller made before engines had close()
+        if close is not None:
+            close()
 
 
 def build(cfg, parts, rt: Runtime, feed: PromptFeed, sampling: SamplingParams, chunk_prompts: int | None):

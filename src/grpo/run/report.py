@@ -49,6 +49,16 @@ PANELS = [
         "fraction",
     ),
     Panel("entropy.png", "Policy entropy", [("entropy", "entropy")], "nats/token"),
+    Panel(
+        "episodes.png",
+        "Episodes (multi-turn)",
+        [
+            ("episode/tool_call_frac", "episodes calling a tool"),
+            ("episode/truncated_frac", "truncated by a cap"),
+            ("episode/tool_errors", "tool errors per episode"),
+        ],
+        "fraction / count",
+    ),
     Panel("tokens_per_s.png", "Throughput", [("tokens_per_s", "completion tokens / s")], "tokens/s"),
     Panel(
         "groups.png",
@@ -187,6 +197,22 @@ def _summary(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple[str, str]]
     return items
 
 
+def _completion_html(sample: dict) -> str:
+    """A completion, or a multi-turn episode's whole trajectory with each message's role."""
+    messages = sample.get("messages")
+    if not isinstance(messages, list):
+        return html.escape(str(sample.get("completion", "")))
+    parts = []
+    for m in messages:
+        m = m if isinstance(m, dict) else {"content": m}
+        calls = m.get("tool_calls") or []
+        text = str(m.get("content") or "") + "".join(
+            f"\n→ {c.get('name')}({json.dumps(c.get('arguments'))})" for c in calls if isinstance(c, dict)
+        )
+        parts.append(f"<b>{html.escape(str(m.get('role', '?')))}</b>: {html.escape(text)}")
+    return "\n".join(parts)
+
+
 def _html(run_dir: Path, out_dir: Path, rows: list[dict[str, Any]], figures: list[Panel]) -> str:
     esc = html.escape
     images = "\n".join(
@@ -201,7 +227,7 @@ def _html(run_dir: Path, out_dir: Path, rows: list[dict[str, Any]], figures: lis
     head = "".join(f"<th>{esc(n)}</th>" for n in names)
     body = "".join(
         f"<tr><td>{s.get('step')}</td><td class=text>{esc(str(s.get('prompt', ''))[:300])}</td>"
-        f"<td class=text>{esc(str(s.get('completion', '')))}</td><td>{_fmt(s.get('reward'))}</td>"
+        f"<td class=text>{_completion_html(s)}</td><td>{_fmt(s.get('reward'))}</td>"
         + "".join(f"<td>{_fmt((s.get('rewards') or {}).get(n))}</td>" for n in names)
         + f"<td>{_fmt(s.get('advantage'))}</td>"
         + f"<td>{s.get('length', '')}{' ✂' if s.get('truncated') else ''}</td></tr>"

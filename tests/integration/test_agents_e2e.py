@@ -1,0 +1,179 @@
+"""Multi-turn training end to end through grpo.GRPOTrainer, TRL's way (`tools=`, `environment_factory=`) and
+the step form, on a tiny random Llama with Qwen2.5's real chat template."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.records import Rollouts
+from grpo.rollout.native import NativeEngine
+from tests.chat_templates import family_tokenizer
+
+SETTINGS = {
+    "prompts_per_step": 2,
+    "num_generations": 2,
+    "max_new_tokens": 6,
+    "learning_rate": 1e-2,
+    "warmup_steps": 0,
+    "steps": 2,
+    "logging_steps": 1,
+    "progress_bar": False,
+    "num_threads": 1,
+    "beta": 0.0,
+    "tensorboard": False,
+    "max_prompt_length": 768,
+    "eval_before": False,
+    "eval_after": False,
+    "save_steps": 0,
+    "env.max_tokens": 200,
+}
+
+
+def model_and_tokenizer():
+    tokenizer = family_tokenizer("qwen2.5")
+    tokenizer.pad_token = "<|endoftext|>"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+    )  # fmt: skip
+    return LlamaForCausalLM(config), tokenizer
+
+
+class EndsItsTurns(NativeEngine):
+    """The native engine, except that a turn the random model leaves open is closed with the eos token
+    (so that episodes have several turns). The forced token is not the model's sample: the learner treats
+    this sampler as another policy (recomputes π_old, corrects with importance weights)."""
+
+    sampler_differs = True
+
+    @property
+    def exact_logprobs(self) -> bool:
+        return False
+
+    def continue_rows(self, rows, sampling):
+        out = super().continue_rows(
+            rows, dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - 1)
+        )
+        n, t = out.completion_ids.shape
+        ids = torch.cat([out.completion_ids, torch.full((n, 1), self.pad_id)], 1)
+        mask = torch.cat([out.completion_mask, torch.zeros(n, 1)], 1)
+        logprobs = torch.cat([out.sampling_logprobs, torch.zeros(n, 1)], 1)
+        for r in range(n):
+            if out.truncated[r]:
+                k = int(out.completion_mask[r].sum())
+                ids[r, k], mask[r, k], logprobs[r, k] = int(self.eos_ids[0]), 1.0, -1.0
+        return Rollouts(out.group_ids, ids, mask, logprobs, torch.zeros(n, dtype=torch.bool))
+
+
+def dataset(n: int = 4) -> Dataset:
+    return Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"Count to {i + 2}."}], "target": i + 2} for i in range(n)]
+    )
+
+
+class Echo:
+    """The step form: the environment answers twice, then ends the episode with a reward."""
+
+    def reset(self, row):
+        self.turns = 0
+        return None  # the dataset's prompt as it is
+
+    def step(self, messages):
+        self.turns += 1
+        if self.turns == 2:
+            return [], float(len(messages[-1]["content"]) % 3), True
+        return [{"role": "user", "content": "Go on."}], None, False
+
+
+def length_reward(prompts, completions, **_):
+    return [float(len(json.dumps(c)) % 5) for c in completions]
+
+
+def _train(tmp_path, **kwargs):
+    model, tokenizer = model_and_tokenizer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = GRPOConfig(**SETTINGS, output_dir=str(tmp_path / "run"))
+    trainer = GRPOTrainer(model=model, tokenizer=tokenizer, config=cfg, train_dataset=dataset(), **kwargs)
+    trainer.parts.engine = EndsItsTurns(trainer.parts.policy, tokenizer)
+    summary = trainer.train()
+    moved = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    return summary, moved, lines, samples
+
+
+def test_a_step_environment_trains_on_whole_episodes(tmp_path):
+    summary, moved, lines, samples = _train(tmp_path, environment_factory=Echo, reward_funcs=[length_reward])
+    assert moved and all(torch.isfinite(torch.tensor(m["loss"])) for m in lines)
+    assert summary["episode/turns"] == 2.0  # every episode: sample, "Go on.", sample, done
+    assert summary["episode/injected_tokens"] > 0 and summary["episode/sampled_tokens"] > 0
+    assert "reward/env_reward" in summary and "reward/length_reward" in summary
+    roles = [m["role"] for m in samples[0]["messages"]]
+    assert roles == ["assistant", "user", "assistant"] and samples[0]["turns"] == 2
+
+
+class Notebook:
+    """TRL's form: reset(**row) and public methods as tools; the reward function reads the instances."""
+
+    def reset(self, **row):
+        self.target, self.notes = row["target"], []
+
+    def write(self, text: str) -> str:
+        """Write a note.
+
+        Args:
+            text: What to write.
+        """
+        self.notes.append(text)
+        return "ok"
+
+
+def test_trl_environment_factory_and_tools_run_through_the_trainer(tmp_path):
+    seen = []
+
+    def env_reward(completions, environments, target, **_):
+        seen.append(environments)
+        return [float(env.target == t) for env, t in zip(environments, target, strict=True)]
+
+    summary, moved, _, samples = _train(
+        tmp_path, environment_factory=Notebook, reward_funcs=[env_reward, length_reward]
+    )
+    assert moved and summary["reward/env_reward"] == 1.0
+    assert all(isinstance(e, Notebook) for batch in seen for e in batch) and len(seen[0]) == 4
+    assert samples[0]["messages"][0]["role"] == "assistant"
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: e.g. 12*34
+    """
+    return "408"
+
+
+def test_tools_list_runs_through_the_trainer_and_the_prompt_declares_them(tmp_path):
+    summary, moved, _, _ = _train(tmp_path / "t", tools=[calculator], reward_funcs=[length_reward])
+    assert moved and "episode/tool_calls" in summary
+
+
+def test_an_unknown_tool_call_format_is_refused_at_start_up(tmp_path):
+    model, _ = model_and_tokenizer()
+    from transformers import AutoTokenizer
+
+    from grpo.config import ConfigError
+    from grpo.model.loading import bundled_model_path
+
+    bundled = AutoTokenizer.from_pretrained(bundled_model_path())
+    cfg = GRPOConfig(**SETTINGS, output_dir=str(tmp_path / "run"), model="my-org/plain-chat")
+    with pytest.raises(ConfigError, match="tool-call format"):
+        GRPOTrainer(model=model, tokenizer=bundled, config=cfg, train_dataset=dataset(), tools=[calculator])
