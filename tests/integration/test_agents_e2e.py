@@ -63,7 +63,7 @@ class EndsItsTurns(NativeEngine):
         out = super().continue_rows(
             rows, dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - 1)
         )
-        n, t = out.completion_ids.shape
+        n = out.completion_ids.shape[0]
         ids = torch.cat([out.completion_ids, torch.full((n, 1), self.pad_id)], 1)
         mask = torch.cat([out.completion_mask, torch.zeros(n, 1)], 1)
         logprobs = torch.cat([out.sampling_logprobs, torch.zeros(n, 1)], 1)

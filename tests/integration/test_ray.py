@@ -115,3 +115,21 @@ def test_batches_older_than_max_staleness_are_dropped_and_counted(tmp_path, monk
     dropped = [x["rollout/dropped_stale"] for x in lines]
     assert dropped == sorted(dropped) and dropped[-1] > 0  # counted, in prompts
     assert dropped[-1] % SMALL["batch_size"] == 0
+
+
+def test_multi_turn_episodes_run_on_ray_actors_in_async_mode(tmp_path):
+    """The episode runner travels to the actors (EngineSpec.episodes): each actor runs every turn of its
+    share of the episodes; the learner trains on them off-policy, and evaluation samples on an actor."""
+    from tests.integration.test_agents_e2e import Echo, dataset, length_reward, model_and_tokenizer
+
+    model, tokenizer = model_and_tokenizer()
+    settings = {"rollout.mode": "async", "steps": 2, "max_new_tokens": 8, "gradient_accumulation_steps": 1}
+    settings.update({"env.max_tokens": 200, "max_prompt_length": 768, "output_dir": str(tmp_path / "run")})
+    cfg = GRPOConfig(**{**SMALL, **settings})
+    trainer = GRPOTrainer(
+        model=model, tokenizer=tokenizer, config=cfg, train_dataset=dataset(), eval_dataset=None,
+        environment_factory=Echo, reward_funcs=[length_reward],
+    )  # fmt: skip
+    summary = trainer.train()
+    assert summary["episode/turns"] >= 1 and "episode/injected_tokens" in summary
+    assert summary["rollout/policy_version"] == 1.0 and torch.isfinite(torch.tensor(summary["loss"]))

@@ -175,8 +175,11 @@ def test_short_training_run_logs_mismatch_and_syncs(tmp_path: Path):
         "train.num_threads=2",
         "train.logging_steps=1",
     ]
+    before = set(Path("/dev/shm").glob("grpo-vllm-*"))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
+    # The source closed its engine: vLLM's weight folder (a full model copy in /dev/shm) is gone.
+    assert set(Path("/dev/shm").glob("grpo-vllm-*")) <= before
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
