@@ -126,6 +126,25 @@ def test_tool_schema_is_transformers_and_undescribable_tools_are_refused():
         ToolBox([calculator, calculator])
 
 
+def test_schemas_of_bound_methods_are_computed_once_per_function(monkeypatch):
+    class Env:
+        def look(self, direction: str) -> str:
+            """Look around.
+
+            Args:
+                direction: where
+            """
+            return direction
+
+    described = []
+    real = tools_module.get_json_schema
+    monkeypatch.setattr(tools_module, "get_json_schema", lambda fn: described.append(fn) or real(fn))
+    boxes = [ToolBox([Env().look]) for _ in range(5)]  # one environment instance per episode
+    assert len(described) == 1
+    assert boxes[0].schemas == boxes[4].schemas and boxes[0].schemas[0] is not boxes[4].schemas[0]
+    assert boxes[0].schemas[0]["function"]["parameters"]["required"] == ["direction"]  # no "self"
+
+
 def test_schemas_in_order_and_dict_names():
     box = ToolBox({"calc": calculator, "sleep": nap})
     assert box.names == ["calc", "sleep"]
@@ -219,9 +238,9 @@ def test_a_hanging_tool_times_out_while_the_rest_of_the_batch_completes():
     timed_out, four = results[0]
     assert timed_out.error == "timeout"
     assert timed_out.content == "hang did not finish within 0.5 s; its result, if any, is lost."
-    assert 0.5 <= timed_out.seconds < 1.0
+    assert 0.5 <= timed_out.seconds < 1.5
     assert (four.content, results[1][0].content) == ("4", "slept")
-    assert elapsed < 1.5, elapsed
+    assert elapsed < 2.0, elapsed  # the limit, not the hung call, ends the batch
     # Its thread runs on (a thread cannot be killed), counted so that hung calls cannot pile up.
     assert tools_module._still_abandoned() == 1
 

@@ -102,7 +102,9 @@ class ChatRenderer:
         if _PROBE_TEXT not in text:
             raise ChatTemplateError("the chat template does not render an assistant message's content.")
         after = text[text.rindex(_PROBE_TEXT) + len(_PROBE_TEXT) :]
-        special = {self.tokenizer.convert_ids_to_tokens(i) for i in self.tokenizer.all_special_ids}
+        # Named special tokens, and added tokens marked special (Llama 3 lists only bos/eos by name).
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}).values()
+        special = set(self.tokenizer.all_special_tokens) | {t.content for t in added if t.special}
         # The first special token after the content is what the policy samples to end its turn.
         found = [(after.find(tok), tok) for tok in special if tok and after.find(tok) >= 0]
         if not found:
