@@ -152,3 +152,11 @@ def test_detect_parser_without_template_and_forced_choices():
         ConfigError, match=r"env\.tool_parser='xml' .*choose auto\|hermes\|llama3_json\|mistral"
     ):
         detect_parser(tokenizer, "my-org/base", choice="xml")
+
+
+def test_a_call_without_arguments_has_empty_arguments():
+    turn = HermesParser().parse(
+        '<tool_call>{"name": "clock"}</tool_call><tool_call>{"name": "clock", "arguments": null}</tool_call>'
+    )
+    assert turn.calls == [ToolCall("clock", {}), ToolCall("clock", {})]
+    assert turn.errors == []

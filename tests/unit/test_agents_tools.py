@@ -310,3 +310,32 @@ def test_in_episode_order_runs_one_episodes_calls_in_turn_and_episodes_together(
 
 def test_tool_result_defaults():
     assert ToolResult(None, "x", "malformed") == ToolResult(None, "x", "malformed", False, 0.0)
+
+
+def pick(choice: int | str) -> str:
+    """Echo a choice.
+
+    Args:
+        choice: a number or a name
+    """
+    return f"picked {choice}"
+
+
+def test_union_arguments_and_turns_without_error_positions():
+    box = ToolBox([pick])
+    results = box.run(
+        [
+            ParsedTurn("", [ToolCall("pick", {"choice": 2}), ToolCall("pick", {"choice": 1.5})], ["bad"]),
+            turn(ToolCall("pick", {"choice": "b"})),
+        ]
+    )
+    assert [(r.error, r.content) for r in results[0]] == [
+        (None, "picked 2"),
+        (
+            "bad_arguments",
+            "bad arguments for pick: argument 'choice' must be an integer or a string, not a number; "
+            "call it as pick(choice: integer|string).",
+        ),
+        ("malformed", "bad"),  # no positions given: the malformed calls come last
+    ]
+    assert results[1][0].content == "picked b"

@@ -29,12 +29,12 @@ class ChatTemplateError(ConfigError):
 
 def _describe_change(before: str, after: str) -> str:
     """One phrase: where `after` stops extending `before`, and what the text became."""
+    if before.count("<think>") > after[: len(before) + 200].count("<think>"):
+        return "it drops the <think> blocks of earlier assistant turns"
     at = next(
         (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b),
         min(len(before), len(after)),
     )
-    if before.count("<think>") > after[: len(before) + 200].count("<think>"):
-        return "it drops the <think> blocks of earlier assistant turns"
     was, now = before[max(0, at - 20) : at + 40], after[max(0, at - 20) : at + 40]
     return f"at character {at} the earlier text {was!r} became {now!r}"
 
@@ -98,7 +98,13 @@ class ChatRenderer:
     def _end_of_turn(self) -> tuple[str, str]:
         """The end-of-turn token the template writes after an assistant message, and the text after it."""
         probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": _PROBE_TEXT}]
-        text = self.render(probe, add_generation_prompt=False)
+        try:
+            text = self.render(probe, add_generation_prompt=False)
+        except Exception as err:  # noqa: BLE001 - a template that cannot render this is the user's to fix
+            raise ChatTemplateError(
+                f"the chat template cannot render a user message and an assistant reply "
+                f"({type(err).__name__}: {err}); give the tokenizer a chat template for conversations."
+            ) from None
         if _PROBE_TEXT not in text:
             raise ChatTemplateError("the chat template does not render an assistant message's content.")
         after = text[text.rindex(_PROBE_TEXT) + len(_PROBE_TEXT) :]
@@ -150,9 +156,8 @@ class ChatRenderer:
                 ]
             return [*turn, {"role": "assistant", "content": reply(answer)}]
 
-        first = step(
-            "What is 12 * 34?", "call00001", "It is 408."
-        )  # 9-character ids: Mistral's templates check
+        # Call ids of 9 characters: Mistral's templates refuse others.
+        first = step("What is 12 * 34?", "call00001", "It is 408.")
         if opening:
             first = list(opening) + first[1:]
         return first + step("And 408 + 1?", "call00002", "It is 409.")

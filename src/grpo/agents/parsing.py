@@ -9,11 +9,11 @@ Three families cover the open tool-calling models:
 * ``mistral``: ``[TOOL_CALLS]`` followed by a JSON list of ``{"name", "arguments"}`` (Nemo and earlier), or
   ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`` (Mistral Small 3.2 and later).
 
-Decode the sampled ids with ``skip_special_tokens=False`` before parsing: ``[TOOL_CALLS]`` and
-``<|python_tag|>`` are special tokens, and the call cannot be told from prose without them. A malformed call
-is not an exception: it becomes one line in ``ParsedTurn.errors``, written for the model to read in the tool
-message, and the episode goes on. ``detect_parser`` picks the family from what the tokenizer's chat template
-declares.
+Parse the text of one sampled turn without its end-of-turn token, decoded with ``skip_special_tokens=False``:
+``[TOOL_CALLS]`` and ``<|python_tag|>`` are special tokens, and the call cannot be told from prose without
+them. A malformed call is not an exception: it becomes one line in ``ParsedTurn.errors``, written for the
+model to read in the tool message, and the episode goes on. ``detect_parser`` picks the family from what the
+tokenizer's chat template declares.
 """
 
 from __future__ import annotations
@@ -107,7 +107,9 @@ class _Turn:
             call_id = obj.get("id") if isinstance(obj.get("id"), str) else None
             # Hermes and Mistral write "arguments", Llama "parameters"; models mix them up: take either.
             key = "arguments" if "arguments" in obj else "parameters"
-            obj = obj.get(key, {})
+            obj = obj.get(key)
+        if obj is None:  # no arguments written, or null: a call without arguments
+            obj = {}
         if isinstance(obj, str):  # OpenAI-style arguments: a JSON object encoded as a string
             try:
                 obj = json.loads(obj)

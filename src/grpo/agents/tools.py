@@ -147,7 +147,11 @@ class _Tool:
         self.required: list[str] = list(params.get("required", []))
 
     def signature(self) -> str:
-        args = ", ".join(f"{k}: {spec.get('type', 'any')}" for k, spec in self.properties.items())
+        def kind(spec: dict) -> str:
+            wanted = spec.get("type", "any")
+            return wanted if isinstance(wanted, str) else "|".join(wanted)
+
+        args = ", ".join(f"{k}: {kind(spec)}" for k, spec in self.properties.items())
         return f"{self.name}({args})"
 
     def argument_problem(self, arguments: dict) -> str | None:
@@ -165,10 +169,12 @@ class _Tool:
 def _slots(turn: ParsedTurn) -> list[ToolCall | str]:
     """The turn's call attempts in the order the model wrote them: calls, and the malformed ones' messages."""
     total = len(turn.calls) + len(turn.errors)
-    positions = turn.error_positions if len(turn.error_positions) == len(turn.errors) else []
-    positions = positions or list(range(len(turn.calls), total))
+    where = set(turn.error_positions)
+    if len(where) != len(turn.errors) or not where <= set(
+        range(total)
+    ):  # absent or inconsistent: errors last
+        where = set(range(len(turn.calls), total))
     errors, calls = iter(turn.errors), iter(turn.calls)
-    where = set(positions)
     return [next(errors) if k in where else next(calls) for k in range(total)]
 
 
