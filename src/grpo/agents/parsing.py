@@ -247,7 +247,13 @@ class MistralParser:
             turn.add(obj)
         return end
 
+    def __init__(self, named_calls: bool = False) -> None:
+        self.named_calls = named_calls  # format_call writes the name[CALL_ID]id[ARGS] form (both are parsed)
+
     def format_call(self, call: ToolCall) -> str:
+        if self.named_calls:
+            call_id = f"[CALL_ID]{call.id}" if call.id is not None else ""
+            return f"{self._tag}{call.name}{call_id}[ARGS]{_dumps(call.arguments)}"
         obj: dict[str, Any] = {"name": call.name, "arguments": call.arguments}
         if call.id is not None:
             obj["id"] = call.id
@@ -304,4 +310,6 @@ def detect_parser(tokenizer: Any, model_name: str, choice: str = "auto") -> Tool
             f"{model_name}'s chat template declares no tool-call format grpo knows (<tool_call>, Llama 3 "
             f"JSON, [TOOL_CALLS]); set env.tool_parser={_CHOICES} to the format it was trained on."
         )
+    if found == MistralParser.name:
+        return MistralParser(named_calls="[ARGS]" in template)
     return PARSERS[found]()
