@@ -99,6 +99,15 @@ def test_qwen3_drops_earlier_think_blocks_so_it_is_not_prefix_preserving():
         chat.injected_ids(answered, [{"role": "user", "content": "And 408 + 1?"}])
     with pytest.raises(ChatTemplateError, match="when tool messages are added"):
         chat.injected_ids([USER, assistant_call()], [TOOL])
+    # No-thinking mode (the generation prompt closes an empty <think>): the first tool result breaks it.
+    quiet = ChatRenderer(chat.tokenizer, [SCHEMA], enable_thinking=False)
+    assert quiet.tokenizer.decode(quiet.prompt_ids([USER])).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert quiet.prefix_problem() == (
+        "The chat template is not prefix-preserving: when a tool message follows an assistant turn, "
+        "it drops the <think> blocks of earlier assistant turns."
+    )
 
 
 def test_mistral_moves_its_tool_list_to_the_last_user_message():

@@ -29,12 +29,14 @@ class ChatTemplateError(ConfigError):
 
 def _describe_change(before: str, after: str) -> str:
     """One phrase: where `after` stops extending `before`, and what the text became."""
-    if before.count("<think>") > after[: len(before) + 200].count("<think>"):
-        return "it drops the <think> blocks of earlier assistant turns"
     at = next(
         (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b),
         min(len(before), len(after)),
     )
+    # A <think> block where the texts part (they may part inside the tag: "<think>" vs "<tool_call>").
+    around = slice(max(0, at - len("<think>") + 1), at + len("<think>"))
+    if "<think>" in before[around] and "<think>" not in after[around]:
+        return "it drops the <think> blocks of earlier assistant turns"
     was, now = before[max(0, at - 20) : at + 40], after[max(0, at - 20) : at + 40]
     return f"at character {at} the earlier text {was!r} became {now!r}"
 
@@ -133,6 +135,8 @@ class ChatRenderer:
         for thinking in (True, False):
             messages = self._probe_conversation(opening, thinking)
             try:
+                if thinking and self._thinking_disabled(messages[:1]):
+                    continue  # the generation prompt closes an empty <think> block: the policy writes none
                 problem = self._first_break(messages)
             except Exception as err:  # noqa: BLE001 - any template failure is the answer, in words
                 kind = type(err).__name__
@@ -140,6 +144,10 @@ class ChatRenderer:
             if problem:
                 return problem
         return None
+
+    def _thinking_disabled(self, opening: list[dict]) -> bool:
+        prompt = self.render(opening, add_generation_prompt=True)
+        return "</think>" in prompt[len(self.render(opening, add_generation_prompt=False)) :]
 
     def _probe_conversation(self, opening: list[dict] | None, thinking: bool) -> list[dict]:
         def reply(text: str) -> str:
