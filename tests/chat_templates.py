@@ -61,6 +61,27 @@ FAMILIES = {
         ],
         [],
     ),
+    "mistral-small-3.2": (
+        "mistral-small-3.2-24b-instruct-2506.jinja",
+        "<s>",
+        "</s>",
+        [
+            "[SYSTEM_PROMPT]",
+            "[/SYSTEM_PROMPT]",
+            "[INST]",
+            "[/INST]",
+            "[TOOL_CALLS]",
+            "[CALL_ID]",
+            "[ARGS]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_RESULTS]",
+            "[TOOL_CONTENT]",
+            "[/TOOL_RESULTS]",
+            "[IMG]",
+        ],
+        [],
+    ),
 }
 
 

@@ -2,14 +2,7 @@
 
 import pytest
 
-from grpo.agents import (
-    ChatRenderer,
-    ChatTemplateError,
-    HermesParser,
-    Llama3JsonParser,
-    MistralParser,
-    ToolCall,
-)
+from grpo.agents import ChatRenderer, ChatTemplateError, ToolCall, detect_parser
 from tests.chat_templates import bundled_tokenizer, family_tokenizer
 
 SCHEMA = {
@@ -27,8 +20,6 @@ SCHEMA = {
 USER = {"role": "user", "content": "What is 12 * 34?"}
 CALL = ToolCall("calculator", {"expression": "12 * 34"}, "call00001")
 TOOL = {"role": "tool", "tool_call_id": "call00001", "name": "calculator", "content": "408"}
-PARSERS = {"qwen2.5": HermesParser(), "qwen3": HermesParser(), "llama3.2": Llama3JsonParser(),
-           "mistral-nemo": MistralParser()}  # fmt: skip
 
 
 def assistant_call(content: str = "") -> dict:
@@ -49,6 +40,7 @@ def renderer(family: str) -> ChatRenderer:
         ("llama3.2", '<|start_header_id|>ipython<|end_header_id|>\n\n"408"<|eot_id|>'
                      '<|start_header_id|>assistant<|end_header_id|>\n\n'),
         ("mistral-nemo", '[TOOL_RESULTS]{"content": 408, "call_id": "call00001"}[/TOOL_RESULTS]'),
+        ("mistral-small-3.2", "[TOOL_RESULTS]call00001[TOOL_CONTENT]408[/TOOL_RESULTS]"),
     ],
 )  # fmt: skip
 def test_injected_ids_are_the_difference_of_full_renders(family, injected_text):
@@ -69,7 +61,7 @@ def test_injected_ids_are_the_difference_of_full_renders(family, injected_text):
 
     # An episode's sequence (prompt, what the policy sampled ending with eos, injected) is the full render:
     # the policy trains on the tokens the template gives the whole conversation.
-    sampled = [*chat.encode(PARSERS[family].format_call(CALL)), eos]
+    sampled = [*chat.encode(detect_parser(tokenizer, family).format_call(CALL)), eos]
     assert chat.prompt_ids([USER]) + sampled + injected == with_tool
 
 
@@ -107,6 +99,15 @@ def test_qwen3_drops_earlier_think_blocks_so_it_is_not_prefix_preserving():
         chat.injected_ids(answered, [{"role": "user", "content": "And 408 + 1?"}])
     with pytest.raises(ChatTemplateError, match="when tool messages are added"):
         chat.injected_ids([USER, assistant_call()], [TOOL])
+    # No-thinking mode (the generation prompt closes an empty <think>): the first tool result breaks it.
+    quiet = ChatRenderer(chat.tokenizer, [SCHEMA], enable_thinking=False)
+    assert quiet.tokenizer.decode(quiet.prompt_ids([USER])).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert quiet.prefix_problem() == (
+        "The chat template is not prefix-preserving: when a tool message follows an assistant turn, "
+        "it drops the <think> blocks of earlier assistant turns."
+    )
 
 
 def test_mistral_moves_its_tool_list_to_the_last_user_message():

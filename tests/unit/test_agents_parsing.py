@@ -102,13 +102,11 @@ def test_mistral_list_and_named_forms():
     ]
 
 
-@pytest.mark.parametrize(
-    ("family", "parser"),
-    [("qwen2.5", HermesParser()), ("llama3.2", Llama3JsonParser()), ("mistral-nemo", MistralParser())],
-)
-def test_format_call_is_what_the_template_renders_and_parses_back(family, parser):
+@pytest.mark.parametrize("family", ["qwen2.5", "llama3.2", "mistral-nemo", "mistral-small-3.2"])
+def test_format_call_is_what_the_template_renders_and_parses_back(family):
     call = ToolCall(CALC, {"expression": "12 × 34"}, "abc123XYZ")
     tokenizer = family_tokenizer(family)
+    parser = detect_parser(tokenizer, family)
     message = {
         "role": "assistant",
         "content": "",
@@ -122,12 +120,13 @@ def test_format_call_is_what_the_template_renders_and_parses_back(family, parser
     assert parser.format_call(call) in rendered
     back = parser.parse(parser.format_call(call))
     assert back.calls == [call if parser.name == "mistral" else ToolCall(CALC, call.arguments)]
+    assert back.content == ""
 
 
 @pytest.mark.parametrize(
     ("family", "expected"),
     [("qwen2.5", "hermes"), ("qwen3", "hermes"), ("llama3.2", "llama3_json"), ("llama3.3", "llama3_json"),
-     ("mistral-nemo", "mistral")],
+     ("mistral-nemo", "mistral"), ("mistral-small-3.2", "mistral")],
 )  # fmt: skip
 def test_detect_parser_reads_the_template(family, expected):
     assert detect_parser(family_tokenizer(family), family).name == expected
@@ -152,3 +151,11 @@ def test_detect_parser_without_template_and_forced_choices():
         ConfigError, match=r"env\.tool_parser='xml' .*choose auto\|hermes\|llama3_json\|mistral"
     ):
         detect_parser(tokenizer, "my-org/base", choice="xml")
+
+
+def test_a_call_without_arguments_has_empty_arguments():
+    turn = HermesParser().parse(
+        '<tool_call>{"name": "clock"}</tool_call><tool_call>{"name": "clock", "arguments": null}</tool_call>'
+    )
+    assert turn.calls == [ToolCall("clock", {}), ToolCall("clock", {})]
+    assert turn.errors == []

@@ -11,6 +11,7 @@ from grpo.agents.parsing import (
     ToolCallParser,
     detect_parser,
 )
+from grpo.agents.tools import ToolBox, ToolResult, tool_schema
 
 __all__ = [
     "PARSERS",
@@ -20,7 +21,10 @@ __all__ = [
     "Llama3JsonParser",
     "MistralParser",
     "ParsedTurn",
+    "ToolBox",
     "ToolCall",
     "ToolCallParser",
+    "ToolResult",
     "detect_parser",
+    "tool_schema",
 ]

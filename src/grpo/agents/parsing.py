@@ -9,11 +9,11 @@ Three families cover the open tool-calling models:
 * ``mistral``: ``[TOOL_CALLS]`` followed by a JSON list of ``{"name", "arguments"}`` (Nemo and earlier), or
   ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`` (Mistral Small 3.2 and later).
 
-Decode the sampled ids with ``skip_special_tokens=False`` before parsing: ``[TOOL_CALLS]`` and
-``<|python_tag|>`` are special tokens, and the call cannot be told from prose without them. A malformed call
-is not an exception: it becomes one line in ``ParsedTurn.errors``, written for the model to read in the tool
-message, and the episode goes on. ``detect_parser`` picks the family from what the tokenizer's chat template
-declares.
+Parse the text of one sampled turn without its end-of-turn token, decoded with ``skip_special_tokens=False``:
+``[TOOL_CALLS]`` and ``<|python_tag|>`` are special tokens, and the call cannot be told from prose without
+them. A malformed call is not an exception: it becomes one line in ``ParsedTurn.errors``, written for the
+model to read in the tool message, and the episode goes on. ``detect_parser`` picks the family from what the
+tokenizer's chat template declares.
 """
 
 from __future__ import annotations
@@ -107,7 +107,9 @@ class _Turn:
             call_id = obj.get("id") if isinstance(obj.get("id"), str) else None
             # Hermes and Mistral write "arguments", Llama "parameters"; models mix them up: take either.
             key = "arguments" if "arguments" in obj else "parameters"
-            obj = obj.get(key, {})
+            obj = obj.get(key)
+        if obj is None:  # no arguments written, or null: a call without arguments
+            obj = {}
         if isinstance(obj, str):  # OpenAI-style arguments: a JSON object encoded as a string
             try:
                 obj = json.loads(obj)
@@ -245,7 +247,13 @@ class MistralParser:
             turn.add(obj)
         return end
 
+    def __init__(self, named_calls: bool = False) -> None:
+        self.named_calls = named_calls  # format_call writes the name[CALL_ID]id[ARGS] form (both are parsed)
+
     def format_call(self, call: ToolCall) -> str:
+        if self.named_calls:
+            call_id = f"[CALL_ID]{call.id}" if call.id is not None else ""
+            return f"{self._tag}{call.name}{call_id}[ARGS]{_dumps(call.arguments)}"
         obj: dict[str, Any] = {"name": call.name, "arguments": call.arguments}
         if call.id is not None:
             obj["id"] = call.id
@@ -302,4 +310,6 @@ def detect_parser(tokenizer: Any, model_name: str, choice: str = "auto") -> Tool
             f"{model_name}'s chat template declares no tool-call format grpo knows (<tool_call>, Llama 3 "
             f"JSON, [TOOL_CALLS]); set env.tool_parser={_CHOICES} to the format it was trained on."
         )
+    if found == MistralParser.name:
+        return MistralParser(named_calls="[ARGS]" in template)
     return PARSERS[found]()

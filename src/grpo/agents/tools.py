@@ -10,11 +10,13 @@ goes on; nothing here raises for what a model writes or a tool does.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +31,12 @@ from grpo.config.errors import ConfigError
 ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout")
 
 
+# Schemas by function, and by the function under a bound method: an environment's tools are the methods of a
+# fresh instance per episode, and get_json_schema parses the docstring and hints each time (0.15-0.3 ms a tool
+# here, so ~50 ms a step for 64 episodes with 3 tools; a cached copy takes 0.03 ms).
+_SCHEMAS = {True: weakref.WeakKeyDictionary(), False: weakref.WeakKeyDictionary()}
+
+
 def tool_schema(fn: Callable) -> dict:
     """The ``{"type": "function", "function": {...}}`` schema transformers writes for `fn`."""
     label = getattr(fn, "__qualname__", None) or repr(fn)
@@ -36,13 +44,22 @@ def tool_schema(fn: Callable) -> dict:
         raise ConfigError(
             f"tool {label} is not callable; give a function with typed arguments and a docstring."
         )
+    bound = inspect.ismethod(fn)
+    cache, key = _SCHEMAS[bound], fn.__func__ if bound else fn
     try:
-        return get_json_schema(fn)
-    except (DocstringParsingException, TypeHintParsingException) as err:
-        raise ConfigError(
-            f"tool {label} cannot be described to the model ({err}); give it a type hint for every argument "
-            "and a Google-style docstring with a summary line and an 'Args:' entry per argument."
-        ) from None
+        schema = cache.get(key)
+    except TypeError:  # not weak-referenceable (a builtin, a partial): described each time
+        schema, cache = None, {}
+    if schema is None:
+        try:
+            schema = get_json_schema(fn)
+        except (DocstringParsingException, TypeHintParsingException) as err:
+            raise ConfigError(
+                f"tool {label} cannot be described to the model ({err}); give it a type hint for every "
+                "argument and a Google-style docstring with a summary line and an 'Args:' entry per argument."
+            ) from None
+        cache[key] = schema
+    return copy.deepcopy(schema)  # callers may rename it
 
 
 @dataclass
@@ -130,7 +147,11 @@ class _Tool:
         self.required: list[str] = list(params.get("required", []))
 
     def signature(self) -> str:
-        args = ", ".join(f"{k}: {spec.get('type', 'any')}" for k, spec in self.properties.items())
+        def kind(spec: dict) -> str:
+            wanted = spec.get("type", "any")
+            return wanted if isinstance(wanted, str) else "|".join(wanted)
+
+        args = ", ".join(f"{k}: {kind(spec)}" for k, spec in self.properties.items())
         return f"{self.name}({args})"
 
     def argument_problem(self, arguments: dict) -> str | None:
@@ -148,10 +169,12 @@ class _Tool:
 def _slots(turn: ParsedTurn) -> list[ToolCall | str]:
     """The turn's call attempts in the order the model wrote them: calls, and the malformed ones' messages."""
     total = len(turn.calls) + len(turn.errors)
-    positions = turn.error_positions if len(turn.error_positions) == len(turn.errors) else []
-    positions = positions or list(range(len(turn.calls), total))
+    where = set(turn.error_positions)
+    if len(where) != len(turn.errors) or not where <= set(
+        range(total)
+    ):  # absent or inconsistent: errors last
+        where = set(range(len(turn.calls), total))
     errors, calls = iter(turn.errors), iter(turn.calls)
-    where = set(positions)
     return [next(errors) if k in where else next(calls) for k in range(total)]
 
 
@@ -223,9 +246,9 @@ class ToolBox:
         Every call of every episode runs concurrently, each in its own daemon thread. A thread cannot be
         killed: a call past `timeout_s` gets a "timeout" result at once and the batch goes on, while its
         thread runs on until the tool returns, and what it returns is dropped (a coroutine tool is cancelled
-        at the limit instead). So that a tool that never returns cannot pile up threads, at most `max_workers`
-        such abandoned threads may be alive in the process; past that, further calls are not started and get a
-        "timeout" result saying why. Daemon threads do not keep the process from exiting.
+        at the limit instead). So that a tool that never returns cannot pile up threads: while `max_workers`
+        such abandoned threads are alive in the process, further calls are not started and get a "timeout"
+        result saying why. Daemon threads do not keep the process from exiting.
 
         `episode_tools[i]`, if given, answers episode i's calls (e.g. the bound methods of episode i's
         environment instance); this box's limits apply to all.
@@ -282,11 +305,7 @@ class ToolBox:
             if not running:
                 break
             deadline = min(job.started for job in running.values()) + self.timeout_s
-            try:
-                job, value, ok, seconds = done.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                pass
-            else:
+            for job, value, ok, seconds in _answers(done, deadline):
                 if running.get(job.chain) is job:  # else a late answer from a call that already timed out
                     out.append((job.slot, self._finish(job.call, value, ok, seconds)))
                     del running[job.chain]
@@ -342,6 +361,18 @@ class ToolBox:
             f"{self.timeout_s:g} s limit."
         )
         return ToolResult(call, text, "timeout")
+
+
+def _answers(done: queue.SimpleQueue, deadline: float) -> list[tuple]:
+    """The answers that arrive by `deadline` (waiting for the first), with all others already there, so that a
+    call that finished in time is never counted as timed out for waiting behind another's answer."""
+    answers = []
+    try:
+        answers.append(done.get(timeout=max(0.0, deadline - time.monotonic())))
+        while True:
+            answers.append(done.get_nowait())
+    except queue.Empty:
+        return answers
 
 
 async def _awaited(awaitable: Any) -> Any:
