@@ -274,3 +274,30 @@ def test_single_turn_is_the_engines_own_generate():
         prompts,
         ("generated", prompts.prompt_token_ids, 3, 2),
     )
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_at_start_up():
+    from grpo.config import ConfigError, GRPOConfig
+    from grpo.rollout.episodes import build_episodes
+
+    qwen3 = family_tokenizer("qwen3")
+    cfg = GRPOConfig(model="Qwen/Qwen3-0.6B", tools=["tests.unit.test_episodes:calculator"])
+    with pytest.raises(ConfigError, match=r"Qwen3-0.6B is not prefix-preserving .*<think>"):
+        build_episodes(cfg, PromptFormatter(qwen3, DataConfig()))
+    qwen25 = build_episodes(cfg, PromptFormatter(family_tokenizer("qwen2.5"), DataConfig()))
+    assert qwen25.multi_turn and qwen25.parser.name == "hermes"
+
+
+def test_native_continue_rows_extends_each_row_as_given(tiny_model):
+    from grpo.rollout.native import NativeEngine
+    from tests.conftest import IdTokenizer
+
+    engine = NativeEngine(tiny_model, IdTokenizer())
+    rows = [[5, 6, 7], [9, 3]]
+    greedy = SamplingParams(max_new_tokens=5, greedy=True)
+    out = engine.continue_rows(rows, greedy)
+    assert out.group_ids.tolist() == [0, 1]
+    for r, ids in enumerate(rows):
+        alone = engine.generate([ids], 1, greedy)
+        n = int(alone.completion_mask.sum())
+        assert out.completion_ids[r, :n].tolist() == alone.completion_ids[0, :n].tolist()
