@@ -229,7 +229,7 @@ class MultiTurn:
                     "compares a group's episodes from one starting point: make reset deterministic for a "
                     "row, or put the variation in the dataset."
                 )
-            ids.append(self.renderer(self.factory.schemas(row)).prompt_ids(first))
+            ids.append(self._prompt_ids(first, row, prompts.indices[i] if prompts.indices else i))
             live += group
         prompts = dataclasses.replace(
             prompts,
@@ -237,6 +237,24 @@ class MultiTurn:
             prompt_token_ids=ids,
         )
         return prompts, live
+
+    def _prompt_ids(self, messages: list[dict], row: dict, index: int) -> list[int]:
+        ids = self.renderer(self.factory.schemas(row)).prompt_ids(messages)
+        limit = self.formatter.cfg.max_prompt_length
+        if len(ids) > limit:
+            from grpo.config import ConfigError
+
+            raise ConfigError(
+                f"Dataset row {index}'s prompt is {len(ids)} tokens with the tool descriptions the chat "
+                f"template adds, more than data.max_prompt_length = {limit}: raise data.max_prompt_length "
+                "(and keep prompt + env.max_tokens within the model's context)."
+            )
+        return ids
+
+    def check_prompts(self, rows: list[dict], sample: int = 64) -> None:
+        """At start-up: the first rows' prompts, rendered with their tools, fit data.max_prompt_length."""
+        for index, row in enumerate(rows[:sample]):
+            self._prompt_ids(self.formatter.messages(row["prompt"]), row, index)
 
     def _rollouts(self, live: list[_Live]) -> Rollouts:
         width = max(1, max(len(e.ids) for e in live))

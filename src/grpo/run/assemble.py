@@ -202,6 +202,12 @@ def _build_parts(
         tokenizer = load_tokenizer(cfg)
     else:
         tokenizer = prepare_tokenizer(tokenizer)
+    # Prompts and episodes are checked before any weights are read.
+    formatter = PromptFormatter(tokenizer, cfg.data)
+    formatter.check_lengths(train_rows)
+    episodes = build_episodes(cfg, formatter, tools=tools, environment=environment)
+    if episodes.multi_turn:
+        episodes.check_prompts(train_rows)
     policy = _policy(cfg, model, device, compute)
     ref = _reference(cfg, ref_model, model, policy, device, compute)
 
@@ -223,9 +229,6 @@ def _build_parts(
     if weights is not None and len(weights) != len(funcs):
         raise ConfigError(f"algorithm.reward_weights has {len(weights)} entries for {len(funcs)} rewards.")
 
-    formatter = PromptFormatter(tokenizer, cfg.data)
-    formatter.check_lengths(train_rows)
-    episodes = build_episodes(cfg, formatter, tools=tools, environment=environment)
     if episodes.multi_turn and episodes.factory.gives_rewards:
         funcs.append(env_reward)
         if weights is not None:
