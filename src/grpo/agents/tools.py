@@ -166,7 +166,7 @@ class _Tool:
         return None
 
 
-def _slots(turn: ParsedTurn) -> list[ToolCall | str]:
+def call_slots(turn: ParsedTurn) -> list[ToolCall | str]:
     """The turn's call attempts in the order the model wrote them: calls, and the malformed ones' messages."""
     total = len(turn.calls) + len(turn.errors)
     where = set(turn.error_positions)
@@ -261,7 +261,7 @@ class ToolBox:
         results: list[list[ToolResult | None]] = []
         chains: list[deque[_Job]] = []
         for i, (turn, box) in enumerate(zip(batch, boxes, strict=True)):
-            slots = _slots(turn)
+            slots = call_slots(turn)
             results.append([None] * len(slots))
             jobs: list[_Job] = []
             for j, item in enumerate(slots):
