@@ -348,6 +348,9 @@ class ToolBox:
         if ok:
             content, truncated = _truncate(value, self.max_chars)
             return ToolResult(call, content, None, truncated, seconds)
+        if isinstance(value, TimeoutError) and seconds >= self.timeout_s:
+            # A coroutine cancelled at the limit, whose answer came in before the sweep marked it.
+            return self._timed_out(call, seconds)
         message, _ = _truncate(f"{call.name} raised {type(value).__name__}: {value}", self.max_chars)
         return ToolResult(call, message, "raised", seconds=seconds)
 
