@@ -140,7 +140,7 @@ def test_bundled_model_template_without_tools():
     assert tokenizer.decode(injected) == "\n<|user|>\n12+34\n<|assistant|>\n"
     # It has no tool role: with tools in play the probe says so instead of failing later.
     assert ChatRenderer(tokenizer, [SCHEMA]).prefix_problem() == (
-        "the chat template cannot render a multi-turn conversation (TemplateError: unknown role: tool)."
+        "the chat template cannot render user/assistant/tool messages (TemplateError: unknown role: tool)."
     )
 
 

@@ -159,3 +159,14 @@ def test_a_call_without_arguments_has_empty_arguments():
     )
     assert turn.calls == [ToolCall("clock", {}), ToolCall("clock", {})]
     assert turn.errors == []
+
+
+def test_detect_parser_refuses_qwen3_coder_xml_calls():
+    tokenizer = bundled_tokenizer()
+    # Qwen3-Coder's template lines that write a call (vLLM examples/tool_chat_template_qwen3coder.jinja).
+    tokenizer.chat_template = (
+        "{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}\n"
+        "{{- '<parameter=' + args_name + '>\\n' }}\n"
+    )
+    with pytest.raises(ConfigError, match=r"^qwen3-coder's chat template declares XML tool calls"):
+        detect_parser(tokenizer, "qwen3-coder")

@@ -276,6 +276,17 @@ def test_async_tools_run_and_are_cancelled_at_the_limit():
     assert tools_module._still_abandoned() == 0
 
 
+def test_a_coroutine_cancelled_at_the_limit_reads_as_a_timeout_even_if_its_answer_comes_first():
+    box = ToolBox([async_nap], timeout_s=0.5)
+    call = ToolCall("async_nap", {"seconds": 30})
+    # The order a loaded machine can give: the thread's TimeoutError arrives before the scheduler's sweep.
+    assert box._finish(call, TimeoutError(), False, 0.55).error == "timeout"
+    # A tool's own TimeoutError inside the limit is what it raised.
+    assert box._finish(call, TimeoutError("upstream"), False, 0.1).content == (
+        "async_nap raised TimeoutError: upstream"
+    )
+
+
 class Counter:
     """A stateful environment: each episode has its own instance; its methods are the tools."""
 

@@ -1,6 +1,7 @@
 """Agents: the pure parts of multi-turn tool-calling episodes (parsing calls, running tools, exact ids)."""
 
 from grpo.agents.chat import ChatRenderer, ChatTemplateError
+from grpo.agents.messages import assistant_message, call_id, tool_messages
 from grpo.agents.parsing import (
     PARSERS,
     HermesParser,
@@ -11,9 +12,10 @@ from grpo.agents.parsing import (
     ToolCallParser,
     detect_parser,
 )
-from grpo.agents.tools import ToolBox, ToolResult, tool_schema
+from grpo.agents.tools import ERROR_KINDS, ToolBox, ToolResult, tool_schema
 
 __all__ = [
+    "ERROR_KINDS",
     "PARSERS",
     "ChatRenderer",
     "ChatTemplateError",
@@ -25,6 +27,9 @@ __all__ = [
     "ToolCall",
     "ToolCallParser",
     "ToolResult",
+    "assistant_message",
+    "call_id",
     "detect_parser",
+    "tool_messages",
     "tool_schema",
 ]

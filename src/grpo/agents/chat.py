@@ -58,13 +58,19 @@ class ChatRenderer:
         self.end_of_turn, self.turn_tail = self._end_of_turn()
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages,
-            tools=self.tools,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **self.template_kwargs,
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=self.tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs,
+            )
+        except Exception as err:  # templates raise anything: jinja errors, KeyError, ...
+            roles = "/".join(dict.fromkeys(str(m.get("role")) for m in messages))
+            raise ChatTemplateError(
+                f"the chat template cannot render {roles} messages ({type(err).__name__}: {err})."
+            ) from err
 
     def encode(self, text: str) -> list[int]:
         # The rendered text already holds the template's special tokens (bos included): add none.
@@ -100,13 +106,7 @@ class ChatRenderer:
     def _end_of_turn(self) -> tuple[str, str]:
         """The end-of-turn token the template writes after an assistant message, and the text after it."""
         probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": _PROBE_TEXT}]
-        try:
-            text = self.render(probe, add_generation_prompt=False)
-        except Exception as err:  # noqa: BLE001 - a template that cannot render this is the user's to fix
-            raise ChatTemplateError(
-                f"the chat template cannot render a user message and an assistant reply "
-                f"({type(err).__name__}: {err}); give the tokenizer a chat template for conversations."
-            ) from None
+        text = self.render(probe, add_generation_prompt=False)
         if _PROBE_TEXT not in text:
             raise ChatTemplateError("the chat template does not render an assistant message's content.")
         after = text[text.rindex(_PROBE_TEXT) + len(_PROBE_TEXT) :]
@@ -138,9 +138,8 @@ class ChatRenderer:
                 if thinking and self._thinking_disabled(messages[:1]):
                     continue  # the generation prompt closes an empty <think> block: the policy writes none
                 problem = self._first_break(messages)
-            except Exception as err:  # noqa: BLE001 - any template failure is the answer, in words
-                kind = type(err).__name__
-                return f"the chat template cannot render a multi-turn conversation ({kind}: {err})."
+            except ChatTemplateError as err:
+                return str(err)
             if problem:
                 return problem
         return None

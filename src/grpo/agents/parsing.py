@@ -274,7 +274,8 @@ def declared_format(template: str) -> str | None:
     if "[TOOL_CALLS]" in template:
         return MistralParser.name
     if "<tool_call>" in template:
-        return HermesParser.name
+        # Qwen3-Coder wraps XML (<function=name><parameter=p>...) in <tool_call>, not JSON: not hermes.
+        return None if "<function=" in template else HermesParser.name
     llama_marker = "<|python_tag|>" in template or "ipython" in template
     if llama_marker and ('"parameters"' in template or "JSON for a function call" in template):
         return Llama3JsonParser.name
@@ -305,6 +306,12 @@ def detect_parser(tokenizer: Any, model_name: str, choice: str = "auto") -> Tool
             f"set env.tool_parser={_CHOICES} to the format it was trained on."
         )
     found = declared_format(template)
+    if found is None and "<function=" in template:
+        raise ConfigError(
+            f"{model_name}'s chat template declares XML tool calls (<tool_call><function=...>, Qwen3-Coder's "
+            f"format), which grpo does not parse; set env.tool_parser={_CHOICES} only if it writes one of "
+            "those."
+        )
     if found is None:
         raise ConfigError(
             f"{model_name}'s chat template declares no tool-call format grpo knows (<tool_call>, Llama 3 "

@@ -166,7 +166,7 @@ class _Tool:
         return None
 
 
-def _slots(turn: ParsedTurn) -> list[ToolCall | str]:
+def call_slots(turn: ParsedTurn) -> list[ToolCall | str]:
     """The turn's call attempts in the order the model wrote them: calls, and the malformed ones' messages."""
     total = len(turn.calls) + len(turn.errors)
     where = set(turn.error_positions)
@@ -261,7 +261,7 @@ class ToolBox:
         results: list[list[ToolResult | None]] = []
         chains: list[deque[_Job]] = []
         for i, (turn, box) in enumerate(zip(batch, boxes, strict=True)):
-            slots = _slots(turn)
+            slots = call_slots(turn)
             results.append([None] * len(slots))
             jobs: list[_Job] = []
             for j, item in enumerate(slots):
@@ -348,6 +348,9 @@ class ToolBox:
         if ok:
             content, truncated = _truncate(value, self.max_chars)
             return ToolResult(call, content, None, truncated, seconds)
+        if isinstance(value, TimeoutError) and seconds >= self.timeout_s:
+            # A coroutine cancelled at the limit, whose answer came in before the sweep marked it.
+            return self._timed_out(call, seconds)
         message, _ = _truncate(f"{call.name} raised {type(value).__name__}: {value}", self.max_chars)
         return ToolResult(call, message, "raised", seconds=seconds)
 
