@@ -101,7 +101,8 @@ class Episode:
     tool_calls: int = 0
     tool_errors: dict[str, int] = field(default_factory=dict)  # error kind → count
     # why it ended: "answer" (a turn without a tool call), "done" (the environment said so), or a cap:
-    # "max_turns", "max_tokens", "turn_length" (a turn hit the per-turn token limit)
+    # "max_turns", "max_tokens", "turn_length" (a turn hit the per-turn token limit); "template" (the chat
+    # template cannot render the next turn, e.g. Llama 3's on two calls in one turn)
     ended_by: str = "answer"
     environment: Any = None  # the environment instance (TRL reward functions receive it as `environments`)
 

@@ -38,9 +38,9 @@ class ScriptedEngine:
     """Each turn's text is `script(conversation so far as text)`; it samples that text then the eos token
     (or stops at max_new_tokens, truncated). Log-prob of every sampled token: -0.25."""
 
-    def __init__(self, tokenizer, script):
+    def __init__(self, tokenizer, script, eos: str = "<|im_end|>"):
         self.tokenizer, self.script = tokenizer, script
-        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.eos = tokenizer.convert_tokens_to_ids(eos)
         self.calls: list[int] = []  # rows per continue_rows call
 
     def continue_rows(self, rows, sampling):
@@ -64,12 +64,13 @@ class ScriptedEngine:
         )
 
 
-def runner(tokenizer, tools=None, environment=None, max_turns=4, max_tokens=2000, turn_tokens=200, **kw):
+def runner(
+    tokenizer, tools=None, environment=None, max_turns=4, max_tokens=2000, turn_tokens=200, parser=None, **kw
+):
     factory = EnvironmentFactory(tools, environment)
-    formatter = PromptFormatter(tokenizer, DataConfig())
-    return MultiTurn(
-        factory, formatter, HermesParser(), EpisodeLimits(max_turns, max_tokens, turn_tokens), **kw
-    )
+    formatter = PromptFormatter(tokenizer, DataConfig(max_prompt_length=4096))
+    limits = EpisodeLimits(max_turns, max_tokens, turn_tokens)
+    return MultiTurn(factory, formatter, parser or HermesParser(), limits, **kw)
 
 
 def batch(questions: list[str], **columns) -> PromptBatch:
@@ -282,7 +283,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_at_start_up():
 
     qwen3 = family_tokenizer("qwen3")
     cfg = GRPOConfig(model="Qwen/Qwen3-0.6B", tools=["tests.unit.test_episodes:calculator"])
-    with pytest.raises(ConfigError, match=r"Qwen3-0.6B is not prefix-preserving .*<think>"):
+    with pytest.raises(ConfigError, match=r"Qwen3-0.6B: .*not prefix-preserving.*<think>"):
         build_episodes(cfg, PromptFormatter(qwen3, DataConfig()))
     qwen25 = build_episodes(cfg, PromptFormatter(family_tokenizer("qwen2.5"), DataConfig()))
     assert qwen25.multi_turn and qwen25.parser.name == "hermes"
@@ -301,3 +302,35 @@ def test_native_continue_rows_extends_each_row_as_given(tiny_model):
         alone = engine.generate([ids], 1, greedy)
         n = int(alone.completion_mask.sum())
         assert out.completion_ids[r, :n].tolist() == alone.completion_ids[0, :n].tolist()
+
+
+@pytest.mark.parametrize("family", ["mistral-nemo", "llama3.2", "qwen2.5"])
+def test_each_familys_calls_are_parsed_from_the_tokens_as_sampled(family):
+    """Mistral marks calls with a special token ([TOOL_CALLS]): decoding must keep special tokens."""
+    from grpo.agents import PARSERS, ToolCall, detect_parser
+
+    tokenizer = family_tokenizer(family)
+    parser = detect_parser(tokenizer, family)
+    end = ChatRenderer(tokenizer, [], date_string="26 Jul 2024").end_of_turn
+    call = parser.format_call(ToolCall("calculator", {"expression": "12*34"}))
+    script = lambda text: call if text.count("408") < 1 else "It is 408."  # noqa: E731
+    run = runner(tokenizer, tools=[calculator], parser=parser)
+    run.template_kwargs = {"date_string": "26 Jul 2024"}
+    _, r = run.run(ScriptedEngine(tokenizer, script, eos=end), batch(["What is 12 * 34?"]), 1, SAMPLING)
+    episode = r.episodes[0]
+    assert episode.tool_calls == 1 and episode.tool_errors == {}, (family, episode.messages)
+    assert [m["role"] for m in episode.messages] == ["assistant", "tool", "assistant"]
+    assert episode.ended_by == "answer" and parser.name in PARSERS
+
+
+def test_a_turn_the_template_cannot_render_ends_its_episode_not_the_run():
+    """Llama 3's template takes one call per assistant turn; two end the episode (ended_by template)."""
+    from grpo.agents import ToolCall, detect_parser
+
+    tokenizer = family_tokenizer("llama3.2")
+    parser = detect_parser(tokenizer, "llama3.2")
+    two = "; ".join(parser.format_call(ToolCall("calculator", {"expression": e})) for e in ("1+1", "2+2"))
+    run = runner(tokenizer, tools=[calculator], parser=parser)
+    run.template_kwargs = {"date_string": "26 Jul 2024"}
+    _, r = run.run(ScriptedEngine(tokenizer, lambda t: two, eos="<|eot_id|>"), batch(["q"]), 1, SAMPLING)
+    assert r.episodes[0].ended_by == "template" and r.episodes[0].turns == 1

@@ -25,8 +25,9 @@ import torch
 
 from grpo.agents.chat import ChatRenderer
 from grpo.agents.environments import EnvironmentFactory, StepEnvironment
+from grpo.agents.messages import assistant_message, tool_messages
 from grpo.agents.parsing import ParsedTurn, ToolCallParser
-from grpo.agents.tools import ToolBox, ToolResult
+from grpo.agents.tools import ToolBox
 from grpo.records import Episode, PromptBatch, Rollouts, SamplingParams
 
 log = logging.getLogger("grpo")
@@ -108,7 +109,8 @@ class MultiTurn:
             in_episode_order=bool(factory.factories),
         )
         self.template_kwargs = dict(formatter.cfg.chat_template_kwargs or {})
-        self.eos_ids = _eos_ids(self.tokenizer)
+        self.special_ids = set(self.tokenizer.all_special_ids)
+        self._said_template = False
         self._renderers: dict[str, ChatRenderer] = {}
 
     def renderer(self, schemas: list[dict]) -> ChatRenderer:
@@ -155,8 +157,8 @@ class MultiTurn:
         """Every waiting episode's calls at once; each episode gets its results as tool messages."""
         boxes = [e.toolbox or self.toolbox for e, _ in waiting]
         results = self.toolbox.run([p for _, p in waiting], episode_tools=boxes)
-        for (e, _), res in zip(waiting, results, strict=True):
-            self._inject(e, [_tool_message(x) for x in res])
+        for (e, parsed), res in zip(waiting, results, strict=True):
+            self._inject(e, tool_messages(parsed, res, e.episode.turns))
             e.episode.tool_calls += sum(x.call is not None for x in res)
             for x in res:
                 if x.error:
@@ -169,8 +171,11 @@ class MultiTurn:
         new = out.completion_ids[r, :cut].tolist()
         e.add(new, out.sampling_logprobs[r, :cut].tolist())
         e.episode.turns = turn
-        parsed = self.parser.parse(self.tokenizer.decode(new, skip_special_tokens=True))
-        e.messages.append(_assistant_message(parsed))
+        # Special tokens stay: some formats mark calls with them (Mistral's [TOOL_CALLS]); the end-of-turn
+        # token is not content.
+        body = new[:-1] if new and new[-1] in self.special_ids else new
+        parsed = self.parser.parse(self.tokenizer.decode(body, skip_special_tokens=False))
+        e.messages.append(assistant_message(parsed, turn))
         if cut < length or (bool(out.truncated[r]) and cut >= budget):
             e.end("max_tokens")
         elif bool(out.truncated[r]):
@@ -196,11 +201,21 @@ class MultiTurn:
     def _inject(self, e: _Live, messages: list[dict]) -> None:
         """Append the tokens of injected messages (loss_mask 0), ending the episode if they do not fit."""
         history = e.messages
+        renderer = self.renderer(self.factory.schemas(e.row))
         ids = []
-        if e.ids and e.ids[-1] not in self.eos_ids and self.eos_ids:
+        end = self.tokenizer.convert_tokens_to_ids(renderer.end_of_turn)
+        if e.ids and e.ids[-1] != end:
             # The turn stopped on a stop string: the template closes it with the end-of-turn token.
-            ids.append(self.eos_ids[0])
-        ids += self.renderer(self.factory.schemas(e.row)).injected_ids(history, messages)
+            ids.append(end)
+        try:
+            ids += renderer.injected_ids(history, messages)
+        except Exception as err:  # noqa: BLE001 - a template that cannot render this turn ends the episode
+            # e.g. Llama 3's template takes one tool call per assistant turn and raises on two.
+            if not self._said_template:
+                self._said_template = True
+                log.warning("An episode ended: the chat template cannot render its next turn (%s).", err)
+            e.end("template")
+            return
         if len(e.ids) + len(ids) > self.limits.max_tokens:
             e.end("max_tokens")
             return
@@ -252,7 +267,12 @@ class MultiTurn:
         return ids
 
     def check_prompts(self, rows: list[dict], sample: int = 64) -> None:
-        """At start-up: the first rows' prompts, rendered with their tools, fit data.max_prompt_length."""
+        """At start-up: the template keeps earlier turns with a real prompt's opening (a system message
+        changes some templates), and the first rows' prompts with their tools fit data.max_prompt_length."""
+        if rows:
+            opening = self.formatter.messages(rows[0]["prompt"])
+            renderer = self.renderer(self.factory.schemas(rows[0]))
+            refuse_rewriting_template(renderer, self.formatter.tokenizer.name_or_path, opening)
         for index, row in enumerate(rows[:sample]):
             self._prompt_ids(self.formatter.messages(row["prompt"]), row, index)
 
@@ -280,31 +300,6 @@ class MultiTurn:
         )
 
 
-def _assistant_message(parsed: ParsedTurn) -> dict:
-    message: dict = {"role": "assistant", "content": parsed.content}
-    if parsed.calls:
-        message["tool_calls"] = [
-            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            | ({"id": c.id} if c.id else {})
-            for c in parsed.calls
-        ]
-    return message
-
-
-def _tool_message(result: ToolResult) -> dict:
-    message = {"role": "tool", "content": result.content}
-    if result.call is not None:
-        message["name"] = result.call.name
-        if result.call.id:
-            message["tool_call_id"] = result.call.id
-    return message
-
-
-def _eos_ids(tokenizer) -> list[int]:
-    eos = tokenizer.eos_token_id
-    return [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [int(eos)]
-
-
 def answer_texts(rollouts: Rollouts, tokenizer) -> list[str]:
     """What an evaluation scores: the last assistant message of each episode (a tool's output is never
     an answer), or the decoded completion of a single turn."""
@@ -316,13 +311,25 @@ def answer_texts(rollouts: Rollouts, tokenizer) -> list[str]:
     ]
 
 
+def refuse_rewriting_template(renderer: ChatRenderer, name: str, opening: list[dict] | None = None) -> None:
+    from grpo.config import ConfigError
+
+    problem = renderer.prefix_problem(opening)
+    if problem is not None:
+        raise ConfigError(
+            f"{name}: {problem} Training on its episodes would score tokens the model never saw. Give the "
+            "tokenizer a chat template that renders earlier turns as they were sampled "
+            "(tokenizer.chat_template = ...; for Qwen3, one that keeps every assistant turn's <think> "
+            "block), then start again."
+        )
+
+
 def build_episodes(cfg, formatter, tools=None, environment=None) -> EpisodeRunner:
     """One turn, or multi-turn episodes when tools or an environment are given (objects from
     GRPOTrainer(tools=, environment_factory=), else env.tools / env.environment import paths). Refuses at
     start-up a model whose tool-call format is unknown or whose chat template rewrites earlier turns."""
     from grpo.agents.environments import build_factory
     from grpo.agents.parsing import detect_parser
-    from grpo.config import ConfigError
 
     factory = build_factory(tools or cfg.env.tools, environment or cfg.env.environment)
     if factory is None:
@@ -330,13 +337,8 @@ def build_episodes(cfg, formatter, tools=None, environment=None) -> EpisodeRunne
     name = cfg.model.name_or_path
     parser = detect_parser(formatter.tokenizer, name, cfg.env.tool_parser)
     schemas = factory.fixed_schemas or next(iter(factory._schemas.values()), [])
-    problem = ChatRenderer(formatter.tokenizer, schemas or None).prefix_problem()
-    if problem is not None:
-        raise ConfigError(
-            f"The chat template of {name} is not prefix-preserving across turns ({problem}): training on "
-            "its episodes would score tokens the model never saw. Give the tokenizer a template that renders "
-            "earlier turns as they were sampled (tokenizer.chat_template = ...), then start again."
-        )
+    kwargs = dict(cfg.data.chat_template_kwargs or {})
+    refuse_rewriting_template(ChatRenderer(formatter.tokenizer, schemas or None, **kwargs), name)
     limits = EpisodeLimits(cfg.env.max_turns, cfg.episode_max_tokens, cfg.effective_max_new_tokens)
     log.info(
         "Episodes: up to %d turns and %d tokens each; tools %s; tool calls parsed as %s.",

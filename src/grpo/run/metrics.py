@@ -334,7 +334,7 @@ def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
 
 
 TOOL_ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout")
-EPISODE_ENDINGS = ("answer", "done", "max_turns", "max_tokens", "turn_length")
+EPISODE_ENDINGS = ("answer", "done", "max_turns", "max_tokens", "turn_length", "template")
 
 
 def episode_metrics(rollouts: Rollouts) -> dict[str, float]:
