@@ -105,6 +105,7 @@ class Episode:
     # template cannot render the next turn, e.g. Llama 3's on two calls in one turn)
     ended_by: str = "answer"
     environment: Any = None  # the environment instance (TRL reward functions receive it as `environments`)
+    env_class: str | None = None  # its class name (which environment reward function scores it)
 
     @property
     def truncated(self) -> bool:

@@ -131,6 +131,7 @@ def reward_inputs(prompts: PromptBatch, rollouts: Rollouts, texts: list[str]) ->
         extra = {
             "env_reward": [e.env_reward for e in rollouts.episodes],
             "environments": [e.environment for e in rollouts.episodes],
+            "env_class": [e.env_class for e in rollouts.episodes],
         }
     else:
         completions = [

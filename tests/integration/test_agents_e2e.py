@@ -116,7 +116,7 @@ def test_a_step_environment_trains_on_whole_episodes(tmp_path):
     assert moved and all(torch.isfinite(torch.tensor(m["loss"])) for m in lines)
     assert summary["episode/turns"] == 2.0  # every episode: sample, "Go on.", sample, done
     assert summary["episode/injected_tokens"] > 0 and summary["episode/sampled_tokens"] > 0
-    assert "reward/env_reward" in summary and "reward/length_reward" in summary
+    assert "reward/Echo" in summary and "reward/length_reward" in summary
     roles = [m["role"] for m in samples[0]["messages"]]
     assert roles == ["assistant", "user", "assistant"] and samples[0]["turns"] == 2
 

@@ -192,9 +192,15 @@ def test_tools_of_all_episodes_run_at_once(qwen):
 
 
 class Counter:
-    """TRL's environment_factory form: reset(**row), public methods are tools, reward() scores."""
+    """TRL's environment_factory form: reset(**row), public methods are tools, get_reward() scores."""
+
+    made = 0
+
+    def __init__(self):
+        Counter.made += 1
 
     def reset(self, **row):
+        assert row["prompt"] == "Count."  # TRL passes the whole row, prompt included
         self.target, self.total = int(row["target"]), 0
         return f" Reach {self.target}."
 
@@ -207,7 +213,7 @@ class Counter:
         self.total += amount
         return str(self.total)
 
-    def reward(self) -> float:
+    def get_reward(self) -> float:
         return 1.0 if self.total == self.target else 0.0
 
 
@@ -221,6 +227,13 @@ def test_a_trl_environment_class_runs_unchanged(qwen):
     assert [e.env_reward for e in r.episodes] == [1.0, 1.0, 0.0, 0.0]
     assert all(isinstance(e.environment, Counter) for e in r.episodes)
     assert len({id(e.environment) for e in r.episodes}) == 4  # one instance per episode
+    # TRL 1.16: construct once, reset often; the next step reuses the 4 instances.
+    run = runner(qwen, environment=Counter)
+    run.run(ScriptedEngine(qwen, script), batch(["Count.", "Count."], target=[5, 7]), 2, SAMPLING)
+    made = Counter.made
+    _, again = run.run(ScriptedEngine(qwen, script), batch(["Count.", "Count."], target=[7, 5]), 2, SAMPLING)
+    assert Counter.made == made and [e.env_reward for e in again.episodes] == [0.0, 0.0, 1.0, 1.0]
+    assert [f.__name__ for f in run.factory.reward_functions()] == ["Counter"]
 
 
 class Guess:

@@ -2,18 +2,21 @@
 
     tools=[fn, ...]                  ToolEnvironment: stateless tools; a turn without a tool call ends it
     environment_factory=Cls (TRL)    TRLEnvironment: `reset(**row)` may return text appended to the prompt;
-                                     its public methods are the tools; an optional `reward()` scores it
+                                     its public methods are the tools; an optional `get_reward()` scores it
     {name: Cls, ...} (TRL)           the same, one class per row, chosen by the row's `environment` column
     reset(row) / step(messages)      StepEnvironment: `reset` gives the conversation to start from, `step`
                                      gets the conversation after each assistant turn and answers
                                      (new messages, reward, done)
 
-The episode runner (rollout/episodes.py) makes one environment per episode with `EnvironmentFactory.make`
+The episode runner (rollout/episodes.py) gets one environment per episode from `EnvironmentFactory.make`
 and drives it; tool calls themselves run in agents/tools.py, concurrently for all episodes of a step.
+As in TRL 1.16, instances are made once and reset for every episode ("construct once, reset often"): the
+k-th episode of a step reuses the k-th instance of its class.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 from collections.abc import Callable
@@ -30,12 +33,11 @@ __all__ = [
     "TRLEnvironment",
     "ToolEnvironment",
     "build_factory",
-    "env_reward",
     "load_object",
 ]
 
-# TRL: every public method of an environment class is a tool, except these.
-_NOT_TOOLS = {"reset", "reward", "close"}
+# TRL 1.16: every public method of an environment class is a tool, except these two.
+_NOT_TOOLS = {"reset", "get_reward"}
 
 
 @dataclass
@@ -64,7 +66,8 @@ class ToolEnvironment:
 
 @dataclass
 class TRLEnvironment:
-    """A TRL `environment_factory` instance: `reset(**row)`, public methods as tools, optional `reward()`."""
+    """A TRL `environment_factory` instance: `reset(**row)`, public methods as tools, optional
+    `get_reward()` (sync or async)."""
 
     instance: Any
     tools: dict[str, Callable] = field(default_factory=dict)
@@ -74,8 +77,7 @@ class TRLEnvironment:
         self.tools = {name: getattr(self.instance, name) for name in tool_method_names(type(self.instance))}
 
     def start(self, messages: list[dict], row: dict) -> list[dict]:
-        reset = getattr(self.instance, "reset", None)
-        observation = reset(**row) if callable(reset) else None
+        observation = self.instance.reset(**row)
         if observation is None or observation == "":
             return messages
         if not isinstance(observation, str):
@@ -88,8 +90,13 @@ class TRLEnvironment:
         return messages
 
     def reward(self) -> float | None:
-        method = getattr(self.instance, "reward", None)
-        return None if not callable(method) else _as_reward(method(), type(self.instance).__name__)
+        method = getattr(self.instance, "get_reward", None)
+        if not callable(method):
+            return None
+        value = method()
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
+        return _as_reward(value, f"{type(self.instance).__name__}.get_reward()")
 
 
 @dataclass
@@ -139,6 +146,10 @@ class StepEnvironment:
         return self.total
 
 
+async def _awaited(value):
+    return await value
+
+
 def _as_reward(value, where: str) -> float | None:
     if value is None:
         return None
@@ -152,7 +163,7 @@ def _as_reward(value, where: str) -> float | None:
 
 
 def tool_method_names(cls: type) -> list[str]:
-    """TRL's rule: public methods (not `_`-prefixed), except reset (and reward/close, which score and end)."""
+    """TRL's rule: public methods (not `_`-prefixed), except reset and get_reward."""
     return [
         name
         for name, member in inspect.getmembers(cls, inspect.isfunction)
@@ -179,6 +190,7 @@ class EnvironmentFactory:
             dict(factory) if isinstance(factory, dict) else {None: factory} if factory is not None else {}
         )
         self._schemas: dict[str | None, list[dict]] = {}
+        self._pool: dict[str | None, list] = {}  # instances by class key, reused step after step
         for name, cls in self.factories.items():
             if not callable(cls):
                 raise ConfigError(f"environment_factory{_where(name)} is not a class or callable: {cls!r}.")
@@ -211,15 +223,26 @@ class EnvironmentFactory:
 
     @property
     def gives_rewards(self) -> bool:
-        """An environment class that scores episodes itself (step rewards, or a reward() method)."""
-        return any(
-            inspect.isclass(c) and (is_step_environment(c) or callable(getattr(c, "reward", None)))
-            for c in self.factories.values()
-        )
+        """An environment class that scores episodes itself (step rewards, or a get_reward() method)."""
+        return bool(self.reward_functions())
+
+    def reward_functions(self) -> list:
+        """One reward function per environment class that scores its episodes, named after the class (as TRL
+        logs it): the episode's environment reward where the episode ran in that class, else None."""
+        classes = {c.__name__: c for c in self.factories.values() if inspect.isclass(c)}
+        return [
+            _class_reward(name)
+            for name, c in classes.items()
+            if is_step_environment(c) or callable(getattr(c, "get_reward", None))
+        ]
 
     @property
     def multi_factory(self) -> bool:
         return len(self.factories) > 1 or (self.factories and None not in self.factories)
+
+    def reset_row(self, row: dict) -> dict:
+        """What reset receives: the dataset row (prompt included), without the routing column (TRL)."""
+        return {k: v for k, v in row.items() if k != "environment"} if self.multi_factory else dict(row)
 
     def _key(self, row: dict) -> str | None:
         if not self.multi_factory:
@@ -237,11 +260,22 @@ class EnvironmentFactory:
             return self.fixed_schemas
         return self.fixed_schemas + self._schemas[self._key(row)]
 
-    def make(self, row: dict):
+    def make(self, row: dict, slot: int = 0):
+        """The environment for an episode: instance `slot` of the row's class, made the first time it is
+        asked for and reused after (reset by the episode runner)."""
         fixed = self.fixed_tools
         if not self.factories:
             return ToolEnvironment(dict(fixed))
-        instance = self.factories[self._key(row)]()
+        key = self._key(row)
+        pool = self._pool.setdefault(key, [])
+        while len(pool) <= slot:
+            pool.append(self.factories[key]())
+            if not callable(getattr(pool[-1], "reset", None)):
+                raise ConfigError(
+                    f"{type(pool[-1]).__name__}{_where(key)} has no reset method: an environment must define "
+                    "reset (TRL's reset(**row), or reset(row) with step(messages))."
+                )
+        instance = pool[slot]
         if is_step_environment(type(instance)):
             return StepEnvironment(instance)
         env = TRLEnvironment(instance)
@@ -283,8 +317,13 @@ def build_factory(tools=None, environment=None) -> EnvironmentFactory | None:
     return EnvironmentFactory(tools, environment)
 
 
-def env_reward(prompts, completions, env_reward=None, **kwargs) -> list[float | None]:
-    """The environment's own reward for each episode (its step rewards summed, or its reward() method),
-    as one more reward function beside the user's, weighted by env.reward_weight."""
-    del prompts, kwargs
-    return list(env_reward) if env_reward is not None else [None] * len(completions)
+def _class_reward(class_name: str):
+    def reward(prompts, completions, env_reward=None, env_class=None, **kwargs) -> list[float | None]:
+        del prompts, kwargs
+        if env_reward is None or env_class is None:
+            return [None] * len(completions)
+        return [r if c == class_name else None for r, c in zip(env_reward, env_class, strict=True)]
+
+    reward.__name__ = reward.__qualname__ = class_name
+    reward.__doc__ = f"{class_name}'s own reward for its episodes (step rewards summed, or get_reward())."
+    return reward

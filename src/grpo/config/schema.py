@@ -525,9 +525,9 @@ class EnvConfig:
     )
     environment: str | None = _f(
         None,
-        "An environment class as package.module:Class: TRL's form (reset(**row), public methods are tools, "
-        "optional reward()) or the step form (reset(row) -> messages, step(messages) -> (messages, reward, "
-        "done)); one instance per episode.",
+        "An environment class as package.module:Class: TRL's form (reset(**row), public methods are "
+        "tools, optional get_reward()) or the step form (reset(row) -> messages, step(messages) -> "
+        "(messages, reward, done)); one instance per episode.",
     )
     max_turns: int = _f(4, "Assistant turns per episode; an episode still calling tools then ends truncated.")
     max_tokens: int | None = _f(
@@ -547,7 +547,8 @@ class EnvConfig:
         "(<tool_call> JSON: Qwen, Hermes), llama3_json or mistral.",
     )
     reward_weight: float = _f(
-        1.0, "Weight of the environment's own reward (step rewards or reward()) beside the reward functions."
+        1.0,
+        "Weight of the environment's own reward (step rewards or get_reward()) beside the reward functions.",
     )
 
 

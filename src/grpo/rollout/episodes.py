@@ -151,6 +151,9 @@ class MultiTurn:
             e.episode.messages = e.messages[e.prompt_messages :]
             e.episode.env_reward = e.env.reward()
             e.episode.environment = getattr(e.env, "instance", None)
+            e.episode.env_class = (
+                None if e.episode.environment is None else type(e.episode.environment).__name__
+            )
         return prompts, self._rollouts(live)
 
     def _run_tools(self, waiting: list[tuple[_Live, ParsedTurn]]) -> None:
@@ -225,13 +228,16 @@ class MultiTurn:
     # -- start and finish ---------------------------------------------------------------------------
     def _start(self, prompts: PromptBatch, n: int) -> tuple[PromptBatch, list[_Live]]:
         live, ids = [], []
+        slots: dict = {}  # the next environment instance of each class (TRL: construct once, reset often)
         for i, prompt in enumerate(prompts.prompts):
             row = {"prompt": prompt, **{k: v[i] for k, v in prompts.columns.items()}}
             base = self.formatter.messages(prompt)
             group = []
             for _ in range(n):
-                env = self.factory.make(row)
-                start = env.start(base, {k: v for k, v in row.items() if k != "prompt"})
+                key = row.get("environment") if self.factory.multi_factory else None
+                slots[key] = slots.get(key, -1) + 1
+                env = self.factory.make(row, slots[key])
+                start = env.start(base, self.factory.reset_row(row))
                 own = None
                 if env.kind == "tools" and env.tools.keys() != set(self.toolbox.names):
                     own = ToolBox(env.tools, self.toolbox.timeout_s, self.toolbox.max_chars)

@@ -106,8 +106,8 @@ class RolloutWorker:
     ) -> tuple[PromptBatch, Rollouts, int]:
         """The prompts' episodes (one turn or many) and the weight version that sampled them."""
         prompts, rollouts = self.episodes.run(self.engine, prompts, n, sampling, chunk_prompts)
-        if rollouts.episodes is not None:  # environment objects stay here: they need not pickle
-            for episode in rollouts.episodes:
+        if rollouts.episodes is not None:  # environment objects stay here (they need not pickle); their
+            for episode in rollouts.episodes:  # class name travels, for their reward functions
                 episode.environment = None
         return prompts, rollouts, self.version
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from grpo.agents.environments import env_reward
 from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptFormatter, load_rows, rows_from_dataset
 from grpo.data.tasks import missing_reward_columns, scorer_for_rows, task_of_rows
@@ -229,12 +228,11 @@ def _build_parts(
     if weights is not None and len(weights) != len(funcs):
         raise ConfigError(f"algorithm.reward_weights has {len(weights)} entries for {len(funcs)} rewards.")
 
-    if episodes.multi_turn and episodes.factory.gives_rewards:
-        funcs.append(env_reward)
-        if weights is not None:
-            weights = [*weights, cfg.env.reward_weight]
-        elif cfg.env.reward_weight != 1.0:
-            weights = [1.0] * (len(funcs) - 1) + [cfg.env.reward_weight]
+    if episodes.multi_turn and (own := episodes.factory.reward_functions()):
+        # Environments that score their episodes add a reward each, named after the class (as TRL logs it).
+        if weights is not None or cfg.env.reward_weight != 1.0:
+            weights = [*(weights or [1.0] * len(funcs)), *[cfg.env.reward_weight] * len(own)]
+        funcs += own
     if not funcs:
         raise ConfigError(
             "No reward: the environment gives none (no reward() method, no step rewards); pass reward_funcs="
