@@ -59,19 +59,18 @@ class EndsItsTurns(NativeEngine):
     def exact_logprobs(self) -> bool:
         return False
 
-    def continue_rows(self, rows, sampling):
-        out = super().continue_rows(
-            rows, dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - 1)
-        )
-        n = out.completion_ids.shape[0]
-        ids = torch.cat([out.completion_ids, torch.full((n, 1), self.pad_id)], 1)
-        mask = torch.cat([out.completion_mask, torch.zeros(n, 1)], 1)
-        logprobs = torch.cat([out.sampling_logprobs, torch.zeros(n, 1)], 1)
-        for r in range(n):
+    def generate(self, prompt_ids, n, sampling, chunk_prompts=None):
+        shorter = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - 1)
+        out = super().generate(prompt_ids, n, shorter, chunk_prompts)
+        rows = out.completion_ids.shape[0]
+        ids = torch.cat([out.completion_ids, torch.full((rows, 1), self.pad_id)], 1)
+        mask = torch.cat([out.completion_mask, torch.zeros(rows, 1)], 1)
+        logprobs = torch.cat([out.sampling_logprobs, torch.zeros(rows, 1)], 1)
+        for r in range(rows):
             if out.truncated[r]:
                 k = int(out.completion_mask[r].sum())
                 ids[r, k], mask[r, k], logprobs[r, k] = int(self.eos_ids[0]), 1.0, -1.0
-        return Rollouts(out.group_ids, ids, mask, logprobs, torch.zeros(n, dtype=torch.bool))
+        return Rollouts(out.group_ids, ids, mask, logprobs, torch.zeros(rows, dtype=torch.bool))
 
 
 def dataset(n: int = 4) -> Dataset:

@@ -41,7 +41,10 @@ class ScriptedEngine:
     def __init__(self, tokenizer, script, eos: str = "<|im_end|>"):
         self.tokenizer, self.script = tokenizer, script
         self.eos = tokenizer.convert_tokens_to_ids(eos)
-        self.calls: list[int] = []  # rows per continue_rows call
+        self.calls: list[int] = []  # rows per call
+
+    def generate(self, prompt_ids, n, sampling, chunk_prompts=None):
+        return self.continue_rows([ids for ids in prompt_ids for _ in range(n)], sampling)
 
     def continue_rows(self, rows, sampling):
         self.calls.append(len(rows))

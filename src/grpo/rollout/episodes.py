@@ -136,8 +136,11 @@ class MultiTurn:
             step_sampling = dataclasses.replace(
                 sampling, max_new_tokens=max(1, min(lim.turn_tokens, max(room)))
             )
-            rows = [prompts.prompt_token_ids[e.group] + e.ids for e in active]
-            out = engine.continue_rows(rows, step_sampling)
+            if turn == 1:  # every episode of a group starts from its prompt: the shared-prompt fast path
+                out = engine.generate(prompts.prompt_token_ids, n, step_sampling)
+            else:
+                rows = [prompts.prompt_token_ids[e.group] + e.ids for e in active]
+                out = engine.continue_rows(rows, step_sampling)
             waiting: list[tuple[_Live, ParsedTurn]] = []
             for r, (e, budget) in enumerate(zip(active, room, strict=True)):
                 parsed = self._take_turn(e, out, r, budget, turn)
