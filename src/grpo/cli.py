@@ -337,8 +337,9 @@ def cmd_eval(args) -> int:
     finally:
         engine.close()
     if args.dump:
-        with open(args.dump, "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(record) + "\n" for record in result.records)
+        from grpo.files import write_text
+
+        write_text(args.dump, "".join(json.dumps(record) + "\n" for record in result.records))
     out = result.as_dict()
     if args.json:
         print(json.dumps(out))

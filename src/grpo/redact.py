@@ -38,6 +38,22 @@ def remember_from_argv(argv: list[str]) -> None:
             remember([value] if sep else argv[i + 1 : i + 2])
 
 
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line safe to write down (a lock file, a process listing): the value of every
+    secret-looking flag or assignment masked whether or not this process has seen it before, and
+    every known secret redacted from the rest."""
+    out = []
+    for i, arg in enumerate(argv):
+        key, sep, _ = arg.partition("=")
+        if sep and is_secret(key):
+            out.append(f"{key}={REDACTED}")
+        elif i and is_secret(argv[i - 1]) and argv[i - 1].startswith("-") and "=" not in argv[i - 1]:
+            out.append(REDACTED)
+        else:
+            out.append(redact(arg))
+    return out
+
+
 def secrets() -> list[str]:
     from_env = {v for k, v in os.environ.items() if is_secret(k) and len(v) >= MIN_SECRET_LENGTH}
     return sorted(_known | from_env, key=len, reverse=True)  # longest first: no partial leftovers

@@ -19,7 +19,8 @@ import torch
 from grpo.agents.environments import env_reward
 from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptFormatter, load_rows, rows_from_dataset
-from grpo.data.tasks import missing_reward_columns, scorer_for_rows, task_of_rows
+from grpo.data.tasks import missing_reward_columns, reserved_column_message, scorer_for_rows, task_of_rows
+from grpo.files import LogFileHandler, open_fd, write_text
 from grpo.model.loading import (
     float32_masters,
     load_causal_lm,
@@ -70,18 +71,47 @@ def make_run_dir(cfg: GRPOConfig) -> Path:
     else:
         t.run_name = t.run_name or datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         run_dir = Path(t.base_output_directory) / t.run_name
+    # Absolute from here on: a reward that calls os.chdir must not lose the run directory.
+    run_dir = Path(os.path.abspath(run_dir))
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"Output directory {run_dir} exists and is a file; pass another --output-dir.")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write_test.{os.getpid()}"  # one per process: torchrun ranks share run_dir
-        probe.write_text("ok")
+        os.close(open_fd(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
         probe.unlink()
     except OSError as e:
         raise ConfigError(
             f"Cannot write to output directory {run_dir}: {e.strerror}. Pass a writable --output-dir."
         ) from e
     return run_dir
+
+
+RUN_CONFIG = "config.yaml"
+RUN_CONFIG_HEADER = "# Written by grpo train: the resolved config of this run (secrets redacted)\n"
+
+
+def write_run_config(run_dir: Path, config_yaml: str) -> None:
+    """RUN_DIR/config.yaml, unless a config.yaml there is the user's own (`--config config.yaml
+    --output-dir .`): that one is never replaced. Ours is the file with grpo's header line, or any
+    config.yaml of a directory that already holds a run (written before the header existed)."""
+    path = run_dir / RUN_CONFIG
+    if path.is_file() and not path.is_symlink() and not _ours(path, run_dir):
+        raise ConfigError(
+            f"{path} is not a config grpo wrote (your own file?), and grpo train writes the run's resolved "
+            "config there. Pass another --output-dir (e.g. --output-dir runs/exp1), or move the file."
+        )
+    write_text(path, RUN_CONFIG_HEADER + config_yaml)
+
+
+def _ours(path: Path, run_dir: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            if fh.readline() == RUN_CONFIG_HEADER.encode():
+                return True
+    except OSError:
+        return False
+    return (run_dir / "metrics.jsonl").exists() or any(run_dir.glob("checkpoint-*"))
 
 
 def setup_logging(run_dir: Path | None = None) -> None:
@@ -109,7 +139,7 @@ def setup_logging(run_dir: Path | None = None) -> None:
         for h in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
             logger.removeHandler(h)
             h.close()
-        handler = logging.FileHandler(path, encoding="utf-8")
+        handler = LogFileHandler(path, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         handler.addFilter(RedactingFilter())
         logger.addHandler(handler)
@@ -184,7 +214,7 @@ def _build_parts(
     # weights are read.
     resume_from = plan_resume(cfg, run_dir, clean_up=is_main)
     if is_main:  # rank 0 writes for the group
-        (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+        write_run_config(run_dir, cfg.to_yaml())
     check_model_paths(
         cfg,
         model_given=model is not None and not isinstance(model, str),
@@ -333,6 +363,9 @@ def load_data_and_rewards(
     except (ValueError, ImportError, TypeError) as e:  # an unknown name or a bad import path: say which
         raise ConfigError(f"algorithm.reward_funcs: {e}") from e
     columns = set(train_rows[0]) if train_rows else set()
+    clash = reserved_column_message(source, {k for row in train_rows for k in row})
+    if clash:
+        raise ConfigError(clash)
     missing = missing_reward_columns(funcs, columns)
     task = task_of_rows(train_rows)
     if missing and task is not None and not chosen:
