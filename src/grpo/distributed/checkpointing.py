@@ -62,9 +62,9 @@ def save_policy_dir(
     owned: bool = True,
 ) -> Path:
     """checkpoint-N/ or final_model/. LoRA: adapters only (plus their model-key copy in the training state
-        for resume), or with `merge_lora` the merged plain model and the adapters in adapter/. `dtype` casts
-        the written weights (an export; None: as they are, float32 masters). `owned=False`: a directory the user
-    named, written into without deleting anything (checkpoint.save_model_dir)."""
+    for resume), or with `merge_lora` the merged plain model and the adapters in adapter/. `dtype` casts
+    the written weights (an export; None: as they are, float32 masters). `owned=False`: a directory the
+    user named, written into without deleting anything (checkpoint.save_model_dir)."""
     full = rt.full_state_dict(policy)
     if rt.is_main:
         if is_lora(policy) and merge_lora:

@@ -135,7 +135,9 @@ def setup_logging(run_dir: Path | None = None) -> None:
         console.addFilter(RedactingFilter())
         logger.addHandler(console)
     if run_dir is not None:
-        path = str((run_dir / "train.log").resolve())
+        path = os.path.abspath(
+            run_dir / "train.log"
+        )  # not resolve(): a planted link is refused, not followed
         for h in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
             logger.removeHandler(h)
             h.close()
@@ -213,6 +215,8 @@ def _build_parts(
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
     # weights are read.
     resume_from = plan_resume(cfg, run_dir, clean_up=is_main)
+    if resume_from is not None:  # absolute, like run_dir: a reward's os.chdir must not move it
+        resume_from = Path(os.path.abspath(resume_from))
     if is_main:  # rank 0 writes for the group
         write_run_config(run_dir, cfg.to_yaml())
     check_model_paths(
