@@ -60,6 +60,11 @@ def open_fd(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
+def nofollow_opener(path: str, flags: int) -> int:
+    """For `open(path, mode, opener=nofollow_opener)`: the same refusals as `open_fd`."""
+    return open_fd(path, flags)
+
+
 def _not_a_file_message(path) -> str:
     return (
         f"{path} is not a regular file (a directory, FIFO or device) where grpo writes its own file; move it "

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 REDACTED = "<redacted>"
 SECRET_SUFFIXES = ("_token", "_key", "_secret", "password")
@@ -52,6 +54,17 @@ def redact_argv(argv: list[str]) -> list[str]:
         else:
             out.append(redact(arg))
     return out
+
+
+@contextmanager
+def argv_redacted() -> Iterator[None]:
+    """sys.argv with its secrets masked while a library copies the command line into its own files (W&B's
+    run metadata, Ray's job table and session logs)."""
+    argv, sys.argv = sys.argv, redact_argv(sys.argv)
+    try:
+        yield
+    finally:
+        sys.argv = argv
 
 
 def secrets() -> list[str]:

@@ -96,6 +96,17 @@ def test_a_config_file_in_the_output_directory_is_never_replaced(inputs, tmp_pat
     assert (tmp_path / "config.yaml").read_text() == mine
 
 
+def test_a_start_in_a_users_folder_never_replaces_their_report_or_model(inputs, tmp_path, capfd):
+    model, data = inputs
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "index.html").write_text("<h1>my site</h1>\n")
+    (tmp_path / "final_model").mkdir()
+    assert cli(_cli_args(model, data, tmp_path)) == 2
+    assert "holds report, final_model, which grpo did not write" in capfd.readouterr().err
+    assert (tmp_path / "report" / "index.html").read_text() == "<h1>my site</h1>\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final_model", "report"]  # refused before the lock
+
+
 def test_write_model_dir_never_overwrites_an_existing_checkpoint(trained):
     from grpo.rollout.vllm import write_model_dir
 
@@ -129,13 +140,15 @@ def test_a_planted_link_is_refused_and_its_target_untouched(inputs, tmp_path, pl
     run, victim = tmp_path / "run", tmp_path / "victim.txt"
     run.mkdir()
     victim.write_text("precious\n")
+    if planted != LOCK_FILE:
+        (run / LOCK_FILE).write_text("")  # a run directory received from someone else
     (run / planted).symlink_to(victim)
     assert cli(_cli_args(model, data, run)) == 2
     assert f"{run / planted} is a symbolic link" in capfd.readouterr().err
     assert victim.read_text() == "precious\n"
 
 
-def test_report_refuses_a_planted_link_and_escapes_every_field(trained, tmp_path, capfd):
+def test_report_refuses_a_planted_link(trained, tmp_path, capfd):
     _, run = trained
     victim = tmp_path / "victim.html"
     victim.write_text("precious\n")
@@ -146,6 +159,10 @@ def test_report_refuses_a_planted_link_and_escapes_every_field(trained, tmp_path
     assert "is a symbolic link" in capfd.readouterr().err and victim.read_text() == "precious\n"
     page.unlink()
 
+
+def test_report_escapes_every_field_of_a_tampered_samples_log(trained):
+    _, run = trained
+    page = run / "report" / "index.html"
     tampered = {
         "step": "<script>alert(1)</script>",
         "length": "<img src=x onerror=alert(2)>",

@@ -91,27 +91,48 @@ RUN_CONFIG = "config.yaml"
 RUN_CONFIG_HEADER = "# Written by grpo train: the resolved config of this run (secrets redacted)\n"
 
 
-def write_run_config(run_dir: Path, config_yaml: str) -> None:
-    """RUN_DIR/config.yaml, unless a config.yaml there is the user's own (`--config config.yaml
-    --output-dir .`): that one is never replaced. Ours is the file with grpo's header line, or any
-    config.yaml of a directory that already holds a run (written before the header existed)."""
-    path = run_dir / RUN_CONFIG
-    if path.is_file() and not path.is_symlink() and not _ours(path, run_dir):
+# What a run replaces or truncates in its directory (besides config.yaml, checked on its own): in a
+# directory that held no grpo run before, a file or folder by one of these names is the user's.
+REPLACED_NAMES = ("metrics.jsonl", "samples.jsonl", "report", "final_model", "best_model", "profile")
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """Whether grpo has run in this directory before (its lock file, or a checkpoint, is there)."""
+    return (run_dir / "run.lock").exists() or any(run_dir.glob("checkpoint-*"))
+
+
+def refuse_users_files(run_dir: Path, held_a_run: bool) -> None:
+    """A start must not replace the user's files with its own (`--config config.yaml --output-dir .` in a
+    project folder): a config.yaml grpo did not write (no header line, and no run there before), and in a
+    directory that held no run, a metrics.jsonl, report/, final_model/ ... are refused by name."""
+    config = run_dir / RUN_CONFIG
+    if config.is_file() and not config.is_symlink() and not _ours(config, held_a_run):
         raise ConfigError(
-            f"{path} is not a config grpo wrote (your own file?), and grpo train writes the run's resolved "
+            f"{config} is not a config grpo wrote (your own file?), and grpo train writes the run's resolved "
             "config there. Pass another --output-dir (e.g. --output-dir runs/exp1), or move the file."
         )
-    write_text(path, RUN_CONFIG_HEADER + config_yaml)
+    if held_a_run:
+        return
+    theirs = [name for name in REPLACED_NAMES if os.path.lexists(run_dir / name)]
+    if theirs:
+        raise ConfigError(
+            f"{run_dir} holds {', '.join(theirs)}, which grpo did not write (no grpo run was started there), "
+            "and a run would replace them with its own. Pass another --output-dir (e.g. --output-dir "
+            "runs/exp1), or move them."
+        )
 
 
-def _ours(path: Path, run_dir: Path) -> bool:
+def write_run_config(run_dir: Path, config_yaml: str) -> None:
+    """RUN_DIR/config.yaml (a user's own config.yaml there was refused by `refuse_users_files`)."""
+    write_text(run_dir / RUN_CONFIG, RUN_CONFIG_HEADER + config_yaml)
+
+
+def _ours(path: Path, held_a_run: bool) -> bool:
     try:
         with open(path, "rb") as fh:
-            if fh.readline() == RUN_CONFIG_HEADER.encode():
-                return True
+            return fh.readline() == RUN_CONFIG_HEADER.encode() or held_a_run
     except OSError:
         return False
-    return (run_dir / "metrics.jsonl").exists() or any(run_dir.glob("checkpoint-*"))
 
 
 def setup_logging(run_dir: Path | None = None) -> None:
@@ -172,6 +193,8 @@ def build_run(
                 cfg.model, key, getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>"
             )
     run_dir = make_run_dir(cfg)
+    held_a_run = holds_a_run(run_dir)  # looked at before the lock file is created
+    refuse_users_files(run_dir, held_a_run)  # before the lock too, which leaves run.lock behind
     # Before anything in run_dir is read or written: a second run on a live directory stops here.
     lock = lock_run_dir(run_dir, rt)
     try:

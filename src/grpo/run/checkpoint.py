@@ -32,7 +32,7 @@ import torch
 import yaml
 
 from grpo.config import SECTIONS
-from grpo.files import open_fd, own_dir, refuse_link, write_bytes, write_text
+from grpo.files import nofollow_opener, own_dir, refuse_link, write_bytes, write_text
 
 log = logging.getLogger("grpo")
 
@@ -198,7 +198,7 @@ class _WriteErrors:
 
 
 def _save_state(state: dict, target: Path) -> None:
-    with os.fdopen(open_fd(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as fh:
+    with open(target, "wb", opener=nofollow_opener) as fh:
         recorder = _WriteErrors(fh)
         try:
             torch.save(state, recorder)

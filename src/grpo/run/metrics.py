@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +24,7 @@ from grpo.config import ConfigError
 from grpo.distributed.runtime import Runtime
 from grpo.files import append_text, open_append, own_dir, refuse_link, write_text
 from grpo.records import Rollouts, ScoredRollouts
-from grpo.redact import redact_argv
+from grpo.redact import argv_redacted
 from grpo.run.checkpoint import CheckpointError
 
 log = logging.getLogger("grpo")
@@ -102,16 +101,13 @@ class MetricsLogger:
                 raise RuntimeError(
                     "use_wandb is on but wandb is not installed: pip install 'grpo[wandb]'."
                 ) from e
-            argv, sys.argv = sys.argv, redact_argv(sys.argv)  # W&B records the command line in its files
-            try:
+            with argv_redacted():  # W&B records the command line in its files
                 self.wandb = wandb.init(
                     project=cfg.train.wandb_project,
                     dir=str(own_dir(self.run_dir / "wandb").parent),
                     name=cfg.train.wandb_run_name or self.run_dir.name,
                     config=config_dict,
                 )
-            finally:
-                sys.argv = argv
 
     def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
         if not self.run_dir.is_dir():  # the open log would go on writing into a deleted file, unseen
