@@ -345,7 +345,8 @@ def cmd_eval(args) -> int:
     if args.json:
         print(redact(json.dumps(out)))
     else:
-        print(redact("  ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in out.items())))
+        shown = "  ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in out.items())
+        print(redact(shown))
     return 0
 
 
