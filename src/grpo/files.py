@@ -114,6 +114,7 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     if path.exists() and not path.is_file():
         raise ConfigError(_not_a_file_message(path))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # a killed process's leftover (a link there goes; its target stays)
     fd = open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         with os.fdopen(fd, "wb") as fh:
