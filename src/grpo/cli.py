@@ -248,7 +248,8 @@ def cmd_train(args) -> int:
             run = {**run, "train.output_dir": str(sweep_dir / str(i))}
         cfg = load_config(args.config, run)
         if args.print_config or args.dry_run:
-            print(("---\n" if len(runs) > 1 else "") + (cfg.to_yaml() if args.print_config else dry_run(cfg)))
+            shown = cfg.to_yaml() if args.print_config else dry_run(cfg)
+            print(redact(("---\n" if len(runs) > 1 else "") + shown))
             continue
         if args.multirun:
             log.info("Sweep run %d/%d: %s", i + 1, len(runs), redact_mapping(run))
@@ -337,13 +338,15 @@ def cmd_eval(args) -> int:
     finally:
         engine.close()
     if args.dump:
-        with open(args.dump, "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(record) + "\n" for record in result.records)
+        from grpo.files import write_text
+
+        write_text(args.dump, "".join(json.dumps(record) + "\n" for record in result.records))
     out = result.as_dict()
     if args.json:
-        print(json.dumps(out))
+        print(redact(json.dumps(out)))
     else:
-        print("  ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in out.items()))
+        shown = "  ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in out.items())
+        print(redact(shown))
     return 0
 
 
@@ -353,7 +356,7 @@ def cmd_report(args) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise ConfigError(f"{run_dir} has no metrics.jsonl: pass the directory of a `grpo train` run.")
-    print(write_report(run_dir, Path(args.output) if args.output else None))
+    print(redact(str(write_report(run_dir, Path(args.output) if args.output else None))))
     return 0
 
 

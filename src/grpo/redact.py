@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 REDACTED = "<redacted>"
 SECRET_SUFFIXES = ("_token", "_key", "_secret", "password")
@@ -36,6 +38,33 @@ def remember_from_argv(argv: list[str]) -> None:
         key, sep, value = arg.partition("=")
         if is_secret(key):
             remember([value] if sep else argv[i + 1 : i + 2])
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line safe to write down (a lock file, a process listing): the value of every
+    secret-looking flag or assignment masked whether or not this process has seen it before, and
+    every known secret redacted from the rest."""
+    out = []
+    for i, arg in enumerate(argv):
+        key, sep, _ = arg.partition("=")
+        if sep and is_secret(key):
+            out.append(f"{key}={REDACTED}")
+        elif i and is_secret(argv[i - 1]) and argv[i - 1].startswith("-") and "=" not in argv[i - 1]:
+            out.append(REDACTED)
+        else:
+            out.append(redact(arg))
+    return out
+
+
+@contextmanager
+def argv_redacted() -> Iterator[None]:
+    """sys.argv with its secrets masked while a library copies the command line into its own files (W&B's
+    run metadata, Ray's job table and session logs)."""
+    argv, sys.argv = sys.argv, redact_argv(sys.argv)
+    try:
+        yield
+    finally:
+        sys.argv = argv
 
 
 def secrets() -> list[str]:

@@ -139,11 +139,15 @@ class GRPOTrainer:
 
     def save_model(self, output_dir: str | Path | None = None) -> Path:
         """TRL's `trainer.save_model()`: the policy and tokenizer in `output_dir` (default: the run
-        directory's final_model/), loadable with from_pretrained."""
+        directory's final_model/), loadable with from_pretrained. An existing `output_dir` (the run
+        directory itself, or any folder of yours) keeps everything else in it."""
         p, merge = self.parts, self.cfg.lora.save_merged
         path = Path(output_dir) if output_dir is not None else p.run_dir / "final_model"
+        owned = output_dir is None or not path.exists()
+        if output_dir is not None and owned and self.rt.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)  # a new directory of the user's choosing
         return save_policy_dir(
-            self.rt, path, p.policy, p.tokenizer, self.cfg.to_yaml(), None, merge_lora=merge
+            self.rt, path, p.policy, p.tokenizer, self.cfg.to_yaml(), None, merge_lora=merge, owned=owned
         )
 
     def _sampling(self) -> SamplingParams:

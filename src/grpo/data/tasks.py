@@ -243,6 +243,22 @@ def required_columns(fn: Callable) -> tuple[str, ...]:
 
 # What the trainer hands every reward function besides the dataset's columns (TRL's contract, docs/trl.md).
 SUPPLIED = frozenset({"completion_ids", "completion_truncated", "trainer_state", "log_metric", "log_extra"})
+# Names a dataset column cannot take: the trainer's own arguments would be replaced by the data's.
+RESERVED_COLUMNS = SUPPLIED | {"prompts", "completions"}
+
+
+def reserved_column_message(source: str, columns: set[str]) -> str | None:
+    """Why the dataset's columns cannot reach reward functions under their names, or None. Refused rather
+    than renamed behind the user's back: a reward asking for `completion_ids` must get the sampled ids, and
+    a reward written for the data's own column would silently read the trainer's instead."""
+    clash = sorted(columns & RESERVED_COLUMNS)
+    if not clash:
+        return None
+    return (
+        f"The dataset ({source}) has a column named {', '.join(map(repr, clash))}: reward functions receive "
+        f"that name from the trainer ({', '.join(sorted(RESERVED_COLUMNS))}), so the column would be "
+        f"hidden or would replace the trainer's value. Rename the column (e.g. 'data_{clash[0]}')."
+    )
 
 
 def missing_reward_columns(funcs: list[Callable], columns: set[str]) -> dict[str, list[str]]:

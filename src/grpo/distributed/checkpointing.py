@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo.distributed.runtime import Runtime
+from grpo.files import write_text
 from grpo.model.lora import adapter_state, is_lora, merged_state
 from grpo.run.checkpoint import save_model_dir
 
@@ -42,7 +43,7 @@ class _PrepareWeights:
             data = json.loads(config.read_text(encoding="utf-8"))
             data["dtype"] = str(self.dtype).removeprefix("torch.")
             data.pop("torch_dtype", None)
-            config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            write_text(config, json.dumps(data, indent=2, sort_keys=True) + "\n")
         if self.adapters is not None:
             self.adapters.save_pretrained(
                 Path(directory) / ADAPTER_SUBDIR, safe_serialization=safe_serialization
@@ -58,10 +59,12 @@ def save_policy_dir(
     training_state: dict | None,
     merge_lora: bool = False,
     dtype: torch.dtype | None = None,
+    owned: bool = True,
 ) -> Path:
     """checkpoint-N/ or final_model/. LoRA: adapters only (plus their model-key copy in the training state
     for resume), or with `merge_lora` the merged plain model and the adapters in adapter/. `dtype` casts
-    the written weights (an export; None: as they are, float32 masters)."""
+    the written weights (an export; None: as they are, float32 masters). `owned=False`: a directory the
+    user named, written into without deleting anything (checkpoint.save_model_dir)."""
     full = rt.full_state_dict(policy)
     if rt.is_main:
         if is_lora(policy) and merge_lora:
@@ -75,7 +78,7 @@ def save_policy_dir(
             target = _PrepareWeights(policy, full, dtype=dtype)
         if training_state is not None and is_lora(policy):
             training_state = {**training_state, ADAPTER_STATE_KEY: adapter_state(full)}
-        save_model_dir(path, target, tokenizer, config_yaml, training_state)
+        save_model_dir(path, target, tokenizer, config_yaml, training_state, owned=owned)
     rt.barrier()
     return Path(path)
 

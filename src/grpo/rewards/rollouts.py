@@ -26,10 +26,10 @@ def score_rollouts(
 ) -> ScoredRollouts:
     a = algorithm
     columns = {k: [v[i] for i in rollouts.group_ids] for k, v in prompts.columns.items()}
-    columns.setdefault("completion_truncated", rollouts.truncated.tolist())
+    # The trainer's values, never a dataset column's (a column by these names is refused at start-up).
+    columns["completion_truncated"] = rollouts.truncated.tolist()
     reward_prompts, completions, extra = trl_compat.reward_inputs(prompts, rollouts, texts)
-    for name, values in extra.items():
-        columns.setdefault(name, values)
+    columns.update(extra)
     scores = score_completions(
         funcs,
         weights,

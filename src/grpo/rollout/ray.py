@@ -29,6 +29,7 @@ from grpo.config import ConfigError, DistributedConfig
 from grpo.distributed.runtime import Runtime
 from grpo.model.lora import ADAPTER_MARK, is_lora
 from grpo.records import PromptBatch, Rollouts, SamplingParams, concat_rollouts
+from grpo.redact import argv_redacted
 from grpo.rollout.source import PromptFeed, join_prompts, prompt_rows
 
 log = logging.getLogger("grpo")
@@ -154,7 +155,8 @@ class RayRollout:
             # Ray starts workers at niceness 15; rollout is the run's main work, not background work.
             os.environ.setdefault("RAY_worker_niceness", "0")
             try:
-                ray.init(address=d.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+                with argv_redacted():  # Ray keeps the driver's command line in its job table and logs
+                    ray.init(address=d.ray_address, include_dashboard=False, logging_level=logging.WARNING)
             except ConnectionError as e:
                 raise ConfigError(
                     f"Could not join the Ray cluster at ray_address={d.ray_address} ({e}). Is it running "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -34,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from grpo.config.errors import ConfigError
+from grpo.files import refuse_link, write_text
 from grpo.records import Rollouts, SamplingParams
 from grpo.rollout.engine import copy_weights
 
@@ -145,8 +148,15 @@ class _WeightsDir:
     def __init__(self, model, tokenizer, path: str | Path | None = None):
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.path = Path(path) if path else Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir=shm))
+        refuse_link(self.path)
+        if self.path.is_dir() and any(self.path.iterdir()) and not (self.path / self.MARK).is_file():
+            raise ConfigError(
+                f"{self.path} already holds files that grpo did not write for vLLM (a checkpoint, or a "
+                "folder of yours), and writing a vLLM model directory there would overwrite its weights. "
+                "Pass a new or empty directory."
+            )
         self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / self.MARK).write_text("grpo writes this directory's weights after every step\n")
+        write_text(self.path / self.MARK, "grpo writes this directory's weights after every step\n")
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = copy.deepcopy(base.config)
         # Untied on purpose: vLLM's in-place reload skips lm_head when it is tied to the embedding and then
@@ -161,6 +171,7 @@ class _WeightsDir:
     def write(self, state: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
+        refuse_link(self.path / "model.safetensors")
         save_file(state, str(self.path / "model.safetensors"), metadata={"format": "pt"})
 
     def write_adapter(self, policy) -> Path:
@@ -390,6 +401,7 @@ class VLLMServerEngine:
         """Write the weights where the server loaded its model from, then reload and drop cached prefixes."""
         from safetensors.torch import save_file
 
+        refuse_link(self.weights_path / "model.safetensors")  # the path came from the server's reply
         save_file(hf_state(policy), str(self.weights_path / "model.safetensors"), metadata={"format": "pt"})
         self._post("/collective_rpc", {"method": "reload_weights"})
         self._post("/reset_prefix_cache")
@@ -418,8 +430,7 @@ class VLLMServerEngine:
                 "include_stop_str_in_output": True,
                 "return_tokens_as_token_ids": True,
             }
-            choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
-            return [_server_choice(c) for c in choices]
+            return server_choices(self._post("/v1/completions", body), n, sampling.max_new_tokens, self.url)
 
         # Concurrent requests: the server batches them (continuous batching), as the offline engine does.
         return to_rollouts(list(self.executor.map(one, prompt_token_ids)), self.pad_id)
@@ -431,10 +442,53 @@ class VLLMServerEngine:
         self.executor.shutdown(wait=False)
 
 
-def _server_choice(choice: dict) -> tuple[list[int], list[float], bool]:
-    lp = choice["logprobs"]
-    ids = [int(t.split(":", 1)[1]) for t in lp["tokens"]]  # "token_id:123" (return_tokens_as_token_ids)
-    return ids, [float(x) for x in lp["token_logprobs"]], choice["finish_reason"] == "length"
+def server_choices(
+    reply: object, n: int, max_tokens: int, url: str = "the vLLM server"
+) -> list[tuple[list[int], list[float], bool]]:
+    """The n completions of one /v1/completions reply, checked: exactly n choices indexed 0..n-1, each with
+    one finite log-prob (<= 0) per token id, at most max_tokens of them. A reply off by one (a log-prob
+    short, a choice too many) would otherwise train on made-up numbers: a missing log-prob read as 0."""
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(
+            f"{url} answered /v1/completions with a reply grpo cannot train on: {why}. Is it a vLLM "
+            "OpenAI server started on grpo's model directory (README, 'vLLM')?"
+        )
+
+    choices = reply.get("choices") if isinstance(reply, dict) else None
+    if not isinstance(choices, list):
+        raise bad("it has no list of choices")
+    if len(choices) != n:
+        raise bad(f"{len(choices)} choices for n = {n}")
+    if not all(isinstance(c, dict) for c in choices) or sorted(
+        c.get("index") if type(c.get("index")) is int else -1 for c in choices
+    ) != list(range(n)):
+        raise bad(f"the choices' indices are not 0..{n - 1}")
+    out = []
+    for choice in sorted(choices, key=lambda c: c["index"]):
+        lp = choice.get("logprobs")
+        tokens = lp.get("tokens") if isinstance(lp, dict) else None
+        values = lp.get("token_logprobs") if isinstance(lp, dict) else None
+        if not isinstance(tokens, list) or not isinstance(values, list):
+            raise bad(f"choice {choice['index']} has no tokens and token_logprobs")
+        if len(tokens) != len(values):
+            raise bad(f"choice {choice['index']} has {len(tokens)} tokens but {len(values)} log-probs")
+        if len(tokens) > max_tokens:
+            raise bad(f"choice {choice['index']} has {len(tokens)} tokens, more than max_tokens {max_tokens}")
+        try:  # tokens come as "token_id:N" (return_tokens_as_token_ids)
+            ids = [int(t.split(":", 1)[1]) for t in tokens]
+            logprobs = [float(x) for x in values]
+        except (AttributeError, IndexError, TypeError, ValueError):
+            raise bad(
+                f"choice {choice['index']} has a token that is not 'token_id:N' or a log-prob "
+                "that is not a number"
+            ) from None
+        if any(i < 0 for i in ids) or not all(math.isfinite(x) and x <= 0 for x in logprobs):
+            raise bad(
+                f"choice {choice['index']} has a negative token id or a log-prob that is not finite and <= 0"
+            )
+        out.append((ids, logprobs, choice.get("finish_reason") == "length"))
+    return out
 
 
 def build(model, tokenizer, *, generation=None, seed: int = 0, **_):

@@ -18,7 +18,8 @@ import torch
 
 from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptFormatter, load_rows, rows_from_dataset
-from grpo.data.tasks import missing_reward_columns, scorer_for_rows, task_of_rows
+from grpo.data.tasks import missing_reward_columns, reserved_column_message, scorer_for_rows, task_of_rows
+from grpo.files import LogFileHandler, open_fd, write_text
 from grpo.model.loading import (
     float32_masters,
     load_causal_lm,
@@ -69,18 +70,68 @@ def make_run_dir(cfg: GRPOConfig) -> Path:
     else:
         t.run_name = t.run_name or datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         run_dir = Path(t.base_output_directory) / t.run_name
+    # Absolute from here on: a reward that calls os.chdir must not lose the run directory.
+    run_dir = Path(os.path.abspath(run_dir))
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"Output directory {run_dir} exists and is a file; pass another --output-dir.")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write_test.{os.getpid()}"  # one per process: torchrun ranks share run_dir
-        probe.write_text("ok")
+        os.close(open_fd(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
         probe.unlink()
     except OSError as e:
         raise ConfigError(
             f"Cannot write to output directory {run_dir}: {e.strerror}. Pass a writable --output-dir."
         ) from e
     return run_dir
+
+
+RUN_CONFIG = "config.yaml"
+RUN_CONFIG_HEADER = "# Written by grpo train: the resolved config of this run (secrets redacted)\n"
+
+
+# What a run replaces or truncates in its directory (besides config.yaml, checked on its own): in a
+# directory that held no grpo run before, a file or folder by one of these names is the user's.
+REPLACED_NAMES = ("metrics.jsonl", "samples.jsonl", "report", "final_model", "best_model", "profile")
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """Whether grpo has run in this directory before (its lock file, or a checkpoint, is there)."""
+    return (run_dir / "run.lock").exists() or any(run_dir.glob("checkpoint-*"))
+
+
+def refuse_users_files(run_dir: Path, held_a_run: bool) -> None:
+    """A start must not replace the user's files with its own (`--config config.yaml --output-dir .` in a
+    project folder): a config.yaml grpo did not write (no header line, and no run there before), and in a
+    directory that held no run, a metrics.jsonl, report/, final_model/ ... are refused by name."""
+    config = run_dir / RUN_CONFIG
+    if config.is_file() and not config.is_symlink() and not _ours(config, held_a_run):
+        raise ConfigError(
+            f"{config} is not a config grpo wrote (your own file?), and grpo train writes the run's resolved "
+            "config there. Pass another --output-dir (e.g. --output-dir runs/exp1), or move the file."
+        )
+    if held_a_run:
+        return
+    theirs = [name for name in REPLACED_NAMES if os.path.lexists(run_dir / name)]
+    if theirs:
+        raise ConfigError(
+            f"{run_dir} holds {', '.join(theirs)}, which grpo did not write (no grpo run was started there), "
+            "and a run would replace them with its own. Pass another --output-dir (e.g. --output-dir "
+            "runs/exp1), or move them."
+        )
+
+
+def write_run_config(run_dir: Path, config_yaml: str) -> None:
+    """RUN_DIR/config.yaml (a user's own config.yaml there was refused by `refuse_users_files`)."""
+    write_text(run_dir / RUN_CONFIG, RUN_CONFIG_HEADER + config_yaml)
+
+
+def _ours(path: Path, held_a_run: bool) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.readline() == RUN_CONFIG_HEADER.encode() or held_a_run
+    except OSError:
+        return False
 
 
 def setup_logging(run_dir: Path | None = None) -> None:
@@ -104,11 +155,13 @@ def setup_logging(run_dir: Path | None = None) -> None:
         console.addFilter(RedactingFilter())
         logger.addHandler(console)
     if run_dir is not None:
-        path = str((run_dir / "train.log").resolve())
+        path = os.path.abspath(
+            run_dir / "train.log"
+        )  # not resolve(): a planted link is refused, not followed
         for h in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
             logger.removeHandler(h)
             h.close()
-        handler = logging.FileHandler(path, encoding="utf-8")
+        handler = LogFileHandler(path, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         handler.addFilter(RedactingFilter())
         logger.addHandler(handler)
@@ -139,6 +192,8 @@ def build_run(
                 cfg.model, key, getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>"
             )
     run_dir = make_run_dir(cfg)
+    held_a_run = holds_a_run(run_dir)  # looked at before the lock file is created
+    refuse_users_files(run_dir, held_a_run)  # before the lock too, which leaves run.lock behind
     # Before anything in run_dir is read or written: a second run on a live directory stops here.
     lock = lock_run_dir(run_dir, rt)
     try:
@@ -182,8 +237,10 @@ def _build_parts(
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
     # weights are read.
     resume_from = plan_resume(cfg, run_dir, clean_up=is_main)
+    if resume_from is not None:  # absolute, like run_dir: a reward's os.chdir must not move it
+        resume_from = Path(os.path.abspath(resume_from))
     if is_main:  # rank 0 writes for the group
-        (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+        write_run_config(run_dir, cfg.to_yaml())
     check_model_paths(
         cfg,
         model_given=model is not None and not isinstance(model, str),
@@ -331,6 +388,9 @@ def load_data_and_rewards(
     except (ValueError, ImportError, TypeError) as e:  # an unknown name or a bad import path: say which
         raise ConfigError(f"algorithm.reward_funcs: {e}") from e
     columns = set(train_rows[0]) if train_rows else set()
+    clash = reserved_column_message(source, {k for row in train_rows for k in row})
+    if clash:
+        raise ConfigError(clash)
     missing = missing_reward_columns(funcs, columns)
     task = task_of_rows(train_rows)
     if missing and task is not None and not chosen:

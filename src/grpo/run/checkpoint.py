@@ -32,6 +32,7 @@ import torch
 import yaml
 
 from grpo.config import SECTIONS
+from grpo.files import nofollow_opener, own_dir, refuse_link, write_bytes, write_text
 
 log = logging.getLogger("grpo")
 
@@ -81,10 +82,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # -- writing --------------------------------------------------------------------------------------
-def save_model_dir(path: Path, model, tokenizer, config_yaml: str, training_state: dict | None) -> Path:
-    """Write a model directory atomically (tmp dir, manifest, fsync, rename). On failure the tmp dir is
-    removed, whatever was under `path` before is left as it was, and a CheckpointError says why."""
+def save_model_dir(
+    path: Path, model, tokenizer, config_yaml: str, training_state: dict | None, *, owned: bool = True
+) -> Path:
+    """Write a model directory. `owned` (checkpoint-N/, final_model/ of the run): atomically (tmp dir,
+    manifest, fsync, rename); on failure the tmp dir is removed, whatever was under `path` before is left
+    as it was, and a CheckpointError says why. Not owned (a directory the user named that exists): the
+    model's files are written into it one by one, and nothing else there is touched (`_save_into`)."""
     path = Path(path)
+    for p in (path, path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")):
+        refuse_link(p)
+    if not owned and path.is_dir():
+        return _save_into(path, model, tokenizer, config_yaml, training_state)
+    if not owned and path.exists():
+        raise CheckpointError(f"Cannot save the model into {path}: it is a file; pass a directory.")
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     if not path.parent.is_dir():  # not re-created: a new, nearly empty run directory would hide the loss
         raise CheckpointError(
@@ -96,14 +107,7 @@ def save_model_dir(path: Path, model, tokenizer, config_yaml: str, training_stat
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        model.save_pretrained(tmp, safe_serialization=True)
-        _fault_point(path, "model")
-        tokenizer.save_pretrained(tmp)
-        (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
-        _fault_point(path, "config")
-        if training_state is not None:
-            _save_state(training_state, tmp / STATE_FILE)
-        _fault_point(path, "state")
+        _write_model_files(tmp, path, model, tokenizer, config_yaml, training_state)
         write_manifest(tmp)
         _fault_point(path, "manifest")
         if path.exists():  # moved aside, not deleted, so a crash here still leaves a complete copy
@@ -121,6 +125,57 @@ def save_model_dir(path: Path, model, tokenizer, config_yaml: str, training_stat
         if isinstance(e, OSError) or "No space left" in str(e):  # safetensors raises its own type
             raise CheckpointError(_save_failure(path, e)) from e
         raise
+    return path
+
+
+def _write_model_files(
+    where: Path, named: Path, model, tokenizer, config_yaml: str | None, training_state: dict | None
+) -> None:
+    model.save_pretrained(where, safe_serialization=True)
+    _fault_point(named, "model")
+    tokenizer.save_pretrained(where)
+    if config_yaml is not None:
+        write_text(where / CONFIG_FILE, config_yaml)
+    _fault_point(named, "config")
+    if training_state is not None:
+        _save_state(training_state, where / STATE_FILE)
+    _fault_point(named, "state")
+
+
+def _save_into(path: Path, model, tokenizer, config_yaml: str, training_state: dict | None) -> Path:
+    """`trainer.save_model(dir)` on a directory that exists (TRL's `save_model(args.output_dir)`, a folder of
+    the user's): the model's files are staged in a private directory inside it, then each is renamed into
+    place. Files of the same name (an earlier save's weights) are replaced, as asked; nothing else is
+    deleted. A config.yaml already there (the run's own, or the user's) is left as it is. No manifest is
+    added (it would claim to describe a directory grpo does not own); one already there is updated."""
+    stage = path / f".grpo-save-{os.getpid()}.tmp"
+    refuse_link(stage)
+    if stage.exists():
+        shutil.rmtree(stage)
+    try:
+        stage.mkdir()
+        config = None if (path / CONFIG_FILE).exists() else config_yaml
+        _write_model_files(stage, path, model, tokenizer, config, training_state)
+        for f in sorted(p for p in stage.rglob("*") if p.is_file()):
+            target = path / f.relative_to(stage)
+            own_dir(target.parent)
+            refuse_link(target)
+            if target.is_dir():
+                raise CheckpointError(
+                    f"Cannot save the model into {path}: {target} is a directory where the model's "
+                    f"file {target.name} goes. Move it, or save into another directory."
+                )
+            _fsync(f)
+            os.replace(f, target)
+        _fsync(path)
+        if (path / MANIFEST_FILE).is_file():
+            write_manifest(path)
+    except OSError as e:
+        raise CheckpointError(
+            f"Could not save the model into {path}: {e}. Files of yours there were not touched."
+        ) from e
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return path
 
 
@@ -143,7 +198,7 @@ class _WriteErrors:
 
 
 def _save_state(state: dict, target: Path) -> None:
-    with open(target, "wb") as fh:
+    with open(target, "wb", opener=nofollow_opener) as fh:
         recorder = _WriteErrors(fh)
         try:
             torch.save(state, recorder)
@@ -181,8 +236,7 @@ def write_manifest(directory: Path) -> dict[str, Any]:
         files[str(f.relative_to(directory))] = {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
     manifest = {"version": MANIFEST_VERSION, "files": files}
     target = directory / MANIFEST_FILE
-    target.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    _fsync(target)
+    write_bytes(target, json.dumps(manifest, indent=1).encode())  # names, sizes, hashes: no text to redact
     _fsync(directory)
     return manifest
 

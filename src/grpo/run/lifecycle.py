@@ -21,6 +21,7 @@ from grpo.config import GRPOConfig
 from grpo.data import PromptStream
 from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
 from grpo.distributed.runtime import Runtime
+from grpo.files import write_text
 from grpo.run.assemble import RunParts
 from grpo.run.checkpoint import (
     list_checkpoints,
@@ -226,7 +227,7 @@ class BestModel:
             return
         self.value = value
         path = save_model_dir(p.run_dir / "best_model", p.policy, p.tokenizer, self.cfg.to_yaml(), None)
-        (path / "best.json").write_text(json.dumps({"step": step, "metric": name, "value": value}) + "\n")
+        write_text(path / "best.json", json.dumps({"step": step, "metric": name, "value": value}) + "\n")
         log.info("New best %s = %.4g at step %d; saved %s", name, value, step, path)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +22,9 @@ from grpo.algorithm.advantages import group_reward_stats
 from grpo.algorithm.importance import mismatch_metrics, sampler_ess
 from grpo.config import ConfigError
 from grpo.distributed.runtime import Runtime
+from grpo.files import append_text, open_append, own_dir, refuse_link, write_text
 from grpo.records import Rollouts, ScoredRollouts
+from grpo.redact import argv_redacted
 from grpo.run.checkpoint import CheckpointError
 
 log = logging.getLogger("grpo")
@@ -83,13 +84,15 @@ class MetricsLogger:
                     f"{path} is a directory (or another non-file), where grpo appends its "
                     f"{name.split('.')[0]} log; move it out of the way, then start again."
                 )
-        keep_until_step(self.run_dir / "metrics.jsonl", start_step)
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+            # Rows logged past the resumed step by a killed process would appear twice.
+            keep_until_step(path, start_step)
+        self.jsonl = open_append(self.run_dir / "metrics.jsonl")
         self.tb = None
         if cfg.train.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+            tb_dir = own_dir(self.run_dir / "tensorboard")
+            self.tb = SummaryWriter(log_dir=str(tb_dir), purge_step=start_step + 1)
         self.wandb = None
         if cfg.train.use_wandb:
             try:
@@ -98,12 +101,13 @@ class MetricsLogger:
                 raise RuntimeError(
                     "use_wandb is on but wandb is not installed: pip install 'grpo[wandb]'."
                 ) from e
-            self.wandb = wandb.init(
-                project=cfg.train.wandb_project,
-                dir=str(self.run_dir),
-                name=cfg.train.wandb_run_name or self.run_dir.name,
-                config=config_dict,
-            )
+            with argv_redacted():  # W&B records the command line in its files
+                self.wandb = wandb.init(
+                    project=cfg.train.wandb_project,
+                    dir=str(own_dir(self.run_dir / "wandb").parent),
+                    name=cfg.train.wandb_run_name or self.run_dir.name,
+                    config=config_dict,
+                )
 
     def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
         if not self.run_dir.is_dir():  # the open log would go on writing into a deleted file, unseen
@@ -128,8 +132,10 @@ class MetricsLogger:
         """Append sample completions (with rewards and advantages) to samples.jsonl, for the report."""
         if not records:
             return
-        with open(self.run_dir / "samples.jsonl", "a", encoding="utf-8") as fh:
-            fh.writelines(json.dumps({"step": step, **r}, ensure_ascii=False) + "\n" for r in records)
+        append_text(
+            self.run_dir / "samples.jsonl",
+            "".join(json.dumps({"step": step, **r}, ensure_ascii=False) + "\n" for r in records),
+        )
 
     def close(self) -> None:
         self.jsonl.close()
@@ -140,7 +146,9 @@ class MetricsLogger:
 
 
 def keep_until_step(path: Path, step: int) -> None:
-    """Drop the lines of a metrics.jsonl logged after `step` (all of them for a fresh start), atomically."""
+    """Drop the lines of a metrics.jsonl or samples.jsonl logged after `step` (all of them for a fresh
+    start), atomically."""
+    refuse_link(path)
     if not path.is_file():
         return
     kept, unreadable = [], 0
@@ -162,9 +170,7 @@ def keep_until_step(path: Path, step: int) -> None:
             path,
             unreadable,
         )
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text(path, "".join(kept))
 
 
 def format_metrics(metrics: dict[str, Any], keys: tuple[str, ...] = CONSOLE_KEYS) -> str:

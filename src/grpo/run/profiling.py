@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from grpo.files import own_dir
+
 log = logging.getLogger("grpo")
 
 
@@ -47,7 +49,7 @@ class StepProfiler:
             return
         prof, self.prof = self.prof, None
         prof.__exit__(None, None, None)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        own_dir(self.dir)
         before = set(self.dir.glob("*.pt.trace.json"))
         torch.profiler.tensorboard_trace_handler(str(self.dir), worker_name=f"rank{self.rank}")(prof)
         written = sorted(set(self.dir.glob("*.pt.trace.json")) - before)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 import yaml
 
 from grpo.config import ConfigError
+from grpo.files import own_dir, write_bytes, write_text
 
 SAMPLES_SHOWN = 24
 
@@ -106,8 +108,11 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     run_dir = Path(run_dir)
-    out_dir = Path(out_dir) if out_dir else run_dir / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir:  # the user's own choice of directory, link or not
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        out_dir = own_dir(run_dir / "report")
     rows = read_jsonl(run_dir / "metrics.jsonl")
     if not rows:
         raise ConfigError(
@@ -136,11 +141,13 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best")
         fig.tight_layout()
-        fig.savefig(out_dir / panel.file)
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
         plt.close(fig)
+        write_bytes(out_dir / panel.file, png.getvalue())
         figures.append(panel)
     page = out_dir / "index.html"
-    page.write_text(_html(run_dir, out_dir, rows, figures), encoding="utf-8")
+    write_text(page, _html(run_dir, out_dir, rows, figures))
     return page
 
 
@@ -223,14 +230,14 @@ def _html(run_dir: Path, out_dir: Path, rows: list[dict[str, Any]], figures: lis
     )
     summary = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _summary(run_dir, rows))
     samples = read_jsonl(run_dir / "samples.jsonl")[-SAMPLES_SHOWN:]
-    names = sorted({n for s in samples for n in (s.get("rewards") or {})})
+    names = sorted({str(n) for s in samples for n in _mapping(s.get("rewards"))})
     head = "".join(f"<th>{esc(n)}</th>" for n in names)
     body = "".join(
-        f"<tr><td>{s.get('step')}</td><td class=text>{esc(str(s.get('prompt', ''))[:300])}</td>"
+        f"<tr><td>{esc(str(s.get('step')))}</td><td class=text>{esc(str(s.get('prompt', ''))[:300])}</td>"
         f"<td class=text>{_completion_html(s)}</td><td>{_fmt(s.get('reward'))}</td>"
-        + "".join(f"<td>{_fmt((s.get('rewards') or {}).get(n))}</td>" for n in names)
+        + "".join(f"<td>{_fmt(_mapping(s.get('rewards')).get(n))}</td>" for n in names)
         + f"<td>{_fmt(s.get('advantage'))}</td>"
-        + f"<td>{s.get('length', '')}{' ✂' if s.get('truncated') else ''}</td></tr>"
+        + f"<td>{esc(str(s.get('length', '')))}{' ✂' if s.get('truncated') is True else ''}</td></tr>"
         for s in reversed(samples)
     )
     table = (
@@ -261,6 +268,11 @@ table.samples td {{ font-size: 0.85em; }}
 {table}
 </body></html>
 """
+
+
+def _mapping(value: Any) -> dict:
+    """A sample's per-function rewards; anything else a tampered file holds there shows as nothing."""
+    return value if isinstance(value, dict) else {}
 
 
 def _fmt(value: Any) -> str:

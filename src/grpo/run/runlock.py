@@ -1,8 +1,12 @@
 """One writer per run directory: a kernel lock (`flock`) on `RUN_DIR/run.lock`, held for the life of a run.
 
 The kernel drops the lock when the process ends, however it ends (SIGKILL included), so there is no
-stale pid file to clean up. The file's text says who holds it (pid, host, command, start time): only
-so the refusal can name the other process; whether the lock is held is the kernel's answer alone.
+stale pid file to clean up. The file's text says who holds it (pid, host, command with secrets masked,
+start time): only so the refusal can name the other process; whether the lock is held is the kernel's
+answer alone. A process forked by user code (a reward's multiprocessing helper) does not keep the lock:
+the forked child closes its copy of the descriptor at once, so the lock dies with the run. Should a
+holder outlive the process the file names anyway (a fork from C code), the refusal names the live
+processes that hold the file open.
 
 Several processes of one run (torchrun ranks): rank 0 takes the lock and every rank learns whether it
 got it, so either all of them go on or all stop with the same message. Other ranks write nothing into
@@ -13,6 +17,7 @@ JSONL logs are read line by line, skipping a line that is still being written.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
@@ -23,8 +28,21 @@ import time
 from pathlib import Path
 
 from grpo.config import ConfigError
+from grpo.files import open_fd
+from grpo.redact import redact_argv
 
 LOCK_FILE = "run.lock"
+_held_fds: set[int] = set()  # every lock this process holds, closed in forked children
+
+
+def _drop_inherited_locks() -> None:
+    for fd in _held_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # the parent's descriptor still holds the flock; this copy no longer does
+    _held_fds.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class RunLock:
@@ -41,26 +59,27 @@ class RunLock:
     def acquire(self) -> RunLock:
         if self._fd is not None:
             return self
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_fd(self.path, os.O_RDWR | os.O_CREAT)  # a planted link is refused, its target untouched
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _describe(self.path)
+            holder, pid = _describe(self.path, fd)
             os.close(fd)
             raise ConfigError(
                 f"{self.path.parent} is in use by another grpo run ({holder}); two runs writing one "
                 "directory would overwrite each other's checkpoints and logs. Wait for it to finish (or stop "
-                f"it: kill {_pid(self.path) or 'PID'}, which saves a checkpoint), then --resume latest "
+                f"it: kill {pid or 'PID'}, which saves a checkpoint), then --resume latest "
                 "continues it; or pass another --output-dir."
             ) from None
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
+        _held_fds.add(fd)
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "command": " ".join(sys.argv),
+            "command": " ".join(redact_argv(sys.argv)),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         }
         os.ftruncate(fd, 0)
@@ -69,6 +88,7 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            _held_fds.discard(self._fd)
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
@@ -124,16 +144,55 @@ def holding_run_lock(method):
     return wrapper
 
 
-def _describe(path: Path) -> str:
+def _describe(path: Path, fd: int) -> tuple[str, int | None]:
+    """Who holds the lock, as the refusal says it, and the pid to stop. The file names the process that
+    took the lock; if that one is gone (or the file says nothing), the live processes holding the lock
+    file open are named instead, read from /proc."""
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-        return f"pid {info['pid']} on {info['host']}, started {info['started']}: {info['command']}"
+        info = json.loads(os.pread(fd, 1 << 16, 0).decode("utf-8"))
+        pid = int(info["pid"])
+        named = f"pid {pid} on {info['host']}, started {info['started']}: {info['command']}"
     except (OSError, ValueError, KeyError, TypeError):
-        return f"its lock file {path} does not say which process holds it"
+        pid, named = None, None
+    if pid is not None and (info.get("host") != socket.gethostname() or _alive(pid)):
+        return named, pid
+    holders = _processes_holding(fd)
+    if holders:
+        who = ", ".join(f"pid {p}: {command}" for p, command in holders)
+        gone = f"pid {pid}, which took it, has ended; " if pid is not None else ""
+        return f"{gone}held by {who}", holders[0][0]
+    if named:
+        return named, pid
+    return f"its lock file {path} does not say which process holds it", None
 
 
-def _pid(path: Path) -> int | None:
+def _alive(pid: int) -> bool:
     try:
-        return int(json.loads(path.read_text(encoding="utf-8"))["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _processes_holding(fd: int) -> list[tuple[int, str]]:
+    """(pid, command line with secrets masked) of every other process with the lock file open."""
+    target = os.fstat(fd)
+    found = []
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
+    except OSError:
+        return []
+    for pid in sorted(pids):
+        try:
+            for entry in os.listdir(f"/proc/{pid}/fd"):
+                st = os.stat(f"/proc/{pid}/fd/{entry}")
+                if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                        argv = fh.read().decode("utf-8", "replace").split("\0")
+                    found.append((pid, " ".join(redact_argv([a for a in argv if a]))))
+                    break
+        except OSError:  # gone meanwhile, or not ours to look at
+            continue
+    return found
