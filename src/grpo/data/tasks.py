@@ -241,8 +241,12 @@ def required_columns(fn: Callable) -> tuple[str, ...]:
     return tuple(p.name for p in named if p.default is p.empty)
 
 
-# What the trainer hands every reward function besides the dataset's columns (TRL's contract, docs/trl.md).
-SUPPLIED = frozenset({"completion_ids", "completion_truncated", "trainer_state", "log_metric", "log_extra"})
+# What the trainer hands every reward function besides the dataset's columns (TRL's contract, docs/trl.md;
+# multi-turn episodes add their environments, their own rewards and the class that gave them).
+SUPPLIED = frozenset(
+    {"completion_ids", "completion_truncated", "trainer_state", "log_metric", "log_extra", "environments",
+     "env_reward", "env_class"}
+)  # fmt: skip
 # Names a dataset column cannot take: the trainer's own arguments would be replaced by the data's.
 RESERVED_COLUMNS = SUPPLIED | {"prompts", "completions"}
 
