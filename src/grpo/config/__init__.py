@@ -17,6 +17,7 @@ from grpo.config.errors import ConfigError, TRLConfigError
 from grpo.config.keys import ALIASES, all_paths, hint_of, resolve_key
 from grpo.config.schema import (
     BUNDLED_MODEL,
+    BUNDLED_MODELS,
     SECTIONS,
     AlgorithmConfig,
     DataConfig,
@@ -33,6 +34,7 @@ from grpo.config.tree import GRPOConfig, flatten, load_config, preset_names, rea
 __all__ = [
     "ALIASES",
     "BUNDLED_MODEL",
+    "BUNDLED_MODELS",
     "SECTIONS",
     "AlgorithmConfig",
     "ConfigError",

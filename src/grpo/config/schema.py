@@ -31,7 +31,9 @@ class Registry:
         return tuple(getattr(importlib.import_module(module), name))
 
 
-BUNDLED_MODEL = "tiny-math-lm"  # a name that resolves to the model shipped in grpo/assets
+BUNDLED_MODEL = "tiny-math-lm"  # the default policy: a name that resolves to a model in grpo/assets
+# Every model shipped in grpo/assets, by the name that resolves to it (tiny-tools-lm: the tiny_tools task).
+BUNDLED_MODELS = (BUNDLED_MODEL, "tiny-tools-lm")
 
 
 @dataclass
@@ -77,7 +79,7 @@ class ModelConfig:
 class DataConfig:
     dataset: str = _f(
         "tiny_math",
-        "Training prompts: 'tiny_math' (bundled), 'gsm8k' (openai/gsm8k from "
+        "Training prompts: 'tiny_math' or 'tiny_tools' (bundled), 'gsm8k' (openai/gsm8k from "
         "the hub), a local .jsonl/.json/.parquet/.csv file, or a hub dataset id.",
     )
     hf_path: str | None = _f(None, "Hub dataset id; overrides `dataset` (MaxText --hf_path).")

@@ -4,8 +4,8 @@ A row is a dict with a `prompt` (text, or a list of chat messages as TRL's conve
 it) plus the dataset's other columns, which reach reward functions as keyword arguments under their own
 names. A reference-answer column named otherwise (`solution`, `ground_truth`, `target`) is also copied
 to `answer`, the name this package's rewards read. Sources: a task of the registry (data/tasks.py: the
-bundled `tiny_math`, GSM8K and IFEval from the hub), local JSONL/JSON/Parquet/CSV files or hub-layout
-folders, any hub dataset (through `datasets`), or a Python list (`SimplePromptDataset`).
+bundled `tiny_math` and `tiny_tools`, GSM8K and IFEval from the hub), local JSONL/JSON/Parquet/CSV files
+or hub-layout folders, any hub dataset (through `datasets`), or a Python list (`SimplePromptDataset`).
 """
 
 from __future__ import annotations

@@ -157,6 +157,15 @@ TASKS: dict[str, Task] = {
             columns=("answer",),
         ),
         Task(
+            name="tiny_tools",  # answered with the calculator tool in the loop (configs/tiny_tools.yaml)
+            source=None,
+            reward_funcs=("gsm8k_correctness", "gsm8k_format"),
+            reward_weights=(1.0, 0.1),
+            eval_dataset="tiny_tools:test",
+            scorer=ANSWER_SCORER,
+            columns=("answer",),
+        ),
+        Task(
             name="gsm8k",
             source="openai/gsm8k",
             hub_config="main",
@@ -204,7 +213,7 @@ def _fitting(columns: Callable[[Task], tuple[str, ...]], rows: list[dict[str, An
 
 def task_of_rows(rows: list[dict[str, Any]]) -> Task | None:
     """The task whose columns the rows carry, for a local copy of a task's data (an IFEval .jsonl); None
-    when no task, or several equally specific ones (tiny_math and gsm8k share `answer`), fit."""
+    when no task, or several equally specific ones (tiny_math, tiny_tools and gsm8k share `answer`), fit."""
     fits = _fitting(lambda t: t.columns, rows)
     if not fits or (len(fits) > 1 and len(fits[1].columns) == len(fits[0].columns)):
         return None

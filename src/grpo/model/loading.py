@@ -15,21 +15,21 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo.config import BUNDLED_MODEL, ConfigError, GRPOConfig
+from grpo.config import BUNDLED_MODEL, BUNDLED_MODELS, ConfigError, GRPOConfig
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def bundled_model_path() -> str:
-    return str(resources.files("grpo.assets").joinpath(BUNDLED_MODEL))
+def bundled_model_path(name: str = BUNDLED_MODEL) -> str:
+    return str(resources.files("grpo.assets").joinpath(name))
 
 
 def resolve_path(name_or_path: str) -> str:
-    """The bundled model's name → its directory; anything else unchanged (a hub id or a path)."""
-    if name_or_path == BUNDLED_MODEL:
-        return bundled_model_path()
+    """A bundled model's name → its directory; anything else unchanged (a hub id or a path)."""
+    if name_or_path in BUNDLED_MODELS:
+        return bundled_model_path(name_or_path)
     looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists()
     if looks_local and not Path(name_or_path).expanduser().is_dir():
         raise ConfigError(

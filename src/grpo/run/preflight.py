@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from grpo.config import BUNDLED_MODEL, ConfigError, GRPOConfig
+from grpo.config import BUNDLED_MODEL, BUNDLED_MODELS, ConfigError, GRPOConfig
 from grpo.run.checkpoint import (
     CHECKPOINT_RE,
     find_resume_dir,
@@ -99,7 +99,7 @@ def check_model_paths(cfg: GRPOConfig, *, model_given: bool, tokenizer_given: bo
 
 def _local_dir(key: str, spec: str) -> Path | None:
     """The directory `spec` names, or None for the bundled model and hub ids."""
-    if spec == BUNDLED_MODEL:
+    if spec in BUNDLED_MODELS:
         return None
     if "://" in spec:
         raise ConfigError(
