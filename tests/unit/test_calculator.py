@@ -86,3 +86,14 @@ def test_transformers_builds_the_tool_schema_from_the_docstring():
     assert schema["parameters"]["required"] == ["expression"]
     expression = schema["parameters"]["properties"]["expression"]
     assert expression["type"] == "string" and "347*28" in expression["description"]
+
+
+def test_the_offline_control_shows_the_same_tool_and_never_answers():
+    import pytest
+    from transformers.utils import get_json_schema
+
+    from grpo.agents.calculator import calculator, offline_calculator
+
+    assert get_json_schema(offline_calculator) == get_json_schema(calculator)
+    with pytest.raises(RuntimeError, match="offline"):
+        offline_calculator("2+2")

@@ -90,5 +90,7 @@ def test_rows_are_matched_to_the_most_specific_task_by_their_columns():
 
 
 def test_rows_no_task_can_score_are_refused_with_what_each_task_needs():
-    with pytest.raises(ValueError, match=r"answer \(tiny_math, tiny_tools, gsm8k\) or instruction_id_list \(ifeval\)"):
+    with pytest.raises(
+        ValueError, match=r"answer \(tiny_math, tiny_tools, gsm8k\) or instruction_id_list \(ifeval\)"
+    ):
         scorer_for_rows([{"prompt": "p", "label": 1}])

@@ -103,3 +103,18 @@ def _format(value: Fraction | float) -> str:
     sign = "-" if rounded < 0 else ""
     whole, frac = divmod(int(abs(rounded) * 10**DECIMALS), 10**DECIMALS)  # exact: rounded to DECIMALS places
     return f"{sign}{whole}.{str(frac).rjust(DECIMALS, '0').rstrip('0')}"
+
+
+def offline_calculator(expression: str) -> str:
+    """The control for the tiny_tools demo: the same tool, as the prompt shows it, that never answers
+    (`--tools grpo.agents.calculator:offline_calculator`). A model that learns with it learns without a tool.
+
+    Args:
+        expression: The arithmetic expression to evaluate, e.g. "347*28" or "(12+5)*3".
+    """
+    raise RuntimeError(f"the calculator is offline; {expression!r} was not evaluated")
+
+
+# The prompt must show the same tool as with `calculator`: its name and description.
+offline_calculator.__name__ = offline_calculator.__qualname__ = "calculator"
+offline_calculator.__doc__ = calculator.__doc__
