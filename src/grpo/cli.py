@@ -159,10 +159,8 @@ def _flag_suggestions(parser: argparse.ArgumentParser, message: str) -> str:
         if not flag.startswith("--"):
             continue
         close = difflib.get_close_matches(flag, list(dest), n=6, cutoff=0.6)
-        picked: dict[str, str] = {}
-        for (
-            option
-        ) in close:  # best first; one spelling per setting (--learning-rate, not also --learning_rate)
+        picked: dict[str, str] = {}  # best first; one spelling per setting (not also --learning_rate)
+        for option in close:
             picked.setdefault(dest[option], shown[dest[option]])
         distinct = list(picked.values())[:2]
         if distinct:
@@ -288,6 +286,7 @@ def _config_source(config: str | None, overrides: dict[str, str]) -> str:
 
 
 def cmd_train(args) -> int:
+    from grpo.files import write_text
     from grpo.run.console import sweep_table
     from grpo.train import GRPOTrainer
 
@@ -320,7 +319,7 @@ def cmd_train(args) -> int:
         finished.append((redact_mapping(swept), summary, trainer.parts.run_dir))
     if args.multirun and finished:
         table = sweep_table(finished)
-        (sweep_dir / "results.txt").write_text(table + "\n", encoding="utf-8")
+        write_text(sweep_dir / "results.txt", table + "\n")
         print(f"Sweep {sweep_dir} ({len(finished)} runs; also in {sweep_dir / 'results.txt'}):\n{table}")
     return 0
 
