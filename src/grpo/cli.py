@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import itertools
 import json
 import logging
@@ -130,8 +131,42 @@ def _add_field_flags(parser, defaults: GRPOConfig, aliases: dict[str, list[str]]
 
 
 class _Parser(argparse.ArgumentParser):
+    def parse_known_args(self, args=None, namespace=None):
+        self.words = list(sys.argv[1:] if args is None else args)  # for error(): which command was given
+        return super().parse_known_args(args, namespace)
+
     def error(self, message):  # argparse echoes the arguments it rejects, a token among them
-        super().error(redact(message))
+        super().error(redact(message + _flag_suggestions(self, message)))
+
+
+_UNRECOGNIZED = "unrecognized arguments: "
+
+
+def _flag_suggestions(parser: argparse.ArgumentParser, message: str) -> str:
+    """' Did you mean --steps?' for each mistyped --flag, as a mistyped key=value gets (keys.resolve_key)."""
+    if not message.startswith(_UNRECOGNIZED):
+        return ""
+    command = parser
+    if parser._subparsers is not None:
+        choices = parser._subparsers._group_actions[0].choices
+        given = next((w for w in getattr(parser, "words", []) if w in choices), None)
+        command = choices.get(given, parser)
+    dest = {o: a.dest for a in command._actions for o in a.option_strings}
+    shown = {a.dest: a.option_strings[0] for a in reversed(command._actions) if a.option_strings}
+    hints = []
+    for word in message.removeprefix(_UNRECOGNIZED).split():
+        flag = word.partition("=")[0]
+        if not flag.startswith("--"):
+            continue
+        close = difflib.get_close_matches(flag, list(dest), n=6, cutoff=0.6)
+        picked: dict[str, str] = {}  # best first; one spelling per setting (not also --learning_rate)
+        for option in close:
+            picked.setdefault(dest[option], shown[dest[option]])
+        distinct = list(picked.values())[:2]
+        if distinct:
+            hints.append(f"{flag}: did you mean {' or '.join(distinct)}?")
+    name = command.prog.split()[-1]
+    return ". " + " ".join(hints) if hints else f". `grpo {name} --help` lists every flag."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--config_file",
         "--config-file",
         dest="config",
-        default=DEFAULT_PRESET,
-        help=f"A shipped preset name or a YAML file (default: {DEFAULT_PRESET}).",
+        default=None,
+        help=f"A shipped preset name or a YAML file (default: {DEFAULT_PRESET}; with --resume and "
+        "--output-dir X: X/config.yaml, the settings the run was started with).",
     )
     train.add_argument(
         "--multirun",
@@ -230,10 +266,32 @@ def _sweep(overrides: dict[str, str]) -> list[dict[str, str]]:
     return [dict(combo) for combo in itertools.product(*axes)]
 
 
+def _config_source(config: str | None, overrides: dict[str, str]) -> str:
+    """--config as given; else, resuming a run directory (--resume with --output-dir X), X/config.yaml:
+    the settings the run was started with, so its command need not be typed again and a preset's values
+    (its train.steps) do not quietly replace the run's. Overrides still apply on top, and the resume check
+    (run/preflight.py) still compares the result with the checkpoint's settings."""
+    if config is not None:
+        return config
+    given = {path: value for key, value in overrides.items() for path in resolve_key(key)}
+    resume, out = given.get("train.resume"), given.get("train.output_dir")
+    saved = Path(str(out)) / "config.yaml" if out else None
+    if resume and str(resume).lower() not in ("none", "null", "false") and saved and saved.is_file():
+        log.info(
+            "Resuming with %s (the run's own settings) plus the overrides given; --config picks another.",
+            saved,
+        )
+        return str(saved)
+    return DEFAULT_PRESET
+
+
 def cmd_train(args) -> int:
+    from grpo.files import write_text
+    from grpo.run.console import sweep_table
     from grpo.train import GRPOTrainer
 
     overrides = _overrides(args)
+    args.config = _config_source(args.config, overrides)
     runs = _sweep(overrides) if args.multirun else [overrides]
     sweep_dir = None
     if args.multirun:  # TorchRL/Hydra: multirun/<name>/<N>; the name is --run-name when given
@@ -243,9 +301,9 @@ def cmd_train(args) -> int:
             if "train.output_dir" in first.explicit_keys
             else Path("multirun") / (first.train.run_name or datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
         )
-    for i, run in enumerate(runs):
-        if sweep_dir is not None:
-            run = {**run, "train.output_dir": str(sweep_dir / str(i))}
+    finished = []  # (the run's overrides, its summary, its run directory), for the sweep's table
+    for i, swept in enumerate(runs):
+        run = swept if sweep_dir is None else {**swept, "train.output_dir": str(sweep_dir / str(i))}
         cfg = load_config(args.config, run)
         if args.print_config or args.dry_run:
             shown = cfg.to_yaml() if args.print_config else dry_run(cfg)
@@ -254,9 +312,15 @@ def cmd_train(args) -> int:
         if args.multirun:
             log.info("Sweep run %d/%d: %s", i + 1, len(runs), redact_mapping(run))
         trainer = GRPOTrainer(config=cfg)
-        trainer.train()
+        args.run_dir = trainer.parts.run_dir  # for the resume hint should a second Ctrl-C stop it at once
+        summary = trainer.train()
         if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM: the conventional 128 + signal
             return 128 + trainer.stop_signal
+        finished.append((redact_mapping(swept), summary, trainer.parts.run_dir))
+    if args.multirun and finished:
+        table = sweep_table(finished)
+        write_text(sweep_dir / "results.txt", table + "\n")
+        print(f"Sweep {sweep_dir} ({len(finished)} runs; also in {sweep_dir / 'results.txt'}):\n{table}")
     return 0
 
 
@@ -418,8 +482,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"grpo {args.command}: interrupted.", file=sys.stderr)
             return 130
         print(
-            f"grpo {args.command}: stopped at once, without saving; --resume latest continues from the last "
-            "checkpoint.",
+            f"grpo {args.command}: stopped at once, without saving; grpo train --resume --output-dir "
+            f"{getattr(args, 'run_dir', 'RUN_DIR')} continues the run from its last checkpoint.",
             file=sys.stderr,
         )
         return 130

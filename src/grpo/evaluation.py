@@ -9,6 +9,7 @@ also get one accuracy per value, and every accuracy has a 95% bootstrap interval
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,10 +64,12 @@ def evaluate(
     top_p: float = 1.0,
     stop_strings: list[str] | None = None,
     scorer: Scorer | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> EvalResult:
     """Generate k completions per row (greedy when k == 1) and score them with `scorer` (default: the
     scorer of the task whose columns the rows carry, `scorer_for_rows`). `sampler` is a rollout source
-    (its `sample`: the run's own engine and episodes, tools included) or a bare engine (one turn)."""
+    (its `sample`: the run's own engine and episodes, tools included) or a bare engine (one turn).
+    `progress(n)` hears of every n rows done (a progress bar's update)."""
     if not rows:
         raise ValueError("Evaluation needs at least one row.")
     scorer = scorer or scorer_for_rows(rows)
@@ -106,6 +109,8 @@ def evaluate(
             votes.append(scored.majority_correct)
             details.append(scored.detail)
             records.append(record)
+        if progress is not None:
+            progress(len(chunk))
     per_prompt = [sum(r) / len(r) for r in correct]
     result = EvalResult(accuracy=sum(per_prompt) / len(rows), n=len(rows), k=k, records=records)
     if records and "tool_calls" in records[0]:

@@ -42,6 +42,7 @@ from grpo.rewards.rollouts import score_rollouts
 from grpo.rollout.source import RolloutSource, build_source
 from grpo.run import lifecycle
 from grpo.run.assemble import RunParts, build_run, planned_steps
+from grpo.run.console import result_line
 from grpo.run.lifecycle import TrainingHalted
 from grpo.run.metrics import (
     StageTimer,
@@ -156,7 +157,7 @@ class GRPOTrainer:
             self.cfg.effective_max_new_tokens, g.temperature, g.top_k, g.top_p, stop_strings=g.stop_strings
         )
 
-    def evaluate(self) -> EvalResult | None:
+    def evaluate(self, progress: Callable[[int], object] | None = None) -> EvalResult | None:
         """Held-out accuracy through the rollout source (its engine and episodes, tools included): the one
         training samples from, or outside train() one made for this call."""
         p, t, g = self.parts, self.cfg.train, self.cfg.generation
@@ -171,7 +172,7 @@ class GRPOTrainer:
         try:
             return evaluate(
                 source, p.formatter, p.eval_rows, batch_size=t.eval_batch_size, max_new_tokens=max_new_tokens,
-                stop_strings=g.stop_strings,
+                stop_strings=g.stop_strings, progress=progress,
             )  # fmt: skip
         finally:
             if source is not self.source:
@@ -194,6 +195,7 @@ class GRPOTrainer:
     def _train(self, source: RolloutSource, stream: PromptStream) -> dict[str, float]:
         cfg, p, rt = self.cfg, self.parts, self.rt
         t, a, total_steps = cfg.train, cfg.algorithm, self.total_steps
+        started = time.perf_counter()
         learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt)
         start_step, nonfinite_total = lifecycle.resume(cfg, p, rt, learner, stream)
         source.sync_weights(start_step, learner.policy)
@@ -279,28 +281,33 @@ class GRPOTrainer:
             return summary
         lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step))
         lifecycle.save_final(cfg, p, rt, lambda: checkpoint_state(step))
-        if t.eval_after:
+        if t.eval_after or (t.eval_steps and step % t.eval_steps == 0):  # the last step's eval, as TRL has it
             summary.update(self._log_eval(report, best, step, "after"))
         report.close()
-        log.info("Done: %d steps; final model in %s", step, p.run_dir / "final_model")
-        if t.report:
-            lifecycle.write_report(p.run_dir)
+        page = lifecycle.write_report(p.run_dir) if t.report and rt.is_main else None
+        log.info(
+            result_line(
+                summary, report.first_reward, time.perf_counter() - started, p.run_dir / "final_model", page
+            )
+        )
         return summary
 
     def _log_eval(
         self, report: StepReport, best: lifecycle.BestModel, step: int, when: str
     ) -> dict[str, float]:
         start = time.perf_counter()
-        result = self.evaluate() if self.rt.is_main else None
-        if result is None:
+        if not self.rt.is_main or not self.parts.eval_rows:
             return {}
+        with report.evaluating(when, len(self.parts.eval_rows)) as progress:
+            result = self.evaluate(progress)
         metrics = eval_metrics(result, when, time.perf_counter() - start)
         report.log(step, metrics, console=False)
         log.info(
-            "Held-out accuracy %s training: %.1f%% (%d problems, greedy)",
+            "Held-out accuracy %s training: %.1f%% (%d problems of %s, greedy)",
             when,
             100 * result.accuracy,
             result.n,
+            self.parts.eval_name,
         )
         best.offer(step, metrics)
         return metrics

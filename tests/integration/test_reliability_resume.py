@@ -71,7 +71,7 @@ def test_stop_and_resume_equals_an_uninterrupted_run(assets, tmp_path, rows, len
     assert {p.name for p in split.glob("checkpoint-*")} == {f"checkpoint-{i}" for i in range(1, stop_at + 1)}
     assert not (split / "final_model").exists()
     log = (split / "train.log").read_text()
-    assert f"Stopped at step {stop_at} of" in log and "--resume latest" in log
+    assert f"Stopped at step {stop_at} of" in log and f"grpo train --resume --output-dir {split} " in log
     state = torch.load(split / f"checkpoint-{stop_at}" / "training_state.pt", weights_only=True)
     assert {k: state["data"][k] for k in ("epoch", "position")} == position
     train(assets, rows, split, resume="latest", **length)
@@ -163,7 +163,8 @@ def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(
     finally:
         signal.signal(signal.SIGTERM, before)
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "grpo train: stopped at once, without saving; --resume latest continues from the last checkpoint."
+        f"grpo train: stopped at once, without saving; grpo train --resume --output-dir {out} continues the "
+        "run from its last checkpoint."
     )
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # no .tmp left behind
     assert grpo.run.checkpoint.verify_checkpoint(out / "checkpoint-2") is None

@@ -242,7 +242,13 @@ def test_maxtext_custom_dataset_example(files, capsys):
     ]
     cfg = run(argv, capsys)
     assert cfg["data"]["hf_path"] == str(files / "custom_dataset") and cfg["data"]["hf_data_split"] == "train"
-    assert cfg["plan"]["train_rows"] == 40 and cfg["plan"]["rewards"] == ["gsm8k_correctness", "gsm8k_format"]
+    assert cfg["plan"]["rewards"] == ["gsm8k_correctness", "gsm8k_format"]
+    # 40 rows: 4 held out to evaluate on (the preset's tiny_math:test is not this data), 36 to train on
+    assert (cfg["plan"]["train_rows"], cfg["plan"]["eval_rows"], cfg["data"]["eval_dataset"]) == (
+        36,
+        4,
+        "holdout",
+    )
 
 
 def test_maxtext_custom_grpo_parameters_example(files, capsys):
@@ -387,7 +393,10 @@ def test_num_epochs_wins_over_the_preset_steps(files, capsys):
         "--dataset",
         files / "train.jsonl",
     ]
-    assert run(argv, capsys)["plan"]["steps"] == 48  # 64 rows / 4 per step × 3 epochs, not the preset's 80
+    # 64 rows less the 6 held out for evaluation (the preset's tiny_math:test is not this file's), 4 per step
+    # × 3 epochs: 3 × ceil(58 / 4) = 45, not the preset's 80
+    plan = run(argv, capsys)["plan"]
+    assert (plan["train_rows"], plan["eval_rows"], plan["steps"]) == (58, 6, 45)
     both = run([*argv, "--steps", "5"], capsys)  # both given: steps win (and the log names the conflict)
     assert both["plan"]["steps"] == 5
 
@@ -445,7 +454,9 @@ def test_torchrl_dataset_switch_brings_rewards_and_evaluation(capsys):
 
 def test_torchrl_dataset_switch_to_a_local_ifeval_file(files, capsys):
     cfg = run([f"env.dataset={files / 'ifeval.jsonl'}"], capsys)
-    assert cfg["plan"]["rewards"] == ["torchrl_ifeval"] and cfg["plan"]["eval_rows"] == 4
+    assert cfg["plan"]["rewards"] == ["torchrl_ifeval"]
+    # evaluated on a held-out row of the file (scored as IFEval), trained on the other three
+    assert (cfg["plan"]["train_rows"], cfg["plan"]["eval_rows"]) == (3, 1)
 
 
 def test_torchrl_dataset_without_answers_names_column_and_reward(files, capsys):

@@ -155,4 +155,6 @@ def test_evaluate_reports_the_four_ifeval_accuracies_pooled_per_instruction():
 def test_ifeval_preset_loads_under_both_names():
     for name in ("ifeval", "grpo_ifeval"):
         cfg = load_config(name, {"data.dataset": str(FIXTURE)})
-        assert cfg.algorithm.reward_funcs == ["torchrl_ifeval"] and cfg.data.eval_dataset == "ifeval"
+        # a local file in place of google/IFEval is evaluated on a held-out slice of itself, not the hub set
+        assert cfg.algorithm.reward_funcs == ["torchrl_ifeval"] and cfg.data.eval_dataset == "holdout"
+        assert load_config(name).data.eval_dataset == "ifeval"

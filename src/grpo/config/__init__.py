@@ -18,6 +18,7 @@ from grpo.config.keys import ALIASES, all_paths, hint_of, resolve_key
 from grpo.config.schema import (
     BUNDLED_MODEL,
     BUNDLED_MODELS,
+    EVAL_HOLDOUT,
     SECTIONS,
     AlgorithmConfig,
     DataConfig,
@@ -35,6 +36,7 @@ __all__ = [
     "ALIASES",
     "BUNDLED_MODEL",
     "BUNDLED_MODELS",
+    "EVAL_HOLDOUT",
     "SECTIONS",
     "AlgorithmConfig",
     "ConfigError",

@@ -34,6 +34,7 @@ class Registry:
 BUNDLED_MODEL = "tiny-math-lm"  # the default policy: a name that resolves to a model in grpo/assets
 # Every model shipped in grpo/assets, by the name that resolves to it (tiny-tools-lm: the tiny_tools task).
 BUNDLED_MODELS = (BUNDLED_MODEL, "tiny-tools-lm")
+EVAL_HOLDOUT = "holdout"  # data.eval_dataset: evaluate on a slice of the training rows, not trained on
 
 
 @dataclass
@@ -124,8 +125,9 @@ class DataConfig:
     )
     eval_dataset: str | None = _f(
         "tiny_math:test",
-        "Held-out prompts for evaluation (same forms as "
-        "`dataset`, with ':split' to pick a split); none disables evaluation.",
+        "Held-out prompts for evaluation (same forms as `dataset`, ':split' picks a split); none: no "
+        "evaluation; holdout: a seeded 10% (≤ 500 rows) of the training data, not trained on (chosen "
+        "when training data that is not a task replaces a preset's).",
     )
     eval_max_samples: int | None = _f(None, "Evaluate on at most this many held-out rows (first N).")
 
@@ -358,7 +360,8 @@ class TrainConfig:
     resume: str | None = _f(
         None,
         "Resume: 'latest' (the newest intact checkpoint in output_dir; a corrupt "
-        "or incomplete one is reported and skipped) or a checkpoint directory.",
+        "or incomplete one is reported and skipped) or a checkpoint directory. `grpo train --resume "
+        "--output-dir X` without --config reads X/config.yaml (overrides on top).",
     )
     allow_config_change: bool = _f(
         False,

@@ -19,6 +19,7 @@ import yaml
 from grpo.config.errors import ConfigError
 from grpo.config.keys import coerce, field_of, get_path, resolve_key, set_path
 from grpo.config.schema import (
+    EVAL_HOLDOUT,
     SECTIONS,
     AlgorithmConfig,
     DataConfig,
@@ -32,7 +33,7 @@ from grpo.config.schema import (
 )
 from grpo.config.trl import is_trl_style, translate
 from grpo.config.validate import validate
-from grpo.redact import is_secret, remember
+from grpo.redact import REDACTED, is_secret, remember
 from grpo.redact import redact as redact_text
 
 log = logging.getLogger("grpo")
@@ -111,7 +112,7 @@ class GRPOConfig:
             for section in out.values():
                 for k, v in section.items():
                     if is_secret(k) and v:
-                        section[k] = "<redacted>"
+                        section[k] = REDACTED
                     elif isinstance(v, str):  # a secret pasted into another value (a path, a URL)
                         section[k] = redact_text(v)
                     elif isinstance(v, list):
@@ -193,7 +194,8 @@ def read_config_file(spec: str) -> dict[str, Any]:
         raise ConfigError(f"Config file {spec} is not valid YAML: {e}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"Config file {spec} must hold a mapping of sections to settings.")
-    return flatten(raw)
+    # A run's saved config.yaml (resumed from, or reused) holds `<redacted>` for its secrets: not a value.
+    return {k: v for k, v in flatten(raw).items() if v != REDACTED}
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -251,6 +253,7 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
         notes.append(f"{given} = {get_path(cfg, given)} replaces the preset's {rival} = {rival_value}.")
     for key in ("data.hf_path", "data.dataset"):
         if key in explicit and get_path(cfg, key):
+            notes += _holdout_for_new_data(cfg, key)
             for path, value in task_settings(get_path(cfg, key)).items():
                 if path == "algorithm.reward_weights" and "algorithm.reward_funcs" in explicit:
                     continue  # the task's weights belong to the task's rewards, not to the user's
@@ -264,3 +267,18 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
     for note in notes:
         log.info("Config: %s", note)
     return notes
+
+
+def _holdout_for_new_data(cfg: GRPOConfig, key: str) -> list[str]:
+    """Training data the user chose that is not a task keeps no preset's evaluation set: held-out accuracy
+    on the preset's problems would say nothing about the user's data. A slice of theirs is held out."""
+    from grpo.data.tasks import find_task
+
+    spec, current = get_path(cfg, key), cfg.data.eval_dataset
+    if find_task(spec) or "data.eval_dataset" in cfg.explicit_keys or current in (None, EVAL_HOLDOUT):
+        return []
+    cfg.data.eval_dataset = EVAL_HOLDOUT
+    return [
+        f"{key} = {spec} replaces the training data: evaluating on a held-out 10% of it (not trained on) "
+        f"instead of the preset's data.eval_dataset = {current!r}; set data.eval_dataset to choose."
+    ]

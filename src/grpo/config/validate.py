@@ -313,10 +313,17 @@ def _rollout_placement(cfg: GRPOConfig) -> None:
             f"(on-policy) or rollout.mode=async (overlapped with training).{launch}"
         )
     if d.inference_devices_per_replica != 1 or d.ici_tensor_parallelism not in (-1, 1):
+        engine = cfg.generation.engine
+        how = (
+            "vLLM's own setting shards each engine: generation.vllm_tensor_parallel_size=N"
+            if engine == "vllm"
+            else f"generation.engine={engine} runs each replica on one device; shard sampling with vLLM "
+            "(generation.engine=vllm generation.vllm_tensor_parallel_size=N)"
+        )
         raise ConfigError(
-            "inference_devices_per_replica / ici_tensor_parallelism > 1 ask for tensor-parallel "
-            "rollout replicas; the transformers rollout engine runs one device per replica. Use "
-            "more replicas instead (inference_replicas=N, or rollout.replicas=N)."
+            "inference_devices_per_replica / ici_tensor_parallelism > 1 ask for tensor-parallel rollout "
+            f"replicas, which MaxText's keys cannot set here: {how}, or use more replicas "
+            "(inference_replicas=N, or rollout.replicas=N)."
         )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,24 @@ class SimplePromptDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return {"prompt": self.prompts[i], **{k: v[i] for k, v in self.columns.items()}}
+
+
+# data.eval_dataset = holdout: this share of the training rows (at least one, at most HOLDOUT_MAX) is
+# evaluated on and never trained on, drawn with its own fixed seed so every run (and every resume) on the
+# same data holds out the same rows, whatever train.seed is.
+HOLDOUT_FRACTION, HOLDOUT_MAX, HOLDOUT_SEED = 0.1, 500, 0
+
+
+def split_holdout(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(rows to train on, held-out rows), both in their original order."""
+    if len(rows) < 2:
+        raise ConfigError(
+            f"data.eval_dataset = holdout needs at least 2 training rows to hold one out (have {len(rows)}); "
+            "set data.eval_dataset to an evaluation set, or to none."
+        )
+    count = min(HOLDOUT_MAX, max(1, round(len(rows) * HOLDOUT_FRACTION)))
+    held = set(random.Random(HOLDOUT_SEED).sample(range(len(rows)), count))
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
 def bundled_task_file(name: str, split: str) -> Path:

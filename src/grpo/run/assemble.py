@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -16,8 +17,9 @@ from typing import Any
 
 import torch
 
-from grpo.config import ConfigError, GRPOConfig
+from grpo.config import EVAL_HOLDOUT, ConfigError, GRPOConfig
 from grpo.data import PromptFormatter, load_rows, rows_from_dataset
+from grpo.data.sources import split_holdout
 from grpo.data.tasks import missing_reward_columns, reserved_column_message, scorer_for_rows, task_of_rows
 from grpo.files import LogFileHandler, open_fd, write_text
 from grpo.model.loading import (
@@ -38,7 +40,7 @@ from grpo.rollout import RolloutEngine
 from grpo.rollout.episodes import EpisodeRunner, SingleTurn, build_episodes
 from grpo.run.console import StderrHandler
 from grpo.run.preflight import check_model_paths, plan_resume
-from grpo.run.runlock import lock_run_dir
+from grpo.run.runlock import LOCK_FILE, lock_run_dir
 
 log = logging.getLogger("grpo")
 
@@ -61,17 +63,21 @@ class RunParts:
     episodes: EpisodeRunner = field(default_factory=SingleTurn)  # one turn, or tools / an environment
     # An engine the caller made (tests, embedding); None: the rollout source builds and owns its own.
     engine: RolloutEngine | None = None
+    eval_name: str = ""  # the evaluation set in words (logs, closing line)
+
+
+def run_dir_of(cfg: GRPOConfig) -> Path:
+    """train.output_dir, else base_output_directory/run_name (run_name: a timestamp unless given)."""
+    t = cfg.train
+    if t.output_dir:
+        return Path(t.output_dir)
+    t.run_name = t.run_name or datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    return Path(t.base_output_directory) / t.run_name
 
 
 def make_run_dir(cfg: GRPOConfig) -> Path:
-    t = cfg.train
-    if t.output_dir:
-        run_dir = Path(t.output_dir)
-    else:
-        t.run_name = t.run_name or datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-        run_dir = Path(t.base_output_directory) / t.run_name
     # Absolute from here on: a reward that calls os.chdir must not lose the run directory.
-    run_dir = Path(os.path.abspath(run_dir))
+    run_dir = Path(os.path.abspath(run_dir_of(cfg)))
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"Output directory {run_dir} exists and is a file; pass another --output-dir.")
     try:
@@ -167,6 +173,26 @@ def setup_logging(run_dir: Path | None = None) -> None:
         logger.addHandler(handler)
 
 
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # what torch itself reads at start-up
+
+
+def cpu_threads(cfg: GRPOConfig, environ) -> tuple[int | None, str]:
+    """torch's CPU thread count for the run and where it comes from: train.num_threads when the user set
+    it; else the environment's OMP_NUM_THREADS / MKL_NUM_THREADS, which a preset's value must not silently
+    override (the tiny_math preset's 2 assumes an idle 2-core machine); else the preset's; else torch's
+    own choice (None)."""
+    n = cfg.train.num_threads
+    if n and "train.num_threads" in cfg.explicit_keys:
+        return n, "train.num_threads"
+    for name in THREAD_ENV:
+        value = environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value), f"{name}={value}" + (
+                f"; the preset's train.num_threads = {n} is not used" if n and n != int(value) else ""
+            )
+    return n, "train.num_threads from the config; OMP_NUM_THREADS or train.num_threads=N changes it"
+
+
 def build_run(
     cfg: GRPOConfig,
     *,
@@ -181,8 +207,11 @@ def build_run(
     tools=None,
     environment=None,
 ) -> RunParts:
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
+    threads, why = cpu_threads(cfg, os.environ)
+    if threads:
+        cfg.train.num_threads = threads  # what ran, in config.yaml and for Ray's workers
+        torch.set_num_threads(threads)
+        log.info("CPU threads: %d (%s).", threads, why)
     torch.manual_seed(cfg.train.seed)
     for key, value in (("tokenizer_path", tokenizer), ("name_or_path", model), ("ref_model_path", ref_model)):
         if isinstance(value, str):  # a name or path passed in place of an object
@@ -191,6 +220,7 @@ def build_run(
             setattr(
                 cfg.model, key, getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>"
             )
+    created = not run_dir_of(cfg).exists()
     run_dir = make_run_dir(cfg)
     held_a_run = holds_a_run(run_dir)  # looked at before the lock file is created
     refuse_users_files(run_dir, held_a_run)  # before the lock too, which leaves run.lock behind
@@ -213,6 +243,8 @@ def build_run(
         )
     except BaseException:
         lock.release()
+        if created and (rt is None or rt.is_main):
+            _remove_failed_start(run_dir)
         raise
     parts.lock = lock
     return parts
@@ -239,8 +271,6 @@ def _build_parts(
     resume_from = plan_resume(cfg, run_dir, clean_up=is_main)
     if resume_from is not None:  # absolute, like run_dir: a reward's os.chdir must not move it
         resume_from = Path(os.path.abspath(resume_from))
-    if is_main:  # rank 0 writes for the group
-        write_run_config(run_dir, cfg.to_yaml())
     check_model_paths(
         cfg,
         model_given=model is not None and not isinstance(model, str),
@@ -251,6 +281,11 @@ def _build_parts(
     train_rows, eval_rows, funcs = load_data_and_rewards(
         cfg, train_dataset, eval_dataset, reward_funcs, reward_model, token
     )
+    if is_main:  # rank 0 writes for the group; after the data, which may settle the rewards and eval set
+        write_run_config(run_dir, cfg.to_yaml())
+    source = "train_dataset" if train_dataset is not None else (cfg.data.hf_path or cfg.data.dataset)
+    eval_name = "eval_dataset" if eval_dataset is not None else eval_set_name(cfg, source)
+    log.info("Evaluation: %s", describe_eval_set(cfg, eval_name, eval_rows, len(train_rows)))
 
     device = resolve_device(cfg.model.device)
     compute = resolve_dtype(cfg.model.dtype, device)
@@ -326,7 +361,24 @@ def _build_parts(
         resume_from,
         compute,
         episodes=episodes,
+        eval_name=eval_name,
     )
+
+
+STARTUP_FILES = frozenset({RUN_CONFIG, "train.log", LOCK_FILE})  # all a start writes before training
+
+
+def _remove_failed_start(run_dir: Path) -> None:
+    """A start that failed before training (bad data, a missing model) leaves no run directory behind when
+    it created it: an empty timestamped directory would only be mistaken for a run. Anything else in it
+    (a file another process put there) keeps it."""
+    logger = logging.getLogger("grpo")
+    for handler in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
+        if Path(handler.baseFilename).parent == run_dir.resolve():
+            logger.removeHandler(handler)
+            handler.close()
+    if run_dir.is_dir() and all(p.name in STARTUP_FILES for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _policy(cfg: GRPOConfig, model, device: torch.device, compute: torch.dtype):
@@ -405,12 +457,73 @@ def load_data_and_rewards(
         funcs = resolve_rewards(list(task.reward_funcs))
         cfg.algorithm.reward_funcs = list(task.reward_funcs)
         cfg.algorithm.reward_weights = list(task.reward_weights) if task.reward_weights else None
-        if train_dataset is None and "data.eval_dataset" not in cfg.explicit_keys and cfg.data.eval_dataset:
+        if (
+            train_dataset is None
+            and "data.eval_dataset" not in cfg.explicit_keys
+            and cfg.data.eval_dataset not in (None, EVAL_HOLDOUT)
+        ):
             cfg.data.eval_dataset = source  # as the task's own preset does: IFEval evaluates on its prompts
         missing = missing_reward_columns(funcs, columns)
     if missing:
         raise ConfigError(_missing_columns_message(source, missing, columns, has_model))
+    if _holds_out(cfg, train_dataset, eval_dataset, train_rows):
+        train_rows, held_out = split_holdout(train_rows)
+        return train_rows, _scorable(cfg, held_out, f"the held-out slice of {source}"), funcs
     return train_rows, _eval_rows(cfg, eval_dataset, token), funcs
+
+
+def _evaluates(cfg: GRPOConfig) -> bool:
+    t = cfg.train
+    return bool(t.eval_before or t.eval_after or t.eval_steps)
+
+
+def _holds_out(cfg: GRPOConfig, train_dataset, eval_dataset, train_rows: list[dict]) -> bool:
+    """Whether evaluation runs on a held-out slice of the training rows: data.eval_dataset = holdout, or a
+    train_dataset object given without an evaluation set while evaluation is on (the built-in default
+    set, tiny_math's problems, would say nothing about it). A slice chosen for the user (not set by them)
+    that cannot be scored (no answer column) turns evaluation off instead, said in the log."""
+    if eval_dataset is not None or not _evaluates(cfg):
+        return False
+    chosen = "data.eval_dataset" in cfg.explicit_keys
+    if train_dataset is not None and not chosen and cfg.data.eval_dataset:
+        cfg.data.eval_dataset = EVAL_HOLDOUT
+    if cfg.data.eval_dataset != EVAL_HOLDOUT:
+        return False
+    try:
+        scorer_for_rows(train_rows)
+    except ValueError as e:
+        if chosen:
+            raise ConfigError(f"data.eval_dataset = holdout: {e}") from e
+        log.warning(
+            "No evaluation: the training data cannot be scored as held-out accuracy (%s) Set "
+            "data.eval_dataset to an evaluation set to have one.",
+            e,
+        )
+        cfg.data.eval_dataset = None
+        return False
+    return True
+
+
+def eval_set_name(cfg: GRPOConfig, train_source: str) -> str:
+    """data.eval_dataset in words: its spec, or which training data a held-out slice comes from."""
+    spec = cfg.data.eval_dataset
+    return f"the held-out slice of {train_source}" if spec == EVAL_HOLDOUT else spec or "eval_dataset"
+
+
+def describe_eval_set(cfg: GRPOConfig, name: str, eval_rows: list[dict], train_rows: int) -> str:
+    """The evaluation set, its size and schedule, for the start-up log ('Evaluation: ...')."""
+    t = cfg.train
+    if not eval_rows:
+        return "none (data.eval_dataset is unset or evaluation is off)"
+    during = 0 < t.eval_steps < planned_steps(cfg, train_rows)
+    when = [w for w, on in (("before", t.eval_before), (f"every {t.eval_steps} steps", during),
+                            ("after training", t.eval_after)) if on]  # fmt: skip
+    size = f"{len(eval_rows)} rows" + (
+        f", not trained on; {train_rows} rows left to train on"
+        if cfg.data.eval_dataset == EVAL_HOLDOUT
+        else ""
+    )
+    return f"{name} ({size}), greedy pass@1, {', '.join(when)}"
 
 
 def _missing_columns_message(
@@ -449,17 +562,28 @@ def planned_steps(cfg: GRPOConfig, num_rows: int) -> int:
 
 
 def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
+    spec = cfg.data.eval_dataset
     if eval_dataset is not None:
-        rows = rows_from_dataset(eval_dataset, split="test")
-    elif cfg.data.eval_dataset and (cfg.train.eval_before or cfg.train.eval_after or cfg.train.eval_steps):
-        rows = load_rows(cfg.data.eval_dataset, cfg.data, split="test", token=token)
-    else:
+        return _scorable(cfg, rows_from_dataset(eval_dataset, split="test"), "eval_dataset")
+    if not spec or not _evaluates(cfg):
         return []
+    try:
+        rows = load_rows(spec, cfg.data, split="test", token=token)
+    except ConfigError as e:  # say that it is the evaluation set, not the training data, that failed
+        raise ConfigError(
+            f"Could not load the evaluation set data.eval_dataset = {spec}: {str(e).rstrip('.')}. Set "
+            "data.eval_dataset to "
+            "another set, to 'holdout' (a slice of the training data), or to none (no evaluation)."
+        ) from e
+    return _scorable(cfg, rows, f"data.eval_dataset = {spec}")
+
+
+def _scorable(cfg: GRPOConfig, rows: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
     try:
         if rows:
             scorer_for_rows(rows)  # found out now, not after the first training steps
     except ValueError as e:
-        raise ConfigError(f"The evaluation dataset cannot be scored: {e}") from e
+        raise ConfigError(f"The evaluation set ({what}) cannot be scored: {e}") from e
     return rows[: cfg.data.eval_max_samples] if cfg.data.eval_max_samples else rows
 
 

@@ -1,4 +1,6 @@
-"""The console log handler: it writes to whatever `sys.stderr` is when a line is logged.
+"""What the console shows: the log handler, and the lines a run and a sweep end with.
+
+The log handler writes to whatever `sys.stderr` is when a line is logged.
 
 A `StreamHandler(sys.stderr)` keeps the stream it was built with. When that stream is later replaced and
 closed (pytest's capture between tests, a notebook cell's output, a second `GRPOTrainer` in the same
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 
 class StderrHandler(logging.StreamHandler):
@@ -23,3 +26,62 @@ class StderrHandler(logging.StreamHandler):
     def stream(self, value) -> None:
         # StreamHandler.__init__ and setStream assign the stream; the property always reads it afresh.
         pass
+
+
+# -- what a person reads at the end ---------------------------------------------------------------------
+def duration(seconds: float) -> str:
+    """2m14s, 45s, 1h03m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def outcome(summary: dict[str, float], first_reward: float | None) -> str:
+    """The run's headline number: held-out accuracy before → after, else the training reward."""
+    before, after = summary.get("eval/accuracy_before"), summary.get("eval/accuracy_after")
+    if before is not None and after is not None:
+        return f"held-out accuracy {before:.1%} → {after:.1%} ({100 * (after - before):+.1f})"
+    if after is not None:
+        return f"held-out accuracy {after:.1%}"
+    reward = summary.get("reward")
+    if reward is None:
+        return "no steps run"
+    start = f"{first_reward:.3f} → " if first_reward is not None else ""
+    return f"mean reward {start}{reward:.3f} (no evaluation set)"
+
+
+def result_line(
+    summary: dict[str, float], first_reward: float | None, seconds: float, model: Path, report: Path | None
+) -> str:
+    """The one line a run ends with, e.g. `held-out accuracy 39.6% → 75.6% (+36.0) in 2m14s; model in
+    runs/x/final_model; report runs/x/report/index.html`."""
+    parts = [f"{outcome(summary, first_reward)} in {duration(seconds)}", f"model in {model}"]
+    if report is not None:
+        parts.append(f"report {report}")
+    return "; ".join(parts)
+
+
+def final_metric(summary: dict[str, float]) -> tuple[str, float | None]:
+    """(name, value) of the number a sweep compares runs by: the last held-out accuracy, else the reward."""
+    for key in ("eval/accuracy_after", "eval/accuracy"):
+        if summary.get(key) is not None:
+            return "held-out accuracy", summary[key]
+    return "final reward", summary.get("reward")
+
+
+def sweep_table(runs: list[tuple[dict[str, str], dict[str, float], Path]]) -> str:
+    """A `--multirun` sweep's runs side by side: the value(s) swept → the final metric, and each run's
+    directory. `runs`: (the run's overrides, its train() summary, its run directory)."""
+    keys = [k for k in runs[0][0] if len({r[0].get(k) for r in runs}) > 1] or list(runs[0][0])[:1]
+    names = {final_metric(summary)[0] for _, summary, _ in runs}
+    metric = names.pop() if len(names) == 1 else "final metric"
+    rows = [[*keys, metric, "run dir"]]
+    for overrides, summary, run_dir in runs:
+        name, value = final_metric(summary)
+        shown = "-" if value is None else f"{value:.1%}" if name == "held-out accuracy" else f"{value:.3f}"
+        rows.append([*(str(overrides.get(k, "")) for k in keys), shown, str(run_dir)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)

@@ -162,8 +162,8 @@ def stopped_early(
     """After the checkpoint of a run that stopped before its last step: raise (non-finite steps) or warn
     (a signal)."""
     how = (
-        "Resume with the same command plus --resume latest "
-        f"(e.g. grpo train --resume latest --output-dir {run_dir})."
+        f"Resume it with: grpo train --resume --output-dir {run_dir} (the run's own config.yaml; add "
+        "overrides to change it)."
     )
     if stop_signal is None:
         raise TrainingHalted(
@@ -179,8 +179,8 @@ def stopped_early(
 def explain_failure(run_dir: Path, rank: int, step: int, error: Exception) -> None:
     found = list_checkpoints(run_dir)
     where = (
-        f"the latest checkpoint is {found[-1][1]}; resume with: grpo train --resume latest "
-        f"--output-dir {run_dir} (same settings)"
+        f"the latest checkpoint is {found[-1][1]}; resume with: grpo train --resume --output-dir {run_dir} "
+        "(the run's own config.yaml)"
         if found
         else "no checkpoint was saved yet"
     )
@@ -231,10 +231,12 @@ class BestModel:
         log.info("New best %s = %.4g at step %d; saved %s", name, value, step, path)
 
 
-def write_report(run_dir: Path) -> None:
+def write_report(run_dir: Path) -> Path | None:
+    """report/index.html (its path; the run's closing line names it), or None with a warning."""
     from grpo.run.report import write_report as write
 
     try:
-        log.info("Report: %s", write(run_dir))
+        return write(run_dir)
     except Exception as error:  # noqa: BLE001 (a report must never cost a finished run)
         log.warning("Could not write the run report: %r (retry with `grpo report %s`)", error, run_dir)
+        return None

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -255,35 +257,72 @@ class StepReport:
     def __init__(self, run_dir: Path, cfg, rt: Runtime, start_step: int, total_steps: int):
         self.t, self.total = cfg.train, total_steps
         self.logger = MetricsLogger(run_dir, cfg, cfg.to_dict(), start_step) if rt.is_main else SilentLogger()
-        quiet = not self.t.progress_bar or not rt.is_main
-        self.bar = tqdm(total=total_steps, initial=start_step, disable=quiet, desc="grpo", dynamic_ncols=True)
+        self.quiet = not self.t.progress_bar or not rt.is_main
+        self.bar = tqdm(
+            total=total_steps, initial=start_step, disable=self.quiet, desc="grpo", dynamic_ncols=True
+        )
+        self.show_kl = cfg.algorithm.beta > 0  # β = 0: no KL term, so a KL column would read 0 throughout
+        self.first_reward: float | None = None  # this process's first step, for the closing line
 
     def step(
         self, step: int, metrics: dict[str, float], scored: ScoredRollouts, advantages: torch.Tensor
     ) -> None:
         """One training step's line (every train.logging_steps, and the last), and sample completions."""
+        if self.first_reward is None:
+            self.first_reward = metrics["reward"]
         self.bar.update(1)
-        self.bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3g}")
-        last = step == self.total
-        if step % self.t.logging_steps and not last:
+        shown = {"reward": f"{metrics['reward']:.3f}"}
+        if self.show_kl:
+            shown["kl"] = f"{metrics['kl']:.3g}"
+        self.bar.set_postfix(shown)
+        if step % self.t.logging_steps and step != self.total:
             return
-        self.logger.log(step, metrics, console=not self.t.progress_bar or last)
+        # with the bar on, its one-line summary below stands for the step (once, the last step too)
+        self.logger.log(step, metrics, console=not self.t.progress_bar)
         self.logger.log_samples(step, sample_records(scored, advantages, self.t.log_samples))
         if self.t.progress_bar:
+            kl = f"| kl {metrics['kl']:.4f} " if self.show_kl else ""
             self.bar.write(
                 f"step {step}: reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f} "
-                f"| kl {metrics['kl']:.4f} | len {metrics['completion_len/mean']:.1f} "
-                f"| {metrics['time/step']:.2f}s"
+                f"{kl}| len {metrics['completion_len/mean']:.1f} | {metrics['time/step']:.2f}s"
             )
 
     def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
         self.logger.log(step, metrics, console=console)
+
+    @contextmanager
+    def evaluating(self, when: str, rows: int):
+        """A bar for one evaluation (`eval before`, rows done of `rows`), gone when it ends; yields the
+        callback evaluation.evaluate reports finished rows to. Rows finish a whole generate() batch at a
+        time (train.eval_batch_size), so on a terminal the bar is also redrawn every second: its clock shows
+        the work (in a log file that would be a line a second)."""
+        bar = tqdm(
+            total=rows,
+            desc=f"eval {when}",
+            unit="prompt",
+            leave=False,
+            disable=self.quiet,
+            dynamic_ncols=True,
+        )
+        done = threading.Event()
+        if not self.quiet and sys.stderr.isatty():
+            threading.Thread(target=_redraw_until, args=(bar, done), daemon=True).start()
+        try:
+            yield bar.update
+        finally:
+            done.set()
+            bar.close()
 
     def close_bar(self) -> None:
         self.bar.close()
 
     def close(self) -> None:
         self.logger.close()
+
+
+def _redraw_until(bar, done: threading.Event) -> None:
+    while not done.wait(1.0):
+        bar.refresh()
 
 
 # -- per-step numbers ------------------------------------------------------------------------------

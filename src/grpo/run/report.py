@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from grpo.config import ConfigError
+from grpo.config import EVAL_HOLDOUT, ConfigError
 from grpo.files import own_dir, write_bytes, write_text
 
 SAMPLES_SHOWN = 24
@@ -174,9 +174,12 @@ def _summary(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple[str, str]]
     def get(section: str, key: str) -> str:
         return str(section_of(section).get(key, "?"))
 
+    data = section_of("data")
+    trained_on = str(data.get("hf_path") or data.get("dataset") or "?")
     items = [
         ("model", get("model", "name_or_path")),
-        ("dataset", get("data", "dataset")),
+        ("dataset", trained_on),
+        ("evaluation set", _eval_set(data.get("eval_dataset"), trained_on, rows)),
         ("rewards", ", ".join(map(str, section_of("algorithm").get("reward_funcs") or [])) or "?"),
         (
             "prompts × generations",
@@ -218,6 +221,15 @@ def _completion_html(sample: dict) -> str:
         )
         parts.append(f"<b>{html.escape(str(m.get('role', '?')))}</b>: {html.escape(text)}")
     return "\n".join(parts)
+
+
+def _eval_set(spec: Any, trained_on: str, rows: list[dict[str, Any]]) -> str:
+    """data.eval_dataset as the run used it, with its size (eval/n of the last evaluation)."""
+    sizes = [r["eval/n"] for r in rows if isinstance(r.get("eval/n"), int | float)]
+    size = f" ({int(sizes[-1])} rows)" if sizes else ""
+    if spec == EVAL_HOLDOUT:
+        return f"a held-out slice of {trained_on}, not trained on{size}"
+    return f"{spec}{size}" if spec else "none"
 
 
 def _html(run_dir: Path, out_dir: Path, rows: list[dict[str, Any]], figures: list[Panel]) -> str:
