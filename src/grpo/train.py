@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +37,7 @@ from grpo.distributed.roles import apply_role_plan
 from grpo.evaluation import EvalResult, evaluate
 from grpo.learner import Learner
 from grpo.records import PromptBatch, Rollouts, SamplingParams, ScoredRollouts, build_train_batch
+from grpo.rewards.isolation import RewardInterrupted
 from grpo.rewards.rollouts import score_rollouts
 from grpo.rollout.source import RolloutSource, build_source
 from grpo.run import lifecycle
@@ -214,21 +214,24 @@ class GRPOTrainer:
                 max_new_tokens=length_limit, trainer_state=state,
             )  # fmt: skip
 
-        def checkpoint_state(step: int) -> dict:
-            return lifecycle.training_state(rt, step, learner, source.data_state(), nonfinite_total)
+        def checkpoint_state(step: int, data: dict | None = None) -> dict:
+            return lifecycle.training_state(rt, step, learner, data or source.data_state(), nonfinite_total)
 
         step = self.step = start_step
+        progress = lifecycle.Progress(start_step)
+        data_at_stop = None  # the prompt position before a step a stop signal cut short
         with lifecycle.running(
             self.stops, p.run_dir, rt.rank, lambda: step, (profiler.close, report.close_bar)
         ):
-            while step < total_steps:
-                if rt.any(self.stops.signal is not None):  # every rank stops at the same step
-                    self.stops.signal = self.stops.signal or signal.SIGTERM
-                    break
+            while step < total_steps and not self.stops.agreed(rt):  # every rank stops at the same step
                 step = self.step = step + 1
                 profiler.before_step(step)
                 timer, step_start = StageTimer(), time.perf_counter()
+                data_before = source.data_state()
                 scored, sampling_stats = collect(source, score, p.tokenizer, a, t.prompts_per_step, timer)
+                if scored is None:  # a stop signal, and a reward call that would not finish: drop the step
+                    step, data_at_stop = step - 1, data_before
+                    break
                 group_ids = scored.rollouts.group_ids  # [N]
                 advantages = group_advantages(scored.rewards, group_ids, a.advantage_scale, a.advantage_eps)
                 # The sampler's log-probs [N, T] are π_old itself when they are the learner's own (exact
@@ -249,6 +252,7 @@ class GRPOTrainer:
                 with timer("weight_sync"):
                     source.sync_weights(step, learner.policy)
                 nonfinite_total += stats.skipped
+                progress.step(step, scored.rewards, advantages, stats.skipped, stats.grad_norm)
                 seconds = time.perf_counter() - step_start
                 metrics = {
                     **step_metrics(scored, advantages, sampling_stats, stats.as_dict()),
@@ -264,32 +268,34 @@ class GRPOTrainer:
                 metrics = reduce_metrics(rt, metrics)
                 summary.update(metrics)
                 report.step(step, metrics, scored, advantages)
-                if t.eval_steps and step % t.eval_steps == 0 and step != total_steps:
-                    summary.update(self._log_eval(report, best, step, "during"))
-                if t.save_steps and step % t.save_steps == 0 and step != total_steps:
-                    lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step))
+                lifecycle.between_steps(
+                    t, step, total_steps,
+                    evaluate=lambda at: summary.update(self._log_eval(report, best, at, "during")),
+                    save=lambda at: lifecycle.save_checkpoint(cfg, p, rt, at, checkpoint_state(at)),
+                )  # fmt: skip
                 profiler.after_step(step)
                 if 0 < t.stop_after_nonfinite_steps <= learner.nonfinite_in_a_row:
                     break
         if step < total_steps:  # stopped early: a signal, or non-finite steps
             with self.stops.watching():  # a second signal during this save: exit 130, said so
-                where = lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step))
+                where = lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step, data_at_stop))
             report.close()
             lifecycle.stopped_early(
                 p.run_dir, step, total_steps, self.stop_signal, where, learner.nonfinite_in_a_row
             )
             return summary
-        lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step))
-        lifecycle.save_final(cfg, p, rt, lambda: checkpoint_state(step))
-        if t.eval_after or (t.eval_steps and step % t.eval_steps == 0):  # the last step's eval, as TRL has it
+        with self.stops.watching():  # a signal now lets the final saves finish; a second one: exit 130
+            lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step))
+            lifecycle.save_final(cfg, p, rt, lambda: checkpoint_state(step))
+        last_eval = t.eval_after or (t.eval_steps and step % t.eval_steps == 0)  # the last step's, as TRL
+        if last_eval and self.stop_signal is None:
             summary.update(self._log_eval(report, best, step, "after"))
         report.close()
-        page = lifecycle.write_report(p.run_dir) if t.report and rt.is_main else None
-        log.info(
-            result_line(
-                summary, report.first_reward, time.perf_counter() - started, p.run_dir / "final_model", page
-            )
-        )
+        # the result line only after a step that changed the weights (lifecycle.Progress says why not)
+        if progress.finish(step, p.run_dir / "final_model", self.stop_signal):
+            page = lifecycle.write_report(p.run_dir) if t.report and rt.is_main else None
+            final = p.run_dir / "final_model"
+            log.info(result_line(summary, report.first_reward, time.perf_counter() - started, final, page))
         return summary
 
     def _log_eval(
@@ -318,9 +324,9 @@ Score = Callable[[PromptBatch, Rollouts, list[str], int], ScoredRollouts]
 
 def collect(
     source: RolloutSource, score: Score, tokenizer, a: AlgorithmConfig, want: int, timer: StageTimer
-) -> tuple[ScoredRollouts, dict[str, float]]:
+) -> tuple[ScoredRollouts | None, dict[str, float]]:
     """One scored round, or (DAPO dynamic sampling) rounds until `want` prompts with reward spread are in
-    hand."""
+    hand. (None, {}) when a stop signal cut a reward call short (rewards/isolation.py)."""
     kept, drawn, informative, rounds, last = [], 0, 0, 0, None
     while rounds < (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 1):
         rounds += 1
@@ -328,7 +334,11 @@ def collect(
             prompts, rollouts, lag = source.next_batch()
             texts = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
         with timer("reward"):
-            last = score(prompts, rollouts, texts, lag)
+            try:
+                last = score(prompts, rollouts, texts, lag)
+            except RewardInterrupted as stopped:
+                log.warning("Stopping: %s, so it was killed and this step is dropped.", stopped)
+                return None, {}
         spread = informative_prompts(last.rewards, last.rollouts.group_ids, last.num_prompts)  # [P]
         drawn, informative = drawn + last.num_prompts, informative + int(spread.sum())
         if not a.dynamic_sampling:

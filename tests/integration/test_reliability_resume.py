@@ -150,6 +150,8 @@ def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(
         steps=6,
         save_steps=2,
         reward_funcs=[f"{__name__}:TERM_AT", "gsm8k_format"],
+        # TERM_AT counts its calls and signals the trainer's thread: named by path, it must be kept in-process
+        reward_isolation="thread",
     )
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(settings))

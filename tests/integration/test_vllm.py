@@ -152,6 +152,18 @@ def test_weight_sync_changes_outputs_and_then_matches_native(parts):
     _same_rollouts(_greedy(engine, prompts), before)
 
 
+def test_a_weight_sync_writes_nothing_to_the_console(parts, capfd):
+    """Issue 24: every sync printed a "Loading safetensors checkpoint shards" bar and "RotaryEmbedding:
+    Failed to load weights" (73 times in the demo); a sync is silent now."""
+    model, _, engine, _ = parts
+    capfd.readouterr()
+    engine.sync_weights(model)
+    engine.sync_weights(model)
+    out, err = capfd.readouterr()
+    assert "Loading safetensors checkpoint shards" not in out + err
+    assert "Failed to load weights" not in out + err
+
+
 def test_short_training_run_logs_mismatch_and_syncs(tmp_path: Path):
     """`grpo train generation.engine=vllm` in its own process (vLLM keeps process-wide state)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}

@@ -37,7 +37,14 @@ def save(run: Path, step: int, model=None) -> Path:
         model or tiny_llama(),
         FileTokenizer(),
         "seed: 1\n",
-        {"step": step, "rng": rng_state()},
+        {
+            "step": step,
+            "rng": rng_state(),
+            "learner": {"optimizer": {}, "scheduler": {}},
+            "data": {},
+            "nonfinite_in_a_row": 0,
+            "nonfinite_total": 0,
+        },
     )
 
 

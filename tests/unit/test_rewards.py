@@ -241,9 +241,9 @@ def test_score_completions_rejects_non_finite_rewards_naming_function_sample_and
 
 
 def test_score_completions_rejects_wrong_length_and_wrong_types():
-    with pytest.raises(ValueError, match=r"'constant' returned 1 rewards, expected 2"):
+    with pytest.raises(RewardError, match=r"'constant' returned 1 rewards for 2 completions"):
         score_completions([_constant([1.0])], None, ["a", "b"], ["x", "y"], {})
-    with pytest.raises(TypeError, match="'constant' returned 'high'"):
+    with pytest.raises(RewardError, match="'constant' returned 'high'"):
         score_completions([_constant(["high", 1.0])], None, ["a", "b"], ["x", "y"], {})
     with pytest.raises(ValueError, match="2 reward weights for 1 reward functions"):
         score_completions([_constant([1.0])], [1.0, 2.0], ["a"], ["x"], {})

@@ -100,16 +100,16 @@ def test_unknown_names_still_fail_with_a_suggestion():
 @pytest.mark.parametrize(
     "argv,expected",
     [
-        (["train", "--resume"], {"train.resume": "latest"}),
-        (["train", "--resume", "optimizer.lr=2e-5"], {"train.resume": "latest", "optimizer.lr": "2e-5"}),
-        (["train", "--resume", "runs/x/checkpoint-4"], {"train.resume": "runs/x/checkpoint-4"}),
-        (["train", "--dynamic-sampling", "beta=0"], {"algorithm.dynamic_sampling": "true", "beta": "0"}),
+        (["train", "--resume"], {"--resume": "latest"}),
+        (["train", "--resume", "optimizer.lr=2e-5"], {"--resume": "latest", "optimizer.lr": "2e-5"}),
+        (["train", "--resume", "runs/x/checkpoint-4"], {"--resume": "runs/x/checkpoint-4"}),
+        (["train", "--dynamic-sampling", "beta=0"], {"--dynamic-sampling": "true", "beta": "0"}),
     ],
 )
 def test_bare_resume_means_latest(argv, expected):
     parser = build_parser()
     args = parser.parse_args(_assignments_first(parser, argv))
-    assert _overrides(args) == expected
+    assert dict(_overrides(args)) == expected  # (the flag as typed, its value), in order
 
 
 def test_chat_template_kwargs_from_the_command_line_and_from_trl():

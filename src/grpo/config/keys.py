@@ -14,10 +14,9 @@ import types
 import typing
 from typing import Any
 
-import yaml
-
 from grpo.config.errors import ConfigError
 from grpo.config.schema import SECTIONS, Registry
+from grpo.config.yaml_limits import YAMLSyntaxError, load_yaml
 
 # Names used by the seed projects (plain PyTorch GRPO, MaxText/Tunix, TorchRL) → our dotted paths.
 ALIASES: dict[str, str | tuple[str, ...]] = {
@@ -233,7 +232,7 @@ def coerce(path: str, value: Any) -> Any:
     """Convert `value` (possibly a string from the command line) to the field's type, or explain."""
     hint, optional = _without_none(hint_of(path))
     if isinstance(value, str):
-        value = _from_text(value, hint, optional)
+        value = _from_text(value, hint, optional, path)
     if value is None:
         if optional:
             return None
@@ -264,15 +263,15 @@ def _without_none(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def _from_text(text: str, hint: Any, optional: bool) -> Any:
+def _from_text(text: str, hint: Any, optional: bool, path: str) -> Any:
     """A command-line string read as YAML would read it (`3`, `true`, `[a, b]`), unless the field is text."""
     if optional and text.strip().lower() in ("none", "null", "~", ""):
         return None
     if hint is str:
         return text
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:  # e.g. an unbalanced bracket: left as text for the type check to name
+        return load_yaml(text, f"The value of {path}")
+    except YAMLSyntaxError:  # e.g. an unbalanced bracket: left as text for the type check to name
         return text
 
 

@@ -263,6 +263,15 @@ class AlgorithmConfig:
         "samples as missing, count them in reward/skipped).",
         choices=("stop", "skip"),
     )
+    reward_isolation: str = _f(
+        "auto",
+        "Where your reward functions run: process (a forked child per call, so reward_timeout and "
+        "SIGINT/SIGTERM stop even code stuck in C; state a function changes stays in the child), "
+        "thread (in the trainer's process: state persists, but code that holds the GIL cannot be "
+        "stopped), or auto: process for functions named by import path in the config, thread for "
+        "functions and objects passed in Python. This package's own rewards always run in-process.",
+        choices=("auto", "process", "thread"),
+    )
     loss_aggregation: str = _f(
         "sequence_mean",
         "sequence_mean (GRPO paper), token_mean (DAPO/BNPO) or constant (Dr. GRPO).",

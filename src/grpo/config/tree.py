@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import logging
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -33,6 +34,7 @@ from grpo.config.schema import (
 )
 from grpo.config.trl import is_trl_style, translate
 from grpo.config.validate import validate
+from grpo.config.yaml_limits import load_yaml
 from grpo.redact import REDACTED, is_secret, remember
 from grpo.redact import redact as redact_text
 
@@ -59,31 +61,63 @@ class GRPOConfig:
         for section, cls in SECTIONS.items():
             object.__setattr__(self, section, cls())
         object.__setattr__(self, "_explicit", set())  # dotted paths the user set (not a preset or default)
+        object.__setattr__(self, "_origins", {})  # dotted path -> where its value came from
         if is_trl_style(kwargs):  # TRL's field names and defaults (docs/trl.md)
             kwargs = translate(kwargs)
-        flat = {}
+        flat: list[tuple[str, Any]] = []
         for key, value in kwargs.items():
             if key in SECTIONS and isinstance(value, (dict, SECTIONS[key])):
                 items = dataclasses.asdict(value) if not isinstance(value, dict) else value
-                flat.update({f"{key}.{k}": v for k, v in items.items()})
+                flat.extend((f"{key}.{k}", v) for k, v in items.items())
             else:
-                flat[key] = value
-        self.update(flat)
+                flat.append((key, value))
+        self.update(flat, origin="the keyword arguments")
         if flat:
             apply_user_precedence(self)
 
-    def update(self, overrides: dict[str, Any], explicit: bool = True) -> GRPOConfig:
-        """Apply settings. `explicit=False` marks them as a preset's or file's, which a value the user
-        gives for a competing key replaces (see `apply_user_precedence`)."""
-        for key, value in overrides.items():
-            for path in resolve_key(key):
+    def update(
+        self,
+        overrides: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        explicit: bool = True,
+        origin: str = "the settings given",
+    ) -> GRPOConfig:
+        """Apply one layer of settings (a preset, a file, the command line: docs say their order), recording
+        each one's `origin`. `explicit=False` marks them as a preset's or file's, which a value the user
+        gives for a competing key replaces (see `apply_user_precedence`).
+
+        One layer sets each setting once: two keys for the same field (`kl_coef` and `algorithm.beta`,
+        `optimizer.lr=` and `--learning-rate`) are an error naming both, whatever their order. The one
+        exception is documented: a key for one field refines an alias for several (`epsilon=0.2
+        epsilon_high=0.28`)."""
+        pairs = overrides.items() if isinstance(overrides, Mapping) else overrides
+        given: dict[str, tuple[str, bool]] = {}  # path -> (the key that set it, whether it names several)
+        for key, value in pairs:
+            paths = resolve_key(key)
+            broad = len(paths) > 1
+            for path in paths:
+                if path in given:
+                    first, first_broad = given[path]
+                    if broad and not first_broad:
+                        continue  # the key naming this field alone wins over an alias naming several
+                    if broad == first_broad:
+                        raise ConfigError(
+                            f"{path} is set twice in {origin}: by '{first}' and by '{key}'. Give it once "
+                            "(settings apply in order: defaults, the preset or --config file, then the "
+                            "command line; within one of them, each setting once)."
+                        )
                 section, name = path.split(".")
                 setattr(getattr(self, section), name, coerce(path, value))
+                given[path] = (str(key), broad)
+                self._origins[path] = f"{origin} ({key})" if str(key) != path else origin
                 if explicit:
                     self._explicit.add(path)
                 if is_secret(name):
                     remember([value])
         return self
+
+    def origin_of(self, path: str) -> str:
+        """Where a setting's value came from: 'the command line (lr)', 'config file c.yaml', 'default'."""
+        return self._origins.get(path, "default")
 
     @property
     def explicit_keys(self) -> frozenset[str]:
@@ -169,7 +203,8 @@ def preset_names() -> list[str]:
 def read_config_file(spec: str) -> dict[str, Any]:
     """A shipped preset by name (`tiny_math`, `gsm8k`) or a YAML file path → flat {dotted.key: value}."""
     path = Path(spec)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    is_file = path.suffix in (".yaml", ".yml") or path.exists()
+    if is_file:
         if not path.is_file():
             raise ConfigError(
                 f"Config file {spec} does not exist. Shipped presets: {', '.join(preset_names())}."
@@ -188,34 +223,50 @@ def read_config_file(spec: str) -> dict[str, Any]:
                 "or pass a path to a .yaml file."
             )
         text = resources.files("grpo.configs").joinpath(f"{name}.yaml").read_text(encoding="utf-8")
-    try:
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"Config file {spec} is not valid YAML: {e}") from e
+    raw = load_yaml(text, f"Config file {spec}") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"Config file {spec} must hold a mapping of sections to settings.")
     # A run's saved config.yaml (resumed from, or reused) holds `<redacted>` for its secrets: not a value.
-    return {k: v for k, v in flatten(raw).items() if v != REDACTED}
+    flat = flatten(raw, where=f"{'config file' if is_file else 'preset'} {spec}")
+    return {k: v for k, v in flat.items() if v != REDACTED}
 
 
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict[str, Any], prefix: str = "", where: str = "the config") -> dict[str, Any]:
+    """{section: {key: v}} and {"section.key": v} → {"section.key": v}; the same setting written both ways
+    (`optim.learning_rate:` and `optim: {learning_rate:}`) is an error naming both."""
     flat: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and dotted in SECTIONS:
-            flat.update(flatten(value, dotted + "."))
+            inner = flatten(value, dotted + ".", where)
+            spellings = {k: f"'{dotted}:' > '{k.split('.', 1)[1]}'" for k in inner}
         else:
-            flat[dotted] = value
+            inner, spellings = {dotted: value}, {dotted: f"'{dotted}'"}
+        for k, v in inner.items():
+            if k in flat:
+                raise ConfigError(
+                    f"{k} is set twice in {where}: as {spelled[k]} and as {spellings[k]}. Keep one."
+                )
+            flat[k], spelled[k] = v, spellings[k]
     return flat
 
 
-def load_config(config: str | None = None, overrides: dict[str, Any] | None = None) -> GRPOConfig:
+def load_config(
+    config: str | None = None,
+    overrides: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
+    origin: str = "the overrides",
+) -> GRPOConfig:
     """Defaults ← preset/file ← overrides, validated. A value the user gives wins over the preset's,
-    also where it competes with another key the preset set (`apply_user_precedence`)."""
+    also where it competes with another key the preset set (`apply_user_precedence`). Within the file,
+    and within the overrides, each setting may be given once (`GRPOConfig.update`)."""
     cfg = GRPOConfig()
     if config:
-        cfg.update(read_config_file(config), explicit=False)
-    cfg.update(overrides or {})
+        kind = (
+            "config file" if Path(config).suffix in (".yaml", ".yml") or Path(config).exists() else "preset"
+        )
+        cfg.update(read_config_file(config), explicit=False, origin=f"{kind} {config}")
+    cfg.update(overrides or {}, origin=origin)
     apply_user_precedence(cfg)
     return cfg.validate()
 

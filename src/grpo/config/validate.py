@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from grpo.config.errors import ConfigError
 from grpo.config.keys import choices_of, get_path
 from grpo.config.schema import SECTIONS
+from grpo.ranges import INT_LIMIT, MAX_SECONDS, REWARD_LIMIT, check_range
 
 if TYPE_CHECKING:
     from grpo.config.tree import GRPOConfig
@@ -47,20 +48,54 @@ def validate(cfg: GRPOConfig) -> None:
         _env,
         _runtime_values,
         _devices_and_names,
+        _integers,
     ):
         check(cfg)
+
+
+# Where the math (or the library a value is handed to) holds, beyond the type and the checks below:
+# (low, high, low_open). Every number of every field also passes check_range: finite, and an int
+# within ±INT_LIMIT (grpo/ranges.py).
+RANGES = {
+    "optim.learning_rate": (0.0, 1.0, True),  # AdamW's step is ~lr per parameter: above 1 it diverges
+    "algorithm.reward_weights": (-REWARD_LIMIT, REWARD_LIMIT, False),  # Σ w·r is checked against it too
+    "algorithm.overlong_penalty": (-REWARD_LIMIT, REWARD_LIMIT, False),
+    "algorithm.entropy_coef": (-REWARD_LIMIT, REWARD_LIMIT, False),
+    "algorithm.beta": (0.0, REWARD_LIMIT, False),
+    "algorithm.reward_timeout": (0.0, MAX_SECONDS, True),  # threading's timeouts overflow past ~1e9 s
+    "distributed.timeout_s": (0.0, MAX_SECONDS, True),
+}
 
 
 def _fields(cfg: GRPOConfig) -> None:
     for section in SECTIONS:
         for f in dataclasses.fields(getattr(cfg, section)):
-            choices = choices_of(f"{section}.{f.name}")
+            path = f"{section}.{f.name}"
+            choices = choices_of(path)
             value = getattr(getattr(cfg, section), f.name)
             if choices and value not in choices:
-                raise ConfigError(f"{section}.{f.name} = {value!r} is not one of {', '.join(choices)}.")
-            floats = value if isinstance(value, list) else [value]
-            if any(isinstance(v, float) and not math.isfinite(v) for v in floats):
-                raise ConfigError(f"{section}.{f.name} must be a finite number, got {value!r}.")
+                raise ConfigError(f"{path} = {value!r} is not one of {', '.join(choices)}.")
+            numbers = [v for v in (value if isinstance(value, list) else [value]) if _is_number(v)]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+                raise ConfigError(f"{path} must be a finite number, got {value!r}.")
+            if path in RANGES:
+                low, high, low_open = RANGES[path]
+                for v in numbers:
+                    check_range(v, path, low, high, low_open=low_open, error=ConfigError)
+
+
+def _integers(cfg: GRPOConfig) -> None:
+    """Last, after the checks with their own words: every integer setting within ±INT_LIMIT."""
+    for section in SECTIONS:
+        for f in dataclasses.fields(getattr(cfg, section)):
+            value = getattr(getattr(cfg, section), f.name)
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, int) and not isinstance(v, bool):
+                    check_range(v, f"{section}.{f.name}", -INT_LIMIT, INT_LIMIT, error=ConfigError)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _sizes(cfg: GRPOConfig) -> None:

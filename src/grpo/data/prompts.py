@@ -40,9 +40,25 @@ class PromptFormatter:
             return "\n".join(m["content"] for m in messages)
         if self.cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(self.cfg.chat_template_kwargs or {})
-        )
+        return self._render(messages)
+
+    def _render(self, messages: list) -> str:
+        """The chat template applied; a template that refuses the messages (an unknown role, a sandbox
+        violation, raise_exception) is a ConfigError naming the roles and the template's words."""
+        import jinja2
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **(self.cfg.chat_template_kwargs or {})
+            )
+        except jinja2.TemplateError as e:
+            roles = [m.get("role") if isinstance(m, dict) else type(m).__name__ for m in messages]
+            raise ConfigError(
+                f"The tokenizer's chat template failed on a prompt with roles {roles}: {type(e).__name__}: "
+                f"{str(e)[:300]}. Use the roles the template knows (usually system, user, assistant), or "
+                "fix the template (tokenizer_config.json / chat_template.jinja); "
+                "data.use_chat_template=false sends prompts without it."
+            ) from None
 
     def messages(self, prompt: str | list[dict[str, str]]) -> list[dict[str, str]]:
         """A prompt as the conversation a multi-turn episode starts from (with data.system_prompt)."""
@@ -63,9 +79,7 @@ class PromptFormatter:
         if not hasattr(self, "_template_head"):
             marker = "\x00prompt\x00"
             messages = [{"role": "user", "content": marker}]
-            rendered = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **(self.cfg.chat_template_kwargs or {})
-            )
+            rendered = self._render(messages)
             self._template_head = rendered.partition(marker)[0]
         return bool(self._template_head.strip()) and prompt.startswith(self._template_head)
 
@@ -88,6 +102,15 @@ class PromptFormatter:
             )
             ids = [x[-limit:] for x in ids]
         return ids
+
+    def longest(self, rows: list[dict[str, Any]]) -> int:
+        """The most tokens any row's prompt takes, formatted as the run sends it (every row tokenized)."""
+        if not rows:
+            return 0
+        texts = [self.text(r["prompt"]) for r in rows]
+        return max(
+            len(ids) for ids in self.tokenizer(texts, add_special_tokens=not self.templated)["input_ids"]
+        )
 
     def check_lengths(self, rows: list[dict[str, Any]], margin: int = 8) -> None:
         """Measure every prompt before training, so an over-long one stops the run at start-up, not hours in.

@@ -64,7 +64,7 @@ def autocast(device: torch.device, compute_dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=compute_dtype)
 
 
-def _hub_kwargs(cfg: GRPOConfig) -> dict:
+def hub_kwargs(cfg: GRPOConfig) -> dict:
     return {
         "revision": cfg.model.revision,
         "token": cfg.hf_token(),
@@ -75,7 +75,7 @@ def _hub_kwargs(cfg: GRPOConfig) -> dict:
 def load_tokenizer(cfg: GRPOConfig):
     path = resolve_path(cfg.model.tokenizer_path or cfg.model.name_or_path)
     try:
-        tok = AutoTokenizer.from_pretrained(path, **_hub_kwargs(cfg))
+        tok = AutoTokenizer.from_pretrained(path, **hub_kwargs(cfg))
     except (OSError, ValueError) as e:
         raise ConfigError(f"Could not load a tokenizer from '{path}': {_why(e)}") from e
     return prepare_tokenizer(tok)
@@ -115,7 +115,7 @@ def load_causal_lm(name_or_path: str, cfg: GRPOConfig, device: torch.device, tra
     dtype = torch.float32 if trainable else resolve_dtype(cfg.model.dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, use_safetensors=True, **_hub_kwargs(cfg)
+            path, dtype=dtype, use_safetensors=True, **hub_kwargs(cfg)
         )
     except (OSError, ValueError) as e:
         raise ConfigError(f"Could not load a causal LM from '{path}': {_why(e)}") from e

@@ -10,6 +10,7 @@ import difflib
 import importlib
 
 from grpo.rewards.ifeval import check_instructions, ifeval_strict, torchrl_ifeval
+from grpo.rewards.isolation import mark_named_by_path
 from grpo.rewards.math import (
     extract_answer,
     gsm8k_correctness,
@@ -115,4 +116,5 @@ def _import_reward(spec: str) -> RewardFunction:
         target = getattr(target, attribute)
     if not callable(target):
         raise TypeError(f"reward {spec!r} resolved to a {type(target).__name__}, which is not callable")
+    mark_named_by_path(target)
     return target

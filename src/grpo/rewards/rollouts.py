@@ -38,6 +38,7 @@ def score_rollouts(
         columns,
         timeout=a.reward_timeout,
         on_error=a.reward_on_error,
+        isolation=a.reward_isolation,
         extras={"trainer_state": trainer_state},
     )
     shaping = overlong_penalty(rollouts.lengths, max_new_tokens, a.overlong_buffer, a.overlong_penalty)  # [N]

@@ -26,18 +26,24 @@ import asyncio
 import copy
 import inspect
 import logging
+import math
 import numbers
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from math import isfinite, nan
+from math import nan
 
 import torch
+
+from grpo.ranges import REWARD_LIMIT, OutOfRangeError, check_range
+from grpo.rewards.isolation import ISOLATIONS, Unpicklable, call_in_child, isolated
 
 log = logging.getLogger("grpo")
 
 RewardFunction = Callable[..., list[float | None]]
 ON_ERROR = ("stop", "skip")
+# Keyword arguments every reward call gets from the trainer; a dataset column may not share their names.
+REWARD_ARGUMENTS = ("prompts", "completions", "trainer_state", "log_metric", "log_extra")
 _CHARS_IN_ERRORS = 200
 _SKIP_HINT = "Set algorithm.reward_on_error=skip to score such samples as missing and go on."
 
@@ -51,7 +57,11 @@ class RewardTimeoutError(RewardError, TimeoutError):
 
 
 class NonFiniteRewardError(RewardError, ValueError):
-    """A reward function returned NaN or ±inf."""
+    """A reward function returned NaN, ±inf, or a value outside ±REWARD_LIMIT."""
+
+
+class RewardContractError(RewardError, TypeError):
+    """A reward function returned something other than one number (or None) per sample."""
 
 
 @dataclass
@@ -111,6 +121,7 @@ def score_completions(
     timeout: float | None = None,
     on_error: str = "stop",
     extras: dict | None = None,
+    isolation: str = "thread",
 ) -> RewardScores:
     """Calls each function on the whole batch (guarded as the module docstring says) and sums with weights.
 
@@ -118,11 +129,17 @@ def score_completions(
     applies only to some samples does not drag the others down. A sample on which every function
     returned None has total NaN: it is "not scored", and the advantages leave it out of its group's baseline.
     `extras` are batch-wide keyword arguments (not one value per sample), e.g. `trainer_state`.
+    `isolation`: "process" runs each user function in a forked child (rewards/isolation.py) that a time
+    limit or a stop signal can kill; "thread" calls it in this process; "auto" forks for the functions
+    the config named by import path. This package's own functions always run in-process.
     """
     if not funcs:
         raise ValueError("score_completions needs at least one reward function")
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
+    isolate = isolation
     weights = [1.0] * len(funcs) if weights is None else list(weights)
     if len(weights) != len(funcs):
         raise ValueError(f"got {len(weights)} reward weights for {len(funcs)} reward functions")
@@ -135,30 +152,54 @@ def score_completions(
         **(extras or {}),
     }
     batch = {"prompts": prompts, "completions": completions, **columns}
-    raw = _call_all(funcs, batch, timeout, extras)  # list per function: rewards or _Failure
+    call = _Call(timeout, extras, isolate)
+    raw = _call_all(funcs, batch, call)  # list per function: rewards or _Failure
     rows, skipped = [], 0
     for fn, name, result in zip(funcs, names, raw, strict=True):
-        checked, dropped = _checked(fn, name, result, batch, timeout, on_error, extras)
+        checked, dropped = _checked(fn, name, result, batch, call, on_error)
         rows.append(checked)
         skipped += dropped
     per_function = torch.tensor(rows, dtype=torch.float32).T  # [N, F]
     weighted = per_function * torch.tensor(weights, dtype=torch.float32)  # [N, F]
     unscored = per_function.isnan().all(dim=1)  # [N] every function returned None
+    total = torch.nansum(weighted, dim=1).masked_fill(unscored, nan)  # [N]
+    _check_totals(total, names, weights, batch)
     return RewardScores(
         per_function=per_function,
         names=names,
-        total=torch.nansum(weighted, dim=1).masked_fill(unscored, nan),  # [N]
+        total=total,
         none_applicable=int(unscored.sum()),
         skipped=skipped,
         logged={k: sum(v) / len(v) for k, v in logged.items()},
     )
 
 
+def _check_totals(total: torch.Tensor, names: list[str], weights: list[float], batch: dict) -> None:
+    """The weighted sum Σ w·r stays where the advantage math holds, as each reward does (grpo/ranges.py)."""
+    outside = (total.abs() > REWARD_LIMIT).nonzero()  # NaN (not scored) compares False
+    if len(outside):
+        i = int(outside[0])
+        raise NonFiniteRewardError(
+            f"the weighted reward total {float(total[i]):.6g} of sample {i} (weights "
+            f"{dict(zip(names, weights, strict=True))}) is outside ±{REWARD_LIMIT:g}, where float32 "
+            f"advantages hold; {_describe(batch, i)}. Lower algorithm.reward_weights or rescale the rewards."
+        )
+
+
+@dataclass
+class _Call:
+    """How each reward call runs: its time limit, the batch-wide extras, and in a child process or not."""
+
+    timeout: float | None
+    extras: dict
+    isolate: str  # algorithm.reward_isolation: auto, process or thread
+
+
 def _check_batch(prompts: list[str], completions: list[str], columns: dict[str, list]) -> None:
     if len(completions) != len(prompts):
         raise ValueError(f"got {len(completions)} completions for {len(prompts)} prompts")
     for column, values in columns.items():
-        if column in ("prompts", "completions", "trainer_state", "log_metric", "log_extra"):
+        if column in REWARD_ARGUMENTS:
             raise ValueError(
                 f"dataset column {column!r} clashes with the reward function argument of that name"
             )
@@ -194,26 +235,28 @@ def _text(value, role: str):
     )
 
 
-def _call_all(
-    funcs: list[RewardFunction], batch: dict[str, list], timeout: float | None, extras: dict
-) -> list:
+def _call_all(funcs: list[RewardFunction], batch: dict[str, list], call: _Call) -> list:
     results: list = [None] * len(funcs)
     async_indices = [i for i, fn in enumerate(funcs) if is_async(fn)]
     if async_indices:
         gathered = _run_async(
             [funcs[i] for i in async_indices],
-            [_own_copy(batch, extras, funcs[i]) for i in async_indices],
-            timeout,
+            [_own_copy(batch, call.extras, funcs[i]) for i in async_indices],
+            call.timeout,
         )
         for i, result in zip(async_indices, gathered, strict=True):
             results[i] = result
     for i, fn in enumerate(funcs):
         if i not in async_indices:
-            results[i] = _call_sync(fn, _own_copy(batch, extras, fn), timeout)
+            results[i] = _call_sync(fn, _own_copy(batch, call.extras, fn), call)
     return results
 
 
-def _call_sync(fn: RewardFunction, batch: dict[str, list], timeout: float | None):
+def _call_sync(fn: RewardFunction, batch: dict[str, list], call: _Call):
+    if isolated(fn, call.isolate) and not _reads_text(fn):  # where a time limit and a signal can stop it
+        kind, value = call_in_child(fn, batch, call.timeout)
+        return _Failure(value) if kind == "error" else value
+    timeout = call.timeout
     if timeout is None:
         try:
             return fn(**batch)
@@ -258,16 +301,16 @@ def _run_async(funcs: list[RewardFunction], batches: list[dict[str, list]], time
     return box["value"]
 
 
-def _call_one(fn: RewardFunction, batch: dict[str, list], index: int, timeout: float | None, extras: dict):
-    single = _own_copy({k: v[index : index + 1] for k, v in batch.items()}, extras, fn)
+def _call_one(fn: RewardFunction, batch: dict[str, list], index: int, call: _Call):
+    single = _own_copy({k: v[index : index + 1] for k, v in batch.items()}, call.extras, fn)
     if is_async(fn):
-        return _run_async([fn], [single], timeout)[0]
-    return _call_sync(fn, single, timeout)
+        return _run_async([fn], [single], call.timeout)[0]
+    return _call_sync(fn, single, call)
 
 
 # -- checking --------------------------------------------------------------------------------------
 def _checked(
-    fn, name: str, result, batch: dict[str, list], timeout: float | None, on_error: str, extras: dict
+    fn, name: str, result, batch: dict[str, list], call: _Call, on_error: str
 ) -> tuple[list[float], int]:
     n = len(batch["prompts"])
     if isinstance(result, _Failure):
@@ -275,45 +318,41 @@ def _checked(
         if on_error == "skip" and timed_out:
             # Re-scoring one by one could cost N more time limits; the whole batch goes missing instead.
             log.warning(
-                "Reward %r timed out after %s s on a batch of %d; scored as missing.", name, timeout, n
+                "Reward %r timed out after %s s on a batch of %d; scored as missing.", name, call.timeout, n
             )
             return [nan] * n, n
-        return _per_sample(fn, name, batch, timeout, on_error, result.error, extras)
-    _check_shape(name, result, n)
-    values = [_number(reward, name, i) for i, reward in enumerate(result)]
-    bad = [i for i, reward in enumerate(result) if _non_finite(reward)]
+        return _per_sample(fn, name, batch, call, on_error, result.error)
+    values, bad = _scores(name, result, n)
     if not bad:
         return values, 0
     if on_error == "stop":
         i = bad[0]
         raise NonFiniteRewardError(
-            f"reward function {name!r} returned {result[i]} for sample {i} (return None "
-            f"for 'not applicable'); {_describe(batch, i)}. {_SKIP_HINT}"
+            f"reward function {name!r} returned {_shown(result[i])} for sample {i}, {_why_bad(result[i])} "
+            f"(return None for 'not applicable'); {_describe(batch, i)}. {_SKIP_HINT}"
         )
-    for i in bad:
-        values[i] = nan
-    log.warning("Reward %r returned NaN/inf for %d sample(s); scored as missing.", name, len(bad))
+    log.warning(
+        "Reward %r returned NaN, inf or a value outside ±%g for %d sample(s); scored as missing.",
+        name,
+        REWARD_LIMIT,
+        len(bad),
+    )
     return values, len(bad)
 
 
-def _non_finite(reward) -> bool:
-    return reward is not None and not isfinite(reward)
-
-
 def _per_sample(
-    fn, name: str, batch: dict[str, list], timeout, on_error: str, batch_error: BaseException, extras: dict
+    fn, name: str, batch: dict[str, list], call: _Call, on_error: str, batch_error: BaseException
 ) -> tuple[list[float], int]:
     """Re-score one sample at a time to name the culprit (stop) or keep the others' rewards (skip)."""
     n = len(batch["prompts"])
     values, dropped = [], 0
     for i in range(n):
-        result = _call_one(fn, batch, i, timeout, extras)
+        result = _call_one(fn, batch, i, call)
         failed = isinstance(result, _Failure)
         if not failed:
-            _check_shape(name, result, 1)
-            value = _number(result[0], name, i)
-            failed = _non_finite(result[0])
-            error: BaseException = ValueError(f"returned {result[0]}")
+            (value,), bad = _scores(name, result, 1, index=i)
+            failed = bool(bad)
+            error: BaseException = ValueError(f"returned {_shown(result[0])}, {_why_bad(result[0])}")
         else:
             error = result.error
         if failed and on_error == "stop":
@@ -366,18 +405,59 @@ def _short(text) -> str:
 
 
 def _check_shape(name: str, rewards, n: int) -> None:
+    # Unpicklable: what a reward process returned that cannot travel back (a generator, an open file).
+    rewards_type = rewards.type_name if isinstance(rewards, Unpicklable) else type(rewards).__name__
     if not isinstance(rewards, list | tuple):
-        raise TypeError(f"reward function {name!r} returned a {type(rewards).__name__}; expected a list")
-    if len(rewards) != n:
-        raise ValueError(f"reward function {name!r} returned {len(rewards)} rewards, expected {n}")
-
-
-def _number(reward: object, name: str, index: int) -> float:
-    if reward is None:
-        return nan
-    if not isinstance(reward, numbers.Real):
-        raise TypeError(
-            f"reward function {name!r} returned {reward!r} ({type(reward).__name__}) for sample {index}; "
-            "expected a float, int, bool or None"
+        raise RewardContractError(
+            f"reward function {name!r} returned a {rewards_type}; expected a list with one float (or None) "
+            f"per completion, {n} here (a generator or an array: wrap it in list(...))."
         )
-    return float(reward)
+    if len(rewards) != n:
+        raise RewardContractError(
+            f"reward function {name!r} returned {len(rewards)} rewards for {n} completions; expected one "
+            "float (or None) per completion, in the order of `completions`."
+        )
+
+
+_OUTSIDE = f"outside ±{REWARD_LIMIT:g}, where the float32 reward and advantage math holds (grpo/ranges.py)"
+
+
+def _why_bad(reward) -> str:
+    try:
+        finite = math.isfinite(reward)
+    except OverflowError:  # an int too large for a float
+        finite = True
+    return _OUTSIDE if finite else "which is not a finite number"
+
+
+def _scores(name: str, rewards, n: int, index: int = 0) -> tuple[list[float], list[int]]:
+    """The rewards as floats (NaN for None), and the positions of NaN, ±inf or out-of-range values."""
+    _check_shape(name, rewards, n)
+    values, bad = [], []
+    for i, reward in enumerate(rewards):
+        if reward is None:
+            values.append(nan)
+            continue
+        if isinstance(reward, Unpicklable) or not isinstance(reward, numbers.Real):
+            shown = (
+                reward.type_name
+                if isinstance(reward, Unpicklable)
+                else f"{_shown(reward)} ({type(reward).__name__})"
+            )
+            raise RewardContractError(
+                f"reward function {name!r} returned {shown} for sample {index + i}; expected a float, int, "
+                "bool or None"
+            )
+        try:
+            values.append(check_range(float(reward) if isinstance(reward, bool) else reward, "reward",
+                                      -REWARD_LIMIT, REWARD_LIMIT))  # fmt: skip
+        except OutOfRangeError:
+            values.append(nan)
+            bad.append(i)
+    return values, bad
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    return _short(repr(value))

@@ -79,6 +79,21 @@ def _import_vllm():
     return vllm
 
 
+class _ExpectedReloadNoise(logging.Filter):
+    """vLLM's in-place reload warns "RotaryEmbedding: Failed to load weights" on every sync: the rotary
+    cos/sin cache is computed, not stored, so no checkpoint holds it and vLLM puts its own back. That is
+    the expected outcome, not a failure; the same words about any other layer still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
+def _quiet_weight_reloads() -> None:
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _ExpectedReloadNoise) for f in reload_log.filters):
+        reload_log.addFilter(_ExpectedReloadNoise())
+
+
 def hf_state(policy, merge_lora: bool = True) -> dict[str, torch.Tensor]:
     """The policy's weights under Hugging Face names (what vLLM's loader reads); LoRA adapters merged, or
     (merge_lora=False) left out: the frozen base weights alone."""
@@ -216,6 +231,7 @@ class VLLMEngine:
             )
         gen = gen or GenerationConfig()
         vllm = _import_vllm()
+        _quiet_weight_reloads()
         self.vllm, self.gen, self.model, self.tokenizer = vllm, gen, model, tokenizer
         self.pad_id = tokenizer.pad_token_id
         self.cuda = next(model.parameters()).device.type == "cuda"
@@ -237,6 +253,7 @@ class VLLMEngine:
             "logprobs_mode": "processed_logprobs",
             "tensor_parallel_size": gen.vllm_tensor_parallel_size,
             "max_model_len": gen.vllm_max_model_len,
+            "use_tqdm_on_load": False,  # else a progress bar on every weight sync
         }
         if self.cuda:
             kwargs.update(
@@ -361,12 +378,19 @@ class VLLMServerEngine:
         )
         self.pad_id, self.timeout = tokenizer.pad_token_id, timeout
         try:
-            served = self._get("/v1/models")["data"][0]
+            models = self._get("/v1/models")
         except OSError as error:
             raise ConfigError(
                 f"generation.vllm_server_url={url}: no vLLM server answers there ({error})."
             ) from error
-        self.served = served["id"]
+        try:
+            served = models["data"][0]
+            self.served = served["id"]
+        except (KeyError, IndexError, TypeError):
+            raise ConfigError(
+                f"generation.vllm_server_url={url}: /v1/models answered {str(models)[:200]!r}, not the list "
+                "of served models a vLLM OpenAI server gives; is it a vLLM server?"
+            ) from None
         # Weights travel as a file in the directory the server loaded (its `root`); refuse any directory
         # grpo did not write, so a user's own checkpoint is never overwritten.
         self.weights_path = Path(served.get("root") or self.served)
@@ -385,12 +409,25 @@ class VLLMServerEngine:
             self.url + path, data=data, headers={"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            text = response.read().decode() or "{}"
-        return json.loads(text) if text.strip().startswith(("{", "[")) else {}
+            text = response.read().decode(errors="replace") or "{}"
+        return self._json(path, text) if text.strip().startswith(("{", "[")) else {}
 
     def _get(self, path: str) -> dict:
         with urllib.request.urlopen(self.url + path, timeout=self.timeout) as response:
-            return json.loads(response.read().decode())
+            return self._json(path, response.read().decode(errors="replace"))
+
+    def _json(self, path: str, text: str):
+        """A reply's JSON, or a one-line error quoting the start of what came instead (an HTML error page
+        from a proxy, a server that is not vLLM)."""
+        from grpo.config import ConfigError
+
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ConfigError(
+                f"The vLLM server at {self.url} answered {path} with text that is not JSON: {text[:200]!r}. "
+                "Check generation.vllm_server_url points at a vLLM OpenAI server (no proxy page in between)."
+            ) from None
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Weights pushed by name (Ray actors): into the engine's own model, then into vLLM."""

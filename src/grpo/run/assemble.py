@@ -41,6 +41,7 @@ from grpo.rollout.episodes import EpisodeRunner, SingleTurn, build_episodes
 from grpo.run.console import StderrHandler
 from grpo.run.preflight import check_model_paths, plan_resume
 from grpo.run.runlock import LOCK_FILE, lock_run_dir
+from grpo.run.sizes import check_context, check_memory
 
 log = logging.getLogger("grpo")
 
@@ -296,6 +297,10 @@ def _build_parts(
     # Prompts and episodes are checked before any weights are read.
     formatter = PromptFormatter(tokenizer, cfg.data)
     formatter.check_lengths(train_rows)
+    model_config = _model_config(cfg, model)
+    if model_config is not None:  # before any weight is read: positions and memory the run needs
+        check_context(cfg, model_config, lambda: formatter.longest(train_rows))
+        check_memory(cfg, model_config, torch.finfo(compute).bits // 8)
     episodes = build_episodes(cfg, formatter, tools=tools, environment=environment)
     if episodes.multi_turn:
         episodes.check_prompts(train_rows)
@@ -379,6 +384,23 @@ def _remove_failed_start(run_dir: Path) -> None:
             handler.close()
     if run_dir.is_dir() and all(p.name in STARTUP_FILES for p in run_dir.iterdir()):
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _model_config(cfg: GRPOConfig, model):
+    """The policy's config without its weights: a given model's own, else config.json (local or hub);
+    None when it cannot be read (loading the model then says why)."""
+    if model is not None and not isinstance(model, str):
+        return getattr(model, "config", None)
+    from transformers import AutoConfig
+
+    from grpo.model.loading import hub_kwargs, resolve_path
+
+    try:
+        return AutoConfig.from_pretrained(
+            resolve_path(cfg.model.load_parameters_path or cfg.model.name_or_path), **hub_kwargs(cfg)
+        )
+    except Exception:  # noqa: BLE001 (offline, gated, unknown architecture: the model load reports it)
+        return None
 
 
 def _policy(cfg: GRPOConfig, model, device: torch.device, compute: torch.dtype):

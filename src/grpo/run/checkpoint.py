@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
-from grpo.config import SECTIONS
+from grpo.config import SECTIONS, ConfigError
+from grpo.config.yaml_limits import YAMLSyntaxError, load_yaml
 from grpo.files import nofollow_opener, own_dir, refuse_link, write_bytes, write_text
 
 log = logging.getLogger("grpo")
@@ -309,14 +309,20 @@ def _config_problem(path: Path) -> str | None:
     if not f.is_file():
         return None
     try:
-        saved = yaml.safe_load(f.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        return f"its {CONFIG_FILE} is not valid YAML ({str(e).splitlines()[0]})"
+        saved = load_yaml(f.read_text(encoding="utf-8"), f"its {CONFIG_FILE}")
+    except (UnicodeDecodeError, YAMLSyntaxError) as e:
+        return f"its {CONFIG_FILE} is not valid YAML ({getattr(e, 'detail', str(e)).splitlines()[0]})"
+    except ConfigError as e:  # past a limit of the YAML reader
+        return str(e).splitlines()[0]
     if saved is not None and not (
         isinstance(saved, dict) and all(isinstance(saved.get(s), dict | None) for s in SECTIONS)
     ):
         return f"its {CONFIG_FILE} does not hold a mapping of sections to settings"
     return None
+
+
+# What lifecycle.training_state writes and lifecycle.resume reads back.
+STATE_KEYS = ("learner", "rng", "data", "nonfinite_in_a_row", "nonfinite_total")
 
 
 def state_problem(path: Path) -> str | None:
@@ -336,6 +342,13 @@ def state_problem(path: Path) -> str | None:
     if not isinstance(state, dict) or type(state.get("step")) is not int:
         return f"its {STATE_FILE} is not a grpo training state (no step number)"
     return None
+
+
+def _missing_for_resume(state: dict) -> list[str]:
+    missing = [k for k in STATE_KEYS if k not in state]
+    if not missing and not isinstance(state["learner"], dict):
+        return ["learner"]
+    return missing or [f"learner.{k}" for k in ("optimizer", "scheduler") if k not in state["learner"]]
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
@@ -425,7 +438,11 @@ def load_training_state(path: Path) -> dict[str, Any]:
     """training_state.pt (tensors and plain values only: nothing in it can run code)."""
     problem = state_problem(path)
     if problem is None:
-        return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+        state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+        missing = _missing_for_resume(state)
+        if not missing:
+            return state
+        problem = f"its {STATE_FILE} lacks {', '.join(missing)}, which a resume restores"
     raise CheckpointError(
         f"Cannot resume from {path}: {problem}. Pass an earlier checkpoint, or 'latest' to "
         "pick the newest intact one."

@@ -22,6 +22,8 @@ from grpo.data import PromptStream
 from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
 from grpo.distributed.runtime import Runtime
 from grpo.files import write_text
+from grpo.ranges import check_range
+from grpo.rewards.isolation import clear_stop, request_stop
 from grpo.run.assemble import RunParts
 from grpo.run.checkpoint import (
     list_checkpoints,
@@ -55,14 +57,23 @@ class StopRequests:
         if self.signal is not None:
             raise KeyboardInterrupt
         self.signal = signum
+        request_stop()  # a reward call running in its own process gets a grace period, then is killed
         log.warning(
             "Signal %d: finishing this step, then saving a checkpoint (send it again to stop at once, "
             "without saving).",
             signum,
         )
 
+    def agreed(self, rt: Runtime) -> bool:
+        """Whether any rank got a stop signal; then every rank stops (with SIGTERM's code if it got none)."""
+        if rt.any(self.signal is not None):
+            self.signal = self.signal or signal.SIGTERM
+            return True
+        return False
+
     @contextmanager
     def watching(self) -> Iterator[None]:
+        clear_stop()
         try:
             previous = {s: signal.signal(s, self._request) for s in (signal.SIGINT, signal.SIGTERM)}
         except ValueError:  # not the main thread: leave signals alone
@@ -174,6 +185,74 @@ def stopped_early(
     log.warning(
         "Stopped at step %d of %d (signal %d); checkpoint %s. %s", step, total_steps, stop_signal, where, how
     )
+
+
+def between_steps(
+    t, step: int, total_steps: int, evaluate: Callable[[], None], save: Callable[[], None]
+) -> None:
+    """The periodic evaluation and checkpoint after `step` (train.eval_steps, train.save_steps; 0 = never);
+    the last step has its own."""
+    if t.eval_steps and step % t.eval_steps == 0 and step != total_steps:
+        evaluate(step)
+    if t.save_steps and step % t.save_steps == 0 and step != total_steps:
+        save(step)
+
+
+class Progress:
+    """Which steps of this invocation changed the weights, so a run that trained nothing never says
+    `Done` (issue 24): every reward None, every group's rewards equal, or every update skipped."""
+
+    def __init__(self, start_step: int):
+        self.start_step, self.updated, self.unscored = start_step, 0, 0
+
+    def step(
+        self, step: int, rewards: torch.Tensor, advantages: torch.Tensor, skipped: bool, grad_norm: float
+    ):
+        largest = float(advantages.abs().max()) if advantages.numel() else 0.0
+        hint = "The rewards' spread broke the advantage arithmetic; rescale the rewards."
+        check_range(largest, f"step {step}: an advantage", hint=hint, error=TrainingHalted)
+        if rewards.isnan().all():
+            self.unscored += 1
+            log.warning(
+                "Step %d: every reward was None (no reward function applied to any of the %d completions); "
+                "this step trains nothing. Check that the rewards fit this dataset (its columns, the answer "
+                "format), or add a reward that applies to every sample.",
+                step,
+                rewards.numel(),
+            )
+        self.updated += not skipped and grad_norm > 0
+
+    def finish(self, step: int, final_model: Path, stop_signal: int | None = None) -> bool:
+        """Say `Done` when steps ran and changed the weights (True: go on to the report); raise when they
+        changed nothing. A signal that arrived during the final saves: they completed, the rest is skipped."""
+        ran = step - self.start_step
+        if stop_signal is not None:
+            log.warning(
+                "Signal %d arrived during the final save, which completed: %d steps, final model in %s; the "
+                "evaluation after training and the report were skipped (grpo report RUN_DIR writes it).",
+                stop_signal,
+                step,
+                final_model,
+            )
+            return False
+        if ran == 0:
+            log.info("Nothing to train: the run was already at step %d; final model in %s", step, final_model)
+            return True
+        if self.updated:
+            log.info("Done: %d steps; final model in %s", step, final_model)
+            return True
+        why = (
+            f"every reward was None in {self.unscored} of them"
+            if self.unscored
+            else "in each, every group's completions got equal rewards (advantages 0) or the update was "
+            "skipped as non-finite"
+        )
+        raise TrainingHalted(
+            f"{ran} step(s) ran but none changed the weights: {why}; the saved model is the starting one. "
+            "Check the reward functions against a few completions (grpo train --dry-run shows what they "
+            "receive), raise generation.num_generations or generation.temperature for more spread, or use "
+            "algorithm.dynamic_sampling=true to train only on groups with a spread."
+        )
 
 
 def explain_failure(run_dir: Path, rank: int, step: int, error: Exception) -> None:

@@ -13,9 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from grpo.config import BUNDLED_MODEL, BUNDLED_MODELS, ConfigError, GRPOConfig
+from grpo.config.yaml_limits import load_yaml
 from grpo.run.checkpoint import (
     CHECKPOINT_RE,
     find_resume_dir,
@@ -30,8 +29,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 # Settings that may change between a checkpoint and its resume without changing what is trained:
-# where things go, how often they are logged/saved/evaluated, memory knobs (micro-batching is
-# loss-invariant), and the run length (extending a finished run is the usual reason to resume).
+# where things go, how often they are logged/saved/evaluated/reported, memory and speed knobs
+# (micro-batching is loss-invariant), and the run length (extending a finished run is the usual reason
+# to resume). Everything else is frozen unless train.allow_config_change=true, which then takes effect.
 RESUME_SAFE_KEYS = frozenset(
     {
         "model.hf_token",
@@ -68,6 +68,18 @@ RESUME_SAFE_KEYS = frozenset(
         "train.progress_bar",
         "train.num_threads",
         "distributed.profiler",
+        # what is reported, kept or exported, and how rewards are guarded: nothing trained changes
+        "train.report",
+        "train.log_samples",
+        "train.metric_for_best_model",
+        "train.greater_is_better",
+        "lora.save_merged",
+        "generation.vllm_gpu_memory_utilization",
+        "generation.vllm_kv_cache_gb",
+        "algorithm.reward_timeout",
+        "algorithm.reward_isolation",
+        "distributed.timeout_s",
+        "distributed.max_actor_restarts",
     }
 )
 
@@ -186,7 +198,7 @@ def plan_resume(cfg: GRPOConfig, run_dir: Path, clean_up: bool = True) -> Path |
     if path is None:
         return None
     saved = read_saved_config(path)
-    differences = config_differences(yaml.safe_load(saved) if saved else {}, cfg.to_dict())
+    differences = config_differences(load_yaml(saved, f"{path}/config.yaml") if saved else {}, cfg.to_dict())
     if differences and not cfg.train.allow_config_change:
         raise ConfigError(
             f"Cannot resume from {path}: these settings differ from the checkpoint's "

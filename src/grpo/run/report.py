@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from grpo.config import EVAL_HOLDOUT, ConfigError
+from grpo.config.yaml_limits import load_yaml
 from grpo.files import own_dir, write_bytes, write_text
 
 SAMPLES_SHOWN = 24
@@ -163,8 +162,8 @@ def _mark_eval_phases(ax, rows: list[dict[str, Any]]) -> None:
 
 def _summary(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # missing or damaged: the summary shows '?'
+        config = load_yaml((run_dir / "config.yaml").read_text(encoding="utf-8"), "config.yaml")
+    except (OSError, UnicodeDecodeError, ConfigError):  # missing or damaged: the summary shows '?'
         config = None
     config = config if isinstance(config, dict) else {}
 

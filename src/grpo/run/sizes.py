@@ -1,0 +1,109 @@
+"""Sizes checked against the model and the machine before the model loads (issue 24, §5).
+
+Two checks, each stopping with the numbers:
+- context: the longest prompt plus the longest completion must fit the model's positions
+  (`max_position_embeddings`); a model asked for positions it does not have trains on garbage silently.
+  The caps (data.max_prompt_length + max_new_tokens) are compared first; when they exceed the context
+  the prompts themselves are measured, so a generous cap over short prompts still runs.
+- memory: one step's records (ids, masks, log-probs, advantages: about BYTES_PER_POSITION per token
+  position of every completion) and one generation batch's KV cache and logits must fit in the memory
+  the machine has free now. This is a floor, not a forecast (activations come on top): it catches the
+  absurd (1e8 completions a step), not the tight.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from grpo.config import ConfigError, GRPOConfig
+from grpo.model.memory import available_bytes
+
+log = logging.getLogger("grpo")
+
+# int64 prompt+completion ids and attention mask, float32 completion mask, sampling, old and reference
+# log-probs, per-token advantages: 2·8 + 5·4 = 36 bytes, rounded up for the copies a step makes.
+BYTES_PER_POSITION = 48
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def model_context(model_config: Any) -> int | None:
+    """The number of positions a model has, from its config (None when it does not say)."""
+    for key in _CONTEXT_KEYS:
+        value = getattr(model_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context(cfg: GRPOConfig, model_config: Any, longest_prompt: callable) -> None:
+    """Raise when prompt + completion can exceed the model's positions. `longest_prompt()` measures the
+    data (called only when the caps alone do not fit)."""
+    context = model_context(model_config)
+    if context is None:
+        return
+    completion = cfg.effective_max_new_tokens
+    if cfg.data.max_prompt_length + completion <= context:
+        return
+    longest = min(longest_prompt(), cfg.data.max_prompt_length)
+    if longest + completion <= context:
+        log.info(
+            "data.max_prompt_length (%d) + max_new_tokens (%d) exceed the model's %d positions, but the "
+            "longest prompt has %d tokens, so every completion fits.",
+            cfg.data.max_prompt_length,
+            completion,
+            context,
+            longest,
+        )
+        return
+    prompt_room = context - completion
+    shorter_prompts = (
+        f", or data.max_prompt_length (now {cfg.data.max_prompt_length}) to {prompt_room} with "
+        "data.long_prompt_policy=truncate_left (keeps the end of longer prompts)"
+        if prompt_room > 0
+        else ""
+    )
+    raise ConfigError(
+        f"The longest prompt ({longest} tokens) plus generation.max_new_tokens ({completion}) is "
+        f"{longest + completion} positions, but the model has {context} (max_position_embeddings). Lower "
+        f"generation.max_new_tokens to {max(context - longest, 1)} or less{shorter_prompts}, or use a model "
+        "with a longer context."
+    )
+
+
+def step_bytes(cfg: GRPOConfig, model_config: Any, dtype_bytes: int) -> tuple[int, int]:
+    """(bytes of one step's records, bytes of one generation batch's KV cache and logits)."""
+    n = cfg.completions_per_step
+    positions = cfg.data.max_prompt_length + cfg.effective_max_new_tokens
+    records = n * positions * BYTES_PER_POSITION
+    layers = getattr(model_config, "num_hidden_layers", 0) or 0
+    heads = getattr(model_config, "num_attention_heads", 0) or 0
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    hidden = getattr(model_config, "hidden_size", 0) or 0
+    head_dim = getattr(model_config, "head_dim", None) or (hidden // heads if heads else 0)
+    vocab = getattr(model_config, "vocab_size", 0) or 0
+    batch = min(cfg.generation.batch_size or n, n)
+    kv_cache = batch * positions * layers * 2 * kv_heads * head_dim * dtype_bytes
+    logits = batch * vocab * 4  # float32 sampling distribution
+    return records, kv_cache + logits
+
+
+def check_memory(cfg: GRPOConfig, model_config: Any, dtype_bytes: int, free: int | None = None) -> None:
+    """Raise when one step's records plus one generation batch cannot fit in free host memory."""
+    free = available_bytes() if free is None else free
+    if free is None:
+        return
+    records, generation = step_bytes(cfg, model_config, dtype_bytes)
+    if records + generation <= free:
+        return
+    gib, n = 1 << 30, cfg.completions_per_step
+    batch = min(cfg.generation.batch_size or n, n)
+    raise ConfigError(
+        f"One step of train.prompts_per_step × generation.num_generations = {cfg.train.prompts_per_step} × "
+        f"{cfg.generation.num_generations} = {n:,} completions of up to {cfg.data.max_prompt_length} + "
+        f"{cfg.effective_max_new_tokens} tokens needs at least {records / gib:,.1f} GiB for its records and "
+        f"{generation / gib:,.1f} GiB to generate (KV cache and logits of {batch:,} completions at once), "
+        f"before any activation; {free / gib:,.1f} GiB is free. Lower "
+        "train.prompts_per_step or generation.num_generations (or generation.batch_size, which generates "
+        "in smaller batches)."
+    )
