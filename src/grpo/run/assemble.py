@@ -300,7 +300,8 @@ def _build_parts(
     model_config = _model_config(cfg, model)
     if model_config is not None:  # before any weight is read: positions and memory the run needs
         check_context(cfg, model_config, lambda: formatter.longest(train_rows))
-        check_memory(cfg, model_config, torch.finfo(compute).bits // 8)
+        gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        check_memory(cfg, model_config, torch.finfo(compute).bits // 8, gpu)
     episodes = build_episodes(cfg, formatter, tools=tools, environment=environment)
     if episodes.multi_turn:
         episodes.check_prompts(train_rows)

@@ -88,14 +88,23 @@ def step_bytes(cfg: GRPOConfig, model_config: Any, dtype_bytes: int) -> tuple[in
     return records, kv_cache + logits
 
 
-def check_memory(cfg: GRPOConfig, model_config: Any, dtype_bytes: int, free: int | None = None) -> None:
-    """Raise when one step's records plus one generation batch cannot fit in free host memory."""
-    free = available_bytes() if free is None else free
+def check_memory(
+    cfg: GRPOConfig, model_config: Any, dtype_bytes: int, device_memory: int | None = None
+) -> None:
+    """Raise when one step's records (host memory) plus one generation batch (host memory, or the GPU's
+    `device_memory` when the model runs on one) cannot fit."""
+    free = available_bytes()
     if free is None:
         return
     records, generation = step_bytes(cfg, model_config, dtype_bytes)
-    if records + generation <= free:
+    on_host = records + (generation if device_memory is None else 0)
+    if on_host <= free and (device_memory is None or generation <= device_memory):
         return
+    where = (
+        "is free"
+        if device_memory is None
+        else f"is free on the host and {device_memory / (1 << 30):,.1f} GiB on the GPU"
+    )
     gib, n = 1 << 30, cfg.completions_per_step
     batch = min(cfg.generation.batch_size or n, n)
     raise ConfigError(
@@ -103,7 +112,7 @@ def check_memory(cfg: GRPOConfig, model_config: Any, dtype_bytes: int, free: int
         f"{cfg.generation.num_generations} = {n:,} completions of up to {cfg.data.max_prompt_length} + "
         f"{cfg.effective_max_new_tokens} tokens needs at least {records / gib:,.1f} GiB for its records and "
         f"{generation / gib:,.1f} GiB to generate (KV cache and logits of {batch:,} completions at once), "
-        f"before any activation; {free / gib:,.1f} GiB is free. Lower "
+        f"before any activation; {free / gib:,.1f} GiB {where}. Lower "
         "train.prompts_per_step or generation.num_generations (or generation.batch_size, which generates "
         "in smaller batches)."
     )
