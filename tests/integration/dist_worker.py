@@ -14,6 +14,7 @@ import zlib
 import torch
 
 from grpo import GRPOConfig, GRPOTrainer
+from grpo.config import resolve_key
 from grpo.records import Rollouts
 
 BASE = {
@@ -77,7 +78,11 @@ class ScriptedEngine:
 
 
 def run(output_dir: str, overrides: dict) -> dict:
-    cfg = GRPOConfig(**{**BASE, "output_dir": output_dir, **overrides})
+    settings = {**BASE, "output_dir": output_dir}
+    for key, value in overrides.items():  # replaces BASE's value of that field, whatever its spelling
+        settings = {k: v for k, v in settings.items() if resolve_key(k) != resolve_key(key)}
+        settings[key] = value
+    cfg = GRPOConfig(**settings)
     trainer = GRPOTrainer(config=cfg, reward_funcs=[shortness])
     tok = trainer.parts.tokenizer
     trainer.parts.engine = ScriptedEngine(len(tok), tok.pad_token_id, tok.eos_token_id)

@@ -69,7 +69,7 @@ def test_every_reward_none_warns_each_step_and_ends_with_an_error_not_done(asset
     assert rc == 1
     assert not any(x.startswith("Done") for x in lines)
     (error,) = error_lines(lines)
-    assert "2 step(s) ran but none changed the weights: every reward was None in 2 of them" in error
+    assert "2 step(s) ran and none could train: every reward was None (or skipped) in every step" in error
     warned = [x for x in lines if x.startswith("Step ") and "every reward was None" in x]
     assert [x.split(":")[0] for x in warned] == ["Step 1", "Step 2"]
 
@@ -277,5 +277,5 @@ def test_a_state_file_missing_its_learner_key_is_refused_by_name(assets, tmp_pat
 
 def test_training_halted_is_what_nothing_trained_raises_in_python(assets, tmp_path):
     cfg = GRPOConfig(**settings(assets, tmp_path / "run", steps=1))
-    with pytest.raises(TrainingHalted, match="none changed the weights"):
+    with pytest.raises(TrainingHalted, match="none could train"):
         GRPOTrainer(config=cfg, reward_funcs=[no_signal]).train()

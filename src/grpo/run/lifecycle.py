@@ -199,11 +199,15 @@ def between_steps(
 
 
 class Progress:
-    """Which steps of this invocation changed the weights, so a run that trained nothing never says
-    `Done` (issue 24): every reward None, every group's rewards equal, or every update skipped."""
+    """What the steps of this invocation did, so a run that trained nothing never says `Done` (issue 24).
+
+    A step *updates* when its gradient was non-zero and applied. When no step updated: if no reward was
+    ever scored (every one None or skipped) or every update was skipped as non-finite, nothing could carry
+    a signal and the run ends with an error; if rewards were scored but every group's were equal (a hard
+    task, a smoke test), the run ends with a warning saying so instead of `Done`."""
 
     def __init__(self, start_step: int):
-        self.start_step, self.updated, self.unscored = start_step, 0, 0
+        self.start_step, self.updated, self.unscored, self.skipped = start_step, 0, 0, 0
 
     def step(
         self, step: int, rewards: torch.Tensor, advantages: torch.Tensor, skipped: bool, grad_norm: float
@@ -220,11 +224,12 @@ class Progress:
                 step,
                 rewards.numel(),
             )
+        self.skipped += skipped
         self.updated += not skipped and grad_norm > 0
 
     def finish(self, step: int, final_model: Path, stop_signal: int | None = None) -> bool:
-        """Say `Done` when steps ran and changed the weights (True: go on to the report); raise when they
-        changed nothing. A signal that arrived during the final saves: they completed, the rest is skipped."""
+        """`Done` when a step updated the weights (True: go on to the report); otherwise an error or a
+        warning (see the class). A signal during the final saves: they completed, the rest is skipped."""
         ran = step - self.start_step
         if stop_signal is not None:
             log.warning(
@@ -241,18 +246,26 @@ class Progress:
         if self.updated:
             log.info("Done: %d steps; final model in %s", step, final_model)
             return True
-        why = (
-            f"every reward was None in {self.unscored} of them"
-            if self.unscored
-            else "in each, every group's completions got equal rewards (advantages 0) or the update was "
-            "skipped as non-finite"
+        if self.unscored == ran or self.skipped == ran:
+            why = (
+                "every reward was None (or skipped) in every step"
+                if self.unscored == ran
+                else "every update was skipped as non-finite"
+            )
+            raise TrainingHalted(
+                f"{ran} step(s) ran and none could train: {why}; the saved model is the starting one. Check "
+                "the reward functions against a few completions (grpo train --dry-run shows the data they "
+                "receive) and that they return a number for the samples they apply to."
+            )
+        log.warning(
+            "Finished %d step(s), but none changed the weights: every group's completions got equal rewards "
+            "(advantages 0), so %s holds the starting model. Raise generation.num_generations or "
+            "generation.temperature for more spread, or use algorithm.dynamic_sampling=true to train only on "
+            "groups with a spread.",
+            ran,
+            final_model,
         )
-        raise TrainingHalted(
-            f"{ran} step(s) ran but none changed the weights: {why}; the saved model is the starting one. "
-            "Check the reward functions against a few completions (grpo train --dry-run shows what they "
-            "receive), raise generation.num_generations or generation.temperature for more spread, or use "
-            "algorithm.dynamic_sampling=true to train only on groups with a spread."
-        )
+        return True
 
 
 def explain_failure(run_dir: Path, rank: int, step: int, error: Exception) -> None:

@@ -24,6 +24,9 @@ log = logging.getLogger("grpo")
 # int64 prompt+completion ids and attention mask, float32 completion mask, sampling, old and reference
 # log-probs, per-token advantages: 2·8 + 5·4 = 36 bytes, rounded up for the copies a step makes.
 BYTES_PER_POSITION = 48
+_LENGTH_KEYS = frozenset(
+    {"generation.max_new_tokens", "generation.max_total_length", "data.max_prompt_length"}
+)
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
@@ -54,6 +57,20 @@ def check_context(cfg: GRPOConfig, model_config: Any, longest_prompt: callable) 
             completion,
             context,
             longest,
+        )
+        return
+    if longest < context and not (cfg.explicit_keys & _LENGTH_KEYS):
+        # Only the defaults overflow (the seed's max_new_tokens=256 on a 256-position model): say so, as a
+        # run that set none of these could not know; a completion that reaches the cap is the rare case.
+        log.warning(
+            "The longest prompt (%d tokens) plus the default generation.max_new_tokens (%d) is %d positions, "
+            "more than the model's %d (max_position_embeddings): a completion that long would run past the "
+            "positions the model was trained on. Set generation.max_new_tokens to %d or less.",
+            longest,
+            completion,
+            longest + completion,
+            context,
+            context - longest,
         )
         return
     prompt_room = context - completion
