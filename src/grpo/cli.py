@@ -34,6 +34,7 @@ from grpo.config import (
     read_config_file,
     resolve_key,
 )
+from grpo.ranges import INT_LIMIT, check_range
 from grpo.redact import redact, redact_mapping, remember_from_argv
 
 log = logging.getLogger("grpo")
@@ -368,9 +369,15 @@ def cmd_eval(args) -> int:
     from grpo.rollout.episodes import build_episodes
     from grpo.run.preflight import check_model_paths
 
-    for flag, value in (("--k", args.k), ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
+    for flag, value, high in (
+        ("--k", args.k, 10_000),  # samples per prompt, all held at once
+        ("--limit", args.limit, INT_LIMIT),
+        ("--max-new-tokens", args.max_new_tokens, 1_000_000),
+    ):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}.")
+        if value is not None:
+            check_range(value, flag, 1, high, error=ConfigError)
     if not 0 < args.temperature < float("inf"):
         raise ConfigError(f"--temperature must be a finite number > 0, got {args.temperature}.")
     if args.dump and not Path(args.dump).resolve().parent.is_dir():  # found out now, not after the evaluation

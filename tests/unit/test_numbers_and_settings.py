@@ -298,3 +298,9 @@ def test_step_bytes_counts_records_and_one_generation_batch():
     huge = GRPOConfig(batch_size=10**7, num_generations=8, max_new_tokens=8, max_prompt_length=8)
     with pytest.raises(ConfigError, match=r"GiB is free on the host and 1\.0 GiB on the GPU"):
         check_memory(huge, model, 4, device_memory=1 << 30)
+
+
+def test_eval_flags_are_range_checked_too(capsys):
+    # 091d311 accepted --k 100000000000 and went on to allocate for it.
+    assert cli.main(["eval", "--k", "100000000000"]) == 2
+    assert capsys.readouterr().err.strip() == "grpo eval: error: --k = 100000000000 is outside [1, 10000]."
