@@ -30,8 +30,6 @@ def test_no_token_reaches_the_run_directory_or_the_output(tmp_path, monkeypatch,
         str(model),
         "--dataset",
         str(data),
-        "--steps",
-        "1",
         "--batch-size",
         "2",
         "--num-generations",
@@ -50,7 +48,10 @@ def test_no_token_reaches_the_run_directory_or_the_output(tmp_path, monkeypatch,
         "1",
     ]
     out = tmp_path / "run"
-    assert cli(["train", *common, "--output-dir", str(out), "--hf_access_token", TOKENS["flag"]]) == 0
+    assert (
+        cli(["train", *common, "--steps", "1", "--output-dir", str(out), "--hf_access_token", TOKENS["flag"]])
+        == 0
+    )
     assert (
         cli(
             [
@@ -73,6 +74,8 @@ def test_no_token_reaches_the_run_directory_or_the_output(tmp_path, monkeypatch,
             [
                 "train",
                 *common,
+                "--steps",
+                "1",
                 "--output-dir",
                 str(tmp_path / "bad"),
                 "--hf-access-token",
@@ -83,7 +86,17 @@ def test_no_token_reaches_the_run_directory_or_the_output(tmp_path, monkeypatch,
         )
         == 2
     )
-    assert cli(["train", *common, "--multirun", "--hf_access_token", TOKENS["sweep"], "lr=1e-3,2e-3"]) == 0
+    sweep = [
+        "train",
+        *common,
+        "--steps",
+        "1",
+        "--multirun",
+        "--hf_access_token",
+        TOKENS["sweep"],
+        "lr=1e-3,2e-3",
+    ]
+    assert cli(sweep) == 0
     with pytest.raises(SystemExit):  # a usage error echoes the arguments argparse could not place
         cli(["train", f"--no-such-flag={TOKENS['key']}", "--seed", "1", f"hf_token={TOKENS['key']}"])
     printed = capfd.readouterr()
