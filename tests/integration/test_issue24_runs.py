@@ -1,6 +1,7 @@
-"""Issue 24 on real (tiny) runs: a run that trains nothing never says Done, sizes are checked before the
-model loads, a learning rate changed on resume takes effect, stop signals hold while user code is stuck
-and during the final save, and what used to be raw tracebacks are one line. Each fails on 091d311."""
+"""Issue 24 on real (tiny) runs: a run that trains nothing never ends with the result line, sizes are
+checked before the model loads, a learning rate changed on resume takes effect, stop signals hold while
+user code is stuck and during the final save, and what used to be raw tracebacks are one line. Each
+fails on 091d311."""
 
 import json
 import os
@@ -24,6 +25,7 @@ from tests import tiny_run
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
+RESULT = "; model in "  # the result line a trained run ends with (run/console.py result_line)
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +66,10 @@ def error_lines(lines: list[str]) -> list[str]:
 
 
 def test_every_reward_none_warns_each_step_and_ends_with_an_error_not_done(assets, tmp_path, capsys):
-    # 091d311: exit 0, "Done", loss 0 throughout.
+    # 091d311: exit 0, "Done" (today's result line), loss 0 throughout.
     rc, lines = cli_run(assets, tmp_path, capsys, steps=2, reward_funcs=[f"{__name__}:no_signal"])
     assert rc == 1
-    assert not any(x.startswith("Done") for x in lines)
+    assert not any(RESULT in x for x in lines)
     (error,) = error_lines(lines)
     assert "2 step(s) ran and none could train: every reward was None (or skipped) in every step" in error
     warned = [x for x in lines if x.startswith("Step ") and "every reward was None" in x]
@@ -75,9 +77,9 @@ def test_every_reward_none_warns_each_step_and_ends_with_an_error_not_done(asset
 
 
 def test_a_reward_of_1e20_stops_the_run_with_one_error_line(assets, tmp_path, capsys):
-    # 091d311: exit 0, "Done", loss 0 and grad 0 (1e20² overflows float32, the std is inf).
+    # 091d311: exit 0, "Done" (today's result line), loss 0 and grad 0 (1e20² overflows float32).
     rc, lines = cli_run(assets, tmp_path, capsys, reward_funcs=[f"{__name__}:enormous"])
-    assert rc == 1 and not any(x.startswith("Done") for x in lines) and "Traceback" not in "\n".join(lines)
+    assert rc == 1 and not any(RESULT in x for x in lines) and "Traceback" not in "\n".join(lines)
     (error,) = error_lines(lines)
     assert "reward function 'enormous' returned 1e+20 for sample 1, outside ±1e+09" in error
 
@@ -153,16 +155,16 @@ def test_resume_accepts_a_change_of_settings_that_train_nothing(assets, tmp_path
     again = settings(assets, out, steps=2, report=True, log_samples=3, resume="latest")
     GRPOTrainer(config=GRPOConfig(**again)).train()
     assert (out / "checkpoint-2").is_dir()
-    assert "Done: 2 steps" in capsys.readouterr().err
+    assert RESULT in capsys.readouterr().err
 
 
-def test_resuming_a_finished_run_trains_nothing_and_says_so_not_done(assets, tmp_path, capsys):
+def test_resuming_a_finished_run_trains_nothing_and_says_so(assets, tmp_path, capsys):
     out = tmp_path / "run"
     GRPOTrainer(config=GRPOConfig(**settings(assets, out, steps=1))).train()
     capsys.readouterr()
     GRPOTrainer(config=GRPOConfig(**settings(assets, out, steps=1, resume="latest"))).train()
     err = capsys.readouterr().err
-    assert "Nothing to train: the run was already at step 1" in err and "Done" not in err
+    assert "Nothing to train: the run was already at step 1" in err and RESULT not in err
 
 
 # -- §7: user code that cannot be stopped in-process, and the raw tracebacks --------------------

@@ -199,12 +199,13 @@ def between_steps(
 
 
 class Progress:
-    """What the steps of this invocation did, so a run that trained nothing never says `Done` (issue 24).
+    """What the steps of this invocation did, so a run that trained nothing never ends with the result line
+    of a trained one (issue 24).
 
     A step *updates* when its gradient was non-zero and applied. When no step updated: if no reward was
     ever scored (every one None or skipped) or every update was skipped as non-finite, nothing could carry
     a signal and the run ends with an error; if rewards were scored but every group's were equal (a hard
-    task, a smoke test), the run ends with a warning saying so instead of `Done`."""
+    task, a smoke test), the run ends with a warning saying so instead of the result line."""
 
     def __init__(self, start_step: int):
         self.start_step, self.updated, self.unscored, self.skipped = start_step, 0, 0, 0
@@ -228,8 +229,9 @@ class Progress:
         self.updated += not skipped and grad_norm > 0
 
     def finish(self, step: int, final_model: Path, stop_signal: int | None = None) -> bool:
-        """`Done` when a step updated the weights (True: go on to the report); otherwise an error or a
-        warning (see the class). A signal during the final saves: they completed, the rest is skipped."""
+        """True when a step updated the weights (the caller writes the report and the result line); otherwise
+        an error or a warning (see the class). A signal during the final saves: they completed, the rest is
+        skipped."""
         ran = step - self.start_step
         if stop_signal is not None:
             log.warning(
@@ -241,10 +243,9 @@ class Progress:
             )
             return False
         if ran == 0:
-            log.info("Nothing to train: the run was already at step %d; final model in %s", step, final_model)
-            return True
+            log.info("Nothing to train: the run was already at step %d (final model: %s).", step, final_model)
+            return False
         if self.updated:
-            log.info("Done: %d steps; final model in %s", step, final_model)
             return True
         if self.unscored == ran or self.skipped == ran:
             why = (
@@ -265,7 +266,7 @@ class Progress:
             ran,
             final_model,
         )
-        return True
+        return False
 
 
 def explain_failure(run_dir: Path, rank: int, step: int, error: Exception) -> None:
