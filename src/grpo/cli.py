@@ -275,14 +275,15 @@ def _sweep(overrides: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
 _COMMAND_LINE = "the command line"
 
 
-def _config_source(config: str | None, overrides: list[tuple[str, str]]) -> str:
+def _config_source(config: str | None, overrides: list[tuple[str, str]] | dict[str, str]) -> str:
     """--config as given; else, resuming a run directory (--resume with --output-dir X), X/config.yaml:
     the settings the run was started with, so its command need not be typed again and a preset's values
     (its train.steps) do not quietly replace the run's. Overrides still apply on top, and the resume check
     (run/preflight.py) still compares the result with the checkpoint's settings."""
     if config is not None:
         return config
-    given = {path: value for key, value in overrides for path in resolve_key(key)}
+    pairs = overrides.items() if isinstance(overrides, dict) else overrides
+    given = {path: value for key, value in pairs for path in resolve_key(key)}
     resume, out = given.get("train.resume"), given.get("train.output_dir")
     saved = Path(str(out)) / "config.yaml" if out else None
     if resume and str(resume).lower() not in ("none", "null", "false") and saved and saved.is_file():
@@ -328,7 +329,7 @@ def cmd_train(args) -> int:
         summary = trainer.train()
         if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM: the conventional 128 + signal
             return 128 + trainer.stop_signal
-        finished.append((redact_mapping(swept), summary, trainer.parts.run_dir))
+        finished.append((redact_mapping(dict(swept)), summary, trainer.parts.run_dir))
     if args.multirun and finished:
         table = sweep_table(finished)
         write_text(sweep_dir / "results.txt", table + "\n")
