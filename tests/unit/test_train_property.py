@@ -5,7 +5,7 @@ ends with exactly one `grpo train: error:` line: never a traceback, never the re
 trained (a run whose rewards never spread ends with a warning saying the weights did not change).
 
 Each example is a 1-step run of a 1-layer, 16-wide model on 2 prompts × 2 completions of at most 4
-tokens, so 60 examples take under a minute; settings that fail validation cost milliseconds.
+tokens, and settings that fail validation cost milliseconds: 150 examples take about 15-20 s.
 """
 
 import json
@@ -132,14 +132,18 @@ def argv_of(pairs: list[tuple[str, str, str]]) -> list[str]:
 
 
 @settings(
-    max_examples=60,
+    max_examples=150,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
-    chosen=st.lists(
-        st.tuples(st.sampled_from(sorted(SETTINGS)), st.sampled_from(["flag", "assign", "file"])),
-        max_size=2,
+    chosen=st.one_of(
+        st.just([]),  # about half the examples keep the settings that train, to reach every later stage
+        st.lists(
+            st.tuples(st.sampled_from(sorted(SETTINGS)), st.sampled_from(["flag", "assign", "file"])),
+            min_size=1,
+            max_size=2,
+        ),
     ).flatmap(lambda keys: st.tuples(*(st.tuples(st.just(k), SETTINGS[k], st.just(how)) for k, how in keys))),
     rows=st.one_of(st.none(), ROWS),
     reward=REWARDS,
