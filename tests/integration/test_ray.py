@@ -132,4 +132,4 @@ def test_multi_turn_episodes_run_on_ray_actors_in_async_mode(tmp_path):
     )  # fmt: skip
     summary = trainer.train()
     assert summary["episode/turns"] >= 1 and "episode/injected_tokens" in summary
-    assert summary["rollout/policy_version"] == 1.0 and torch.isfinite(torch.tensor(summary["loss"]))
+    assert summary["rollout/policy_version"] == 2.0 and torch.isfinite(torch.tensor(summary["loss"]))
