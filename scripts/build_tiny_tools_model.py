@@ -6,7 +6,8 @@
     .venv/bin/python scripts/build_tiny_tools_model.py   # writes src/grpo/assets/tiny-tools-lm/
 
 Stages: (1) byte-level BPE tokenizer (digits single tokens; `<tool_call>`, `</tool_call>` and `<|tool|>`
-special) and the chat template; (2) a randomly initialised LlamaForCausalLM from `--seed`; (3a) supervised
+special) and the chat template; (2) a LlamaForCausalLM from
+`--seed`, its layers warm-started from tiny-math-lm (`--warm-start none`: random); (3a) supervised
 fine-tuning on whole conversations, loss on the assistant's tokens only, with `--call-fraction` of the
 traces calling the calculator (one call with the whole expression, or two: the first product, then the
 rest) and the others answering in one go with a plausible but usually wrong number (`#### 9712`);
@@ -31,6 +32,7 @@ import random
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -159,8 +161,8 @@ def calculator_schema(rng: random.Random | None = None) -> dict:
 
 def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
-    # Digits first (each digit its own token, so arithmetic is digit by digit), then GPT-2 style byte-level
-    # splitting; the byte-level decoder makes decode(encode(text)) == text.
+    # Digits first (each digit its own token, as in tiny-math-lm), then GPT-2 style byte-level splitting;
+    # the byte-level decoder makes decode(encode(text)) == text.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
@@ -239,11 +241,12 @@ def trace(row: dict, style: str, rng: random.Random) -> list[dict]:
         ]
         expression = first + parts[1]
     result = calculator(expression)
-    return messages + [
+    messages += [
         {"role": "assistant", "content": "", "tool_calls": [tool_call(expression)]},
         {"role": "tool", "name": "calculator", "content": result},
         {"role": "assistant", "content": f"#### {result}"},
     ]
+    return messages
 
 
 def conversations(rows: list[dict], call_rate, error_rate: float, seed: int) -> list[tuple[list, list]]:
@@ -408,98 +411,107 @@ def sft(model, tokenizer, examples, steps: int, lr_fn, args, phase: str, on_snap
 # --- (4) evaluation: a greedy / sampled multi-turn loop with the calculator in it ------------------------
 
 
-def run_tool(text: str, enabled: bool) -> tuple[str | None, bool]:
-    """(tool message content, was it a call) for an assistant message; None content = no call."""
+def run_tool(text: str, enabled: bool) -> str | None:
+    """The tool message for an assistant message's first `<tool_call>` (an error text when the call is
+    malformed, names another tool or the tool is disabled), or None when it makes no call."""
     match = TOOL_CALL_RE.search(text)
     if match is None:
-        return None, False
+        return None
     if not enabled:
-        return "Error: tool disabled", True
+        return "Error: tool disabled"
     try:
         call = json.loads(match.group(1))
-        result = calculator(**call["arguments"]) if call.get("name") == "calculator" else None
-        return (result if result is not None else f"Error: unknown tool {call.get('name')!r}"), True
+        if call.get("name") != "calculator":
+            return f"Error: unknown tool {call.get('name')!r}"
+        return calculator(**call["arguments"])
     except (ValueError, TypeError, KeyError, AttributeError) as e:
-        return f"Error: {e}", True
+        return f"Error: {e}"
+
+
+@dataclass
+class Episode:
+    messages: list[dict]  # the conversation so far (what the template renders)
+    text: str  # its rendering, up to the current assistant header
+    ids: list[int]  # prompt, sampled and injected tokens
+    n_prompt: int
+    sampled: int = 0
+    calls: int = 0
+    final: str = ""  # the last assistant message (what the answer is read from)
+    done: bool = False
+
+    @property
+    def added(self) -> int:
+        return len(self.ids) - self.n_prompt
+
+
+def batch_inputs(batch: list[Episode], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(e.ids) for e in batch)
+    input_ids = torch.tensor([[pad_id] * (width - len(e.ids)) + e.ids for e in batch])  # [B, T], left-padded
+    attention_mask = torch.tensor([[0] * (width - len(e.ids)) + [1] * len(e.ids) for e in batch])
+    return input_ids, attention_mask
 
 
 @torch.no_grad()
-def episodes(model, tokenizer, questions, tools, *, samples, enabled, args) -> list[dict]:
+def episodes(model, tokenizer, questions, tools, *, samples, enabled, args) -> list[Episode]:
     """Run one episode per question x sample: generate until eos, run a `<tool_call>` if there is one,
-    append the tool message and the next assistant header (tokens of the template's difference), repeat
-    up to `--max-turns` turns and `--max-episode-tokens` added tokens. Greedy when samples == 1."""
+    append the tool message and the next assistant header (tokens of the template's difference, as an
+    episode runner injects them), repeat up to `--max-turns` turns and `--max-episode-tokens` added
+    tokens. Each turn is one batched generate over the live episodes. Greedy when samples == 1."""
     model.eval()
-    eos = tokenizer.eos_token_id
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     eps = []
-    for q in questions:
-        messages = [{"role": "user", "content": q}]
+    for question in questions:
+        messages = [{"role": "user", "content": question}]
         prompt = render(tokenizer, messages, tools, generation_prompt=True)
         ids = tokenizer(prompt, add_special_tokens=False).input_ids
-        for _ in range(samples):
-            eps.append(
-                {"messages": list(messages), "text": prompt, "ids": list(ids), "n_prompt": len(ids),
-                 "sampled": 0, "calls": 0, "done": False, "final": ""}
-            )  # fmt: skip
-    sampling = (
-        {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-        if samples > 1
-        else {"do_sample": False}
-    )
+        eps += [Episode(list(messages), prompt, list(ids), len(ids)) for _ in range(samples)]
+    greedy = {"do_sample": False}
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if samples > 1 else greedy
     for _turn in range(args.max_turns):
-        live = [e for e in eps if not e["done"]]
+        live = [e for e in eps if not e.done]
         for i in range(0, len(live), args.eval_batch_size):
             batch = live[i : i + args.eval_batch_size]
-            width = max(len(e["ids"]) for e in batch)
-            input_ids = torch.tensor(
-                [[tokenizer.pad_token_id] * (width - len(e["ids"])) + e["ids"] for e in batch]
-            )
-            attention = torch.tensor([[0] * (width - len(e["ids"])) + [1] * len(e["ids"]) for e in batch])
-            room = min(
-                args.max_new_tokens,
-                max(1, args.max_episode_tokens - min(len(e["ids"]) - e["n_prompt"] for e in batch)),
-            )
+            input_ids, attention_mask = batch_inputs(batch, pad)
+            room = max(1, args.max_episode_tokens - min(e.added for e in batch))
             out = model.generate(
-                input_ids=input_ids, attention_mask=attention, max_new_tokens=room,
-                **sampling, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-            )  # fmt: skip
-            for e, row in zip(batch, out[:, width:].tolist(), strict=True):
-                budget = args.max_episode_tokens - (len(e["ids"]) - e["n_prompt"])
-                new = row[: row.index(eos) + 1] if eos in row else row
-                new = [t for t in new if t != tokenizer.pad_token_id][:budget]
-                e["ids"] += new
-                e["sampled"] += len(new)
-                text = tokenizer.decode(new, skip_special_tokens=False).removesuffix(EOS)
-                content, called = run_tool(text, enabled)
-                e["final"] = text
-                if not new or new[-1] != eos or content is None:
-                    e["done"] = True
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=min(args.max_new_tokens, room),
+                **sampling,
+                pad_token_id=pad,
+                eos_token_id=eos,
+            )
+            for e, row in zip(batch, out[:, input_ids.shape[1] :].tolist(), strict=True):
+                new = row[: row.index(eos) + 1] if eos in row else [t for t in row if t != pad]
+                new = new[: args.max_episode_tokens - e.added]
+                e.ids += new
+                e.sampled += len(new)
+                e.final = tokenizer.decode(new).removesuffix(EOS)
+                content = run_tool(e.final, enabled) if new and new[-1] == eos else None
+                if content is None:  # an answer, or cut off by the token cap
+                    e.done = True
                     continue
-                e["calls"] += called
-                call = TOOL_CALL_RE.search(text)
-                try:
-                    args_ = json.loads(call.group(1)).get("arguments", {})
-                except ValueError:
-                    args_ = {}
-                e["messages"] += [
-                    {"role": "assistant", "content": "", "tool_calls": [tool_call(str(args_.get("expression", "")))]},
+                e.calls += 1
+                e.messages += [
+                    {"role": "assistant", "content": e.final},
                     {"role": "tool", "name": "calculator", "content": content},
-                ]  # fmt: skip
-                # The injected text: everything after the sampled eos up to the next assistant header.
-                rendered = render(tokenizer, e["messages"], tools, generation_prompt=True)
-                injected = rendered[rendered.index(EOS, len(e["text"])) + len(EOS) :]
-                e["text"] = rendered
-                piece = tokenizer(injected, add_special_tokens=False).input_ids
-                if len(e["ids"]) - e["n_prompt"] + len(piece) >= args.max_episode_tokens:
-                    e["done"] = True  # no room left for another turn
+                ]
+                # Injected: everything after the sampled eos, up to and including the next assistant header.
+                rendered = render(tokenizer, e.messages, tools, generation_prompt=True)
+                assert rendered.startswith(e.text + e.final + EOS), "chat template is not prefix-preserving"
+                injected = tokenizer(
+                    rendered[len(e.text) + len(e.final) + len(EOS) :], add_special_tokens=False
+                )
+                e.text = rendered
+                if e.added + len(injected.input_ids) >= args.max_episode_tokens:
+                    e.done = True  # no room left for another turn
                     continue
-                e["ids"] += piece
-    for e in eps:
-        e["added_tokens"] = len(e["ids"]) - e["n_prompt"]
+                e.ids += injected.input_ids
     return eps
 
 
-def correct(eps: list[dict], answers: list[str], samples: int) -> list[bool]:
-    finals = [e["final"] for e in eps]
+def correct(eps: list[Episode], answers: list[str], samples: int) -> list[bool]:
+    finals = [e.final for e in eps]
     refs = [answers[j // samples] for j in range(len(eps))]
     return [s == 1.0 for s in gsm8k_correctness([""] * len(eps), finals, answer=refs)]
 
@@ -510,7 +522,7 @@ def evaluate(model, tokenizer, rows: list[dict], args: argparse.Namespace) -> di
     start = time.time()
     greedy = episodes(model, tokenizer, questions, tools, samples=1, enabled=True, args=args)
     ok = correct(greedy, answers, 1)
-    called = [e["calls"] > 0 for e in greedy]
+    called = [e.calls > 0 for e in greedy]
     disabled = episodes(model, tokenizer, questions, tools, samples=1, enabled=False, args=args)
     k, n = args.pass_k, args.pass_k_problems
     torch.manual_seed(args.seed)
@@ -525,22 +537,22 @@ def evaluate(model, tokenizer, rows: list[dict], args: argparse.Namespace) -> di
         "tool_call_rate_bare": sum(c for c, b in zip(called, bare, strict=True) if b) / max(1, sum(bare)),
         "tool_call_rate_word": sum(c for c, b in zip(called, bare, strict=True) if not b)
         / max(1, len(rows) - sum(bare)),
-        "two_call_rate": sum(e["calls"] >= 2 for e in greedy) / len(rows),
+        "two_call_rate": sum(e.calls >= 2 for e in greedy) / len(rows),
         "accuracy_when_calling": sum(o for o, c in zip(ok, called, strict=True) if c) / max(1, n_called),
         "accuracy_when_not_calling": sum(o for o, c in zip(ok, called, strict=True) if not c)
         / max(1, len(rows) - n_called),
         f"pass@{k}": sum(any(sample_ok[j * k : (j + 1) * k]) for j in range(n)) / n,
         "sample_accuracy": sum(sample_ok) / len(sampled),
-        "sample_tool_call_rate": sum(e["calls"] > 0 for e in sampled) / len(sampled),
-        "mean_added_tokens_greedy": sum(e["added_tokens"] for e in greedy) / len(greedy),
-        "mean_sampled_tokens_greedy": sum(e["sampled"] for e in greedy) / len(greedy),
-        "mean_added_tokens_sampled": sum(e["added_tokens"] for e in sampled) / len(sampled),
-        "max_added_tokens_sampled": max(e["added_tokens"] for e in sampled),
-        "mean_prompt_tokens": sum(e["n_prompt"] for e in greedy) / len(greedy),
+        "sample_tool_call_rate": sum(e.calls > 0 for e in sampled) / len(sampled),
+        "mean_added_tokens_greedy": sum(e.added for e in greedy) / len(greedy),
+        "mean_sampled_tokens_greedy": sum(e.sampled for e in greedy) / len(greedy),
+        "mean_added_tokens_sampled": sum(e.added for e in sampled) / len(sampled),
+        "max_added_tokens_sampled": max(e.added for e in sampled),
+        "mean_prompt_tokens": sum(e.n_prompt for e in greedy) / len(greedy),
         "eval_seconds": time.time() - start,
     }
     for e, o in list(zip(greedy, ok, strict=True))[:3]:
-        print(f"example ({'right' if o else 'wrong'}): {tokenizer.decode(e['ids'])!r}")
+        print(f"example ({'right' if o else 'wrong'}): {tokenizer.decode(e.ids)!r}")
     return metrics
 
 
@@ -556,9 +568,9 @@ def save(model, tokenizer, out: Path, metrics: dict[str, float], args: argparse.
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     build_info = {k: str(v) if isinstance(v, Path | dict) else v for k, v in vars(args).items()}
-    (out / "build_info.json").write_text(
-        json.dumps({"args": build_info, "metrics": metrics}, indent=2) + "\n"
-    )
+    command = " ".join(["scripts/build_tiny_tools_model.py", *sys.argv[1:]])
+    info = {"command": command, "args": build_info, "metrics": metrics}
+    (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
 def parse_snapshots(text: str) -> dict[str, list[int]]:
@@ -574,9 +586,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--steps", type=int, default=1000, help="phase-1 SFT steps")
+    parser.add_argument("--steps", type=int, default=400, help="phase-1 SFT steps")
     parser.add_argument("--call-fraction", type=float, default=0.7, help="phase-1 traces that call the tool")
-    parser.add_argument("--mix-steps", type=int, default=100, help="phase-2 SFT steps (sets the call rate)")
+    parser.add_argument("--mix-steps", type=int, default=60, help="phase-2 SFT steps (sets the call rate)")
     parser.add_argument(
         "--bare-call-rate", type=float, default=0.75, help="phase 2: bare questions' call rate"
     )
@@ -594,8 +606,8 @@ def main() -> None:
     parser.add_argument(
         "--init-from", type=Path, default=None, help="start from this saved model + tokenizer"
     )
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -625,9 +637,7 @@ def main() -> None:
         texts = [render(tokenizer=_Renderer(), messages=m, tools=t) for m, t in phase1]
         tokenizer = build_tokenizer(texts, args.vocab_size)
         model = build_model(tokenizer, args)
-    print(
-        f"tokenizer: {len(tokenizer)} tokens; model: {sum(p.numel() for p in model.parameters()):,} parameters"
-    )
+    print(f"tokenizer: {len(tokenizer)} tokens; model: {model.num_parameters():,} parameters")
 
     def snapshot(name: str) -> None:
         if not args.snapshot_eval_size:
@@ -640,9 +650,8 @@ def main() -> None:
 
     examples = [encode_conversation(tokenizer, m, t) for m, t in phase1]
     lengths = sorted(len(ids) for ids, _ in examples)
-    print(
-        f"phase 1: {len(examples)} conversations, tokens median {lengths[len(lengths) // 2]} max {lengths[-1]}"
-    )
+    median, longest = lengths[len(lengths) // 2], lengths[-1]
+    print(f"phase 1: {len(examples)} conversations of {median} tokens (median), {longest} at most")
     print("example:", repr(tokenizer.decode(examples[0][0])))
     sft(model, tokenizer, examples, args.steps, lambda step: lr_at(step, args), args, "sft", snapshot)
     if args.mix_steps:

@@ -3,7 +3,8 @@
     .venv/bin/python scripts/make_tiny_tools.py   # writes src/grpo/assets/tiny_tools/{train,test}.jsonl
 
 Each row is `{"question": str, "answer": str}` in the GSM8K schema, so the GSM8K reward and scorer apply;
-the answer is the whole computation on one line, then the final `#### <number>`:
+the answer is the whole computation on one line (numbers in the order the question gives them), then the
+final `#### <number>`:
 
     question: "Ana buys 23 boxes of 45 pens and 12 boxes of 67 pencils. How many things does she buy?"
     answer:   "23*45+12*67=1839\\n#### 1839"
@@ -112,10 +113,10 @@ def product(rng: random.Random) -> tuple[str, str, int]:
     question = rng.choice(
         [
             f"{name} has {a} {containers} with {b} {item} in each. How many {item} does {pronoun} have?",
-            f"A {container} holds {b} {item}. How many {item} are in {a} {containers}?",
             f"{place} has {a} {groups} of {b} {unit}. How many {unit} are there in all?",
-            f"{name} saves {b} dollars a week for {a} weeks. How many dollars does {pronoun} save?",
-            f"A train moves {b} km every hour. How far does it go in {a} hours?",
+            f"A {container} holds {a} {item}. How many {item} are in {b} {containers}?",
+            f"{name} saves {a} dollars a week for {b} weeks. How many dollars does {pronoun} save?",
+            f"A train moves {a} km every hour. How far does it go in {b} hours?",
         ]
     )
     return question, f"{a}*{b}", a * b

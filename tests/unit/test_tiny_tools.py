@@ -85,6 +85,15 @@ def test_tool_tokens_are_single_special_ids(tokenizer):
     assert "<tool_call>" in tokenizer.chat_template  # what tool-call format detection looks for
 
 
+def test_digits_are_single_tokens_and_text_round_trips(tokenizer):
+    def pieces(text):
+        return tokenizer.convert_ids_to_tokens(tokenizer(text, add_special_tokens=False).input_ids)
+
+    assert pieces("47952") == ["4", "7", "9", "5", "2"]
+    text = '{"expression": "1035+12*67"} #### 1839'
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids) == text
+
+
 def test_the_template_renders_any_tool_from_its_schema(tokenizer):
     messages = [{"role": "user", "content": "What do 3 pens cost?"}]
     text = tokenizer.apply_chat_template(
