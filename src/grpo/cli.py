@@ -355,7 +355,7 @@ def dry_run(cfg: GRPOConfig) -> str:
         "steps": planned_steps(cfg, len(train_rows)),
         "steps_per_epoch": -(-len(train_rows) // cfg.train.prompts_per_step),
         "completions_per_step": cfg.completions_per_step,
-        # unset: cut by a token budget, known once the model is loaded
+        # every micro-batch is also cut to a token budget, known once the model is loaded
         "micro_batch_size": cfg.resolved_micro_batch_size or "by tokens (train.micro_batch_tokens)",
         "explicit": sorted(cfg.explicit_keys),
     }

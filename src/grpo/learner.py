@@ -26,19 +26,15 @@ from grpo.model.micro_batch import (
     PaddedCost,
     activation_bytes_per_token,
     budget_tokens,
-    cut_by_tokens,
-    cut_into,
     default_activation_budget,
+    plan_micro_batches,
+    split_to,
 )
 from grpo.records import TrainBatch
 
 
 class NonFiniteWeightsError(RuntimeError):
     """The policy's weights hold NaN/inf after an optimizer step: training cannot go on from here."""
-
-
-def micro_batches(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 @dataclass
@@ -143,8 +139,9 @@ class Learner:
             entropy_grad=cfg.algorithm.entropy_coef != 0,  # the bonus's gradient flows through the entropy
         )
         self.reference_forward = None if ref_model is None else PolicyForward(ref_model, native=native)
-        self.micro_batch_size = cfg.resolved_micro_batch_size  # None: cut by micro_batch_tokens
-        self.micro_batch_tokens = None if self.micro_batch_size else self._token_budget(policy, device)
+        # The row knobs' micro-batch (None: unset); whatever they say, the token budget caps every one.
+        self.micro_batch_size = cfg.resolved_micro_batch_size
+        self.micro_batch_tokens = self._token_budget(policy, device)
 
     def _token_budget(self, policy, device: torch.device) -> int:
         t = self.cfg.train
@@ -171,23 +168,22 @@ class Learner:
         return budget_tokens(budget, per_token, device)
 
     def micro_slices(self, batch: TrainBatch) -> list[slice]:
-        """The row slices of `batch` that run as one forward/backward each (model/micro_batch.py)."""
-        if self.micro_batch_size is not None:
-            return micro_batches(len(batch), self.micro_batch_size)
+        """The row slices of `batch` that run as one forward/backward each: at most `micro_batch_size`
+        rows when the row knobs set it, and always at most `micro_batch_tokens` (model/micro_batch.py)."""
         cost = PaddedCost(batch, shared_prompts=self.policy_forward.kind == "native")
-        slices = cut_by_tokens(cost, self.micro_batch_tokens)
+        slices = plan_micro_batches(cost, self.micro_batch_tokens, self.micro_batch_size)
         if self.rt.active:  # every process runs as many passes as the one that needs the most
             parts = int(self.rt.all_reduce(torch.tensor([len(slices)]), "max").item())
-            if parts != len(slices):
-                slices = cut_into(cost.rows(), parts)
+            slices = split_to(slices, cost, parts)
         return slices
 
     def describe_micro_batches(self) -> str:
-        if self.micro_batch_size is not None:
-            n = self.cfg.completions_per_step
-            passes = -(-n // self.micro_batch_size)
-            return f"micro-batch {self.micro_batch_size} ({passes} forward/backward per optimizer step)"
-        return f"micro-batches of at most {self.micro_batch_tokens:,} tokens (a longer completion runs alone)"
+        n = self.cfg.completions_per_step
+        rows = "" if self.micro_batch_size is None else f"at most {self.micro_batch_size} completions and "
+        return (
+            f"each optimizer step averages over all {n} completions; micro-batches of {rows}at most "
+            f"{self.micro_batch_tokens:,} tokens (train.micro_batch_tokens; a longer completion runs alone)"
+        )
 
     @torch.no_grad()
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:

@@ -96,6 +96,21 @@ def test_token_budget_micro_batches_leave_the_update_unchanged(engine):
             assert torch.allclose(grads[name], ref_grads[name], atol=1e-6), (tokens, name)
 
 
+@pytest.mark.parametrize("engine", ["native", "transformers"])
+def test_row_knobs_under_a_token_budget_leave_the_update_unchanged(engine):
+    """micro_batch_size 8 (gradient_accumulation_steps=1) with a small token budget runs cut pieces:
+    the same loss and gradient as one micro-batch of all rows."""
+    ref_stats, ref_grads = gradient_after_step("sequence_mean", 8, beta=0.04, engine=engine)
+    for micro, tokens in ((8, 20), (3, 20), (8, 1)):
+        stats, grads = gradient_after_step(
+            "sequence_mean", micro, beta=0.04, engine=engine, micro_tokens=tokens
+        )
+        assert stats.loss == pytest.approx(ref_stats.loss, abs=1e-6)
+        assert stats.kl == pytest.approx(ref_stats.kl, rel=1e-6)
+        for name in ref_grads:
+            assert torch.allclose(grads[name], ref_grads[name], atol=1e-6), (micro, tokens, name)
+
+
 def test_native_and_transformers_learners_agree():
     ref_stats, ref_grads = gradient_after_step(
         "sequence_mean", 3, beta=0.04, iterations=2, engine="transformers"

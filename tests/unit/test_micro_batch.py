@@ -19,6 +19,8 @@ from grpo.model.micro_batch import (
     cut_by_tokens,
     cut_into,
     default_activation_budget,
+    plan_micro_batches,
+    split_to,
 )
 from grpo.records import TrainBatch
 from tests.conftest import tiny_llama
@@ -116,11 +118,14 @@ def test_budget_in_tokens():
     assert budget_tokens(1 << 20, 1 << 20, CUDA) == MIN_BUDGET_TOKENS
 
 
+def _learner(**kw) -> Learner:
+    cfg = GRPOConfig(batch_size=2, num_generations=4, max_new_tokens=7)
+    cfg.update(kw)
+    return Learner(tiny_llama(), None, cfg.validate(), total_optimizer_steps=1)
+
+
 def test_learner_defaults_to_token_budget_and_honours_fixed_sizes():
-    def learner(**kw):
-        cfg = GRPOConfig(batch_size=2, num_generations=4, max_new_tokens=7)
-        cfg.update(kw)
-        return Learner(tiny_llama(), None, cfg.validate(), total_optimizer_steps=1)
+    learner = _learner
 
     default = learner()
     assert default.micro_batch_size is None and MIN_BUDGET_TOKENS <= default.micro_batch_tokens <= 4096
@@ -134,7 +139,11 @@ def test_learner_defaults_to_token_budget_and_honours_fixed_sizes():
     assert learner(**{"train.gradient_accumulation_steps": 4}).micro_slices(batch) == [
         slice(i, i + 2) for i in range(0, 8, 2)
     ]
-    assert learner(**{"train.micro_batch_size": 3}).micro_batch_tokens is None
+    assert learner(**{"train.micro_batch_size": 3}).micro_slices(batch) == [
+        slice(0, 3),
+        slice(3, 6),
+        slice(6, 8),
+    ]
     # 1 GB for a 2-layer, 32-wide model: the budget is far beyond the CPU speed cap
     assert learner(**{"train.activation_memory_gb": 1.0}).micro_batch_tokens == CPU_SPEED_TOKENS
     assert learner(**{"train.activation_memory_gb": 1e-4}).micro_batch_tokens < CPU_SPEED_TOKENS
@@ -153,3 +162,71 @@ def test_cpu_budget_is_at_least_twice_the_gradient():
     per_token = activation_bytes_per_token(config, 4, native=True, checkpointing=False)
     assert budget_tokens(default_activation_budget(CPU), per_token, CPU) == 288
     assert budget_tokens(default_activation_budget(CPU, qwen_05b), per_token, CPU) == CPU_SPEED_TOKENS
+
+
+def _covers(slices: list[slice], n: int) -> bool:
+    return [i for s in slices for i in range(s.start, s.stop)] == list(range(n))
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"train.gradient_accumulation_steps": 1},  # the seed API's setting: all 8 rows in one chunk
+        {"train.gradient_accumulation_steps": 2},
+        {"train.micro_batch_size": 8},
+        {"train.micro_batch_size": 3},
+        {},
+    ],
+)
+def test_row_knobs_never_lift_the_token_budget(knobs):
+    """Whatever the row knobs say, no micro-batch that runs passes train.micro_batch_tokens (issue 26:
+    gradient_accumulation_steps=1 used to run every row at once, past any budget)."""
+    # rows cost 11 (a group's first: prompt 6 + completion 5), then 5 each; all 8 rows: 6 + 6 + 8 × 5 = 52
+    batch = _batch([6] * 8, [5] * 8, [0] * 4 + [1] * 4)
+    cost = PaddedCost(batch, shared_prompts=True)
+    learner = _learner(**knobs, **{"train.micro_batch_tokens": 20})
+    slices = learner.micro_slices(batch)
+    assert _covers(slices, 8)
+    assert max(cost.of(range(s.start, s.stop)) for s in slices) <= 20, slices
+    rows = learner.micro_batch_size or 8
+    assert max(s.stop - s.start for s in slices) <= rows
+    sizes = learner.describe_micro_batches()
+    assert "at most 20 tokens" in sizes and "averages over all 8 completions" in sizes
+    assert (f"at most {rows} completions" in sizes) == bool(knobs), sizes
+
+
+def test_rows_and_tokens_both_cut():
+    batch = _batch([6] * 8, [5] * 8, [0] * 4 + [1] * 4)
+    cost = PaddedCost(batch, shared_prompts=True)
+    # row chunks 0-2, 3-5, 6-7; the first (21 tokens) and second (6 + 6 + 3 × 5 = 27) pass 20 and are cut
+    assert plan_micro_batches(cost, 20, 3) == [
+        slice(0, 2),
+        slice(2, 3),
+        slice(3, 4),
+        slice(4, 6),
+        slice(6, 8),
+    ]
+    assert plan_micro_batches(cost, 1000, 3) == [slice(0, 3), slice(3, 6), slice(6, 8)]
+    assert plan_micro_batches(cost, 1000) == [slice(0, 8)]
+
+
+def test_long_completions_with_one_accumulation_step_stay_in_a_gpu_budget():
+    """64 rows of 4k-token completions with gradient_accumulation_steps=1: one 64-row micro-batch would
+    run 262k tokens; the budget (here 16k tokens) cuts it into pieces of at most 16k."""
+    lengths = [4096 - 37 * i for i in range(64)]
+    batch = _batch([64] * 64, lengths, [i // 8 for i in range(64)], width=64, t=4096)
+    cost = PaddedCost(batch, shared_prompts=True)
+    slices = plan_micro_batches(cost, 16384, max_rows=64)
+    assert _covers(slices, 64) and len(slices) >= 16
+    assert max(cost.of(range(s.start, s.stop)) for s in slices) <= 16384
+
+
+def test_split_to_reaches_the_count_without_passing_any_limit():
+    batch = _batch([6] * 8, [5, 5, 1, 1, 5, 2, 2, 2], [0] * 4 + [1] * 4)
+    cost = PaddedCost(batch, shared_prompts=True)
+    slices = plan_micro_batches(cost, 20, 4)
+    for parts in range(len(slices), 10):
+        split = split_to(slices, cost, parts)
+        assert _covers(split, 8) and len(split) == min(parts, 8)
+        assert max(cost.of(range(s.start, s.stop)) for s in split) <= 20
+        assert max(s.stop - s.start for s in split) <= 4

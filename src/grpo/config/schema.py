@@ -329,19 +329,21 @@ class TrainConfig:
     prompts_per_step: int = _f(4, "Prompts per rollout batch (P); completions per step = P × G.")
     micro_batch_size: int | None = _f(
         None,
-        "Completions per forward/backward (a memory knob only: it does not change the loss). Default: "
-        "P × G / gradient_accumulation_steps when that is set, else as many as fit micro_batch_tokens.",
+        "Most completions per forward/backward (a memory knob only: it does not change the loss); "
+        "micro_batch_tokens caps every micro-batch as well. Default: P × G / gradient_accumulation_steps "
+        "when that is set, else no row limit.",
     )
     gradient_accumulation_steps: int | None = _f(
         None,
-        "Split each step's P × G completions into this many equal micro-batches whose gradients are "
-        "summed (used when micro_batch_size is unset). Default: unset, micro-batches are cut by "
-        "micro_batch_tokens.",
+        "Split each step's P × G completions into this many equal row chunks whose gradients are "
+        "summed into one optimizer step (used when micro_batch_size is unset); a chunk past "
+        "micro_batch_tokens is cut further. Default: unset, micro-batches are cut by micro_batch_tokens "
+        "alone.",
     )
     micro_batch_tokens: int | None = _f(
         None,
-        "Most tokens (prompt + completion) per forward/backward when neither micro_batch_size nor "
-        "gradient_accumulation_steps is set; a longer completion runs alone. Default: "
+        "Most tokens (prompt + completion) per forward/backward, whatever micro_batch_size and "
+        "gradient_accumulation_steps say; a longer completion runs alone. Default: "
         "activation_memory_gb over the model's activation bytes per token, padding included (at most 2,048 "
         "on a CPU, where larger ones ran slower).",
     )

@@ -163,7 +163,8 @@ class GRPOConfig:
 
     @property
     def resolved_micro_batch_size(self) -> int | None:
-        """Rows per micro-batch when the user fixed them; None: cut by train.micro_batch_tokens."""
+        """Most rows per micro-batch when the user's row knobs set them, else None (no row limit);
+        train.micro_batch_tokens caps every micro-batch either way."""
         if self.train.micro_batch_size is not None:
             return self.train.micro_batch_size
         if self.train.gradient_accumulation_steps is not None:

@@ -1,5 +1,8 @@
-"""How a step's completions are split into micro-batches: by row count when the user says so, else by a
-token budget derived from the memory set aside for activations.
+"""How a step's completions are split into micro-batches: always by a token budget derived from the memory
+set aside for activations, and also by row count when the user's row knobs (`micro_batch_size`,
+`gradient_accumulation_steps`) ask for smaller ones. A row count alone does not bound memory: 64 rows of
+4k-token completions are 256k tokens, an out-of-memory error on a GPU, while 64 rows of 30 tokens fit
+anywhere.
 
 Why tokens: a micro-batch's activation memory is (tokens it runs) × (bytes the model saves per token for
 backward), and with eos-ended completions the tokens of a fixed row count vary 4-10× between steps
@@ -115,14 +118,48 @@ class PaddedCost:
         ]
 
 
-def cut_by_tokens(cost: PaddedCost, max_tokens: int) -> list[slice]:
-    """Contiguous slices of at most max_tokens each by `cost`, cut between groups where possible.
+def plan_micro_batches(cost: PaddedCost, max_tokens: int, max_rows: int | None = None) -> list[slice]:
+    """The row slices that run as one forward/backward each: chunks of at most `max_rows` rows (the user's
+    row knobs; None: no row limit), each cut further to at most `max_tokens` by `cost`. Only a single row
+    longer than the budget can pass it, alone."""
+    n = len(cost)
+    step = max_rows or max(n, 1)
+    return [
+        piece
+        for start in range(0, n, step)
+        for piece in cut_by_tokens(cost, max_tokens, range(start, min(start + step, n)))
+    ]
+
+
+def split_to(slices: list[slice], cost: PaddedCost, parts: int) -> list[slice]:
+    """`slices` split further until there are `parts` of them (fewer only once every slice is one row).
+
+    Several processes must run the same number of forward/backward passes (FSDP2 gathers parameters in
+    each one, a collective), so every rank cuts into the largest count any rank needs. Each split halves
+    the costliest slice by tokens, so no slice passes a row or token limit the input slices kept."""
+    out = list(slices)
+    weights = cost.rows()
+    while len(out) < parts:
+        splittable = [i for i, s in enumerate(out) if s.stop - s.start > 1]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda i: cost.of(range(out[i].start, out[i].stop)))
+        s = out[i]
+        first, _ = cut_into(weights[s], 2)
+        out[i : i + 1] = [slice(s.start, s.start + first.stop), slice(s.start + first.stop, s.stop)]
+    return out
+
+
+def cut_by_tokens(cost: PaddedCost, max_tokens: int, within: range | None = None) -> list[slice]:
+    """Contiguous slices of the rows `within` (default: all), at most max_tokens each by `cost`, cut
+    between groups where possible.
 
     A group split over two micro-batches runs its shared prompt twice, so whole groups are added while
     they fit; a group that does not fit alone is cut by rows (a row longer than the budget runs alone)."""
-    groups, start = [], 0
-    for i in range(1, len(cost) + 1):
-        if i == len(cost) or cost.groups[i] != cost.groups[i - 1]:
+    within = range(len(cost)) if within is None else within
+    groups, start = [], within.start
+    for i in range(within.start + 1, within.stop + 1):
+        if i == within.stop or cost.groups[i] != cost.groups[i - 1]:
             groups.append(range(start, i))
             start = i
     out: list[slice] = []
@@ -147,10 +184,7 @@ def cut_by_tokens(cost: PaddedCost, max_tokens: int) -> list[slice]:
 
 
 def cut_into(costs: list[int], parts: int) -> list[slice]:
-    """Exactly `parts` contiguous slices (fewer only when there are fewer rows) of about equal tokens.
-
-    Several processes must run the same number of forward/backward passes (FSDP2 gathers parameters in
-    each one, a collective), so every rank cuts its rows into the largest count any rank needs."""
+    """Exactly `parts` contiguous slices (fewer only when there are fewer rows) of about equal tokens."""
     n = len(costs)
     parts = min(parts, n)
     if parts <= 1:
