@@ -118,6 +118,11 @@ def main() -> None:
     ap.add_argument("--skip-trl", action="store_true", help="only grpo (e.g. while iterating)")
     ap.add_argument("--out", default=str(HERE / "results" / "matrix.json"))
     ap.add_argument(
+        "--grpo-args",
+        default="",
+        help="extra matrix_grpo.py arguments for an A/B of one setting, e.g. '--compile-training'",
+    )
+    ap.add_argument(
         "--from-runs",
         metavar="SINCE",
         help=f"no runs: tabulate the runs {MATRIX_RUNS.name} logged since this time (YYYY-MM-DD HH:MM)",
@@ -144,7 +149,7 @@ def main() -> None:
     started = time.time()
     for repeat in range(args.repeats):
         for name in args.cells:
-            sides = [("grpo", [sys.executable, "matrix_grpo.py"])]
+            sides = [("grpo", [sys.executable, "matrix_grpo.py", *args.grpo_args.split()])]
             if not args.skip_trl:
                 sides.insert(0, ("trl", [args.trl_python, "trl_step.py"]))
             for side, cmd in sides:

@@ -32,12 +32,16 @@ from common import (
 from transformers import AutoModelForCausalLM
 
 from grpo import GRPOConfig, GRPOTrainer
+from grpo.model.compiled import compile_report
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cell", choices=sorted(MATRIX_VARIATIONS), required=True)
     ap.add_argument("--steps", type=int, default=4)
+    # Not defaults: the seed API's row knob (issue 26's workload) and the compiled training block, for A/Bs.
+    ap.add_argument("--gradient-accumulation-steps", type=int, default=None)
+    ap.add_argument("--compile-training", action="store_true")
     args = ap.parse_args()
     cell = matrix_cell(args.cell)
     path = make_matrix_model(cell["eos"], cell["completion"])
@@ -62,6 +66,10 @@ def main() -> None:
             save_steps=0,
         )
         cfg.update({"data.max_prompt_length": 1024})  # the workload's prompts are never cut
+        if args.gradient_accumulation_steps is not None:
+            cfg.update({"train.gradient_accumulation_steps": args.gradient_accumulation_steps})
+        if args.compile_training:
+            cfg.update({"model.compile_training": True})
         trainer = GRPOTrainer(
             model=load(),
             ref_model=load() if cell["beta"] else None,
@@ -83,6 +91,8 @@ def main() -> None:
             "completion_len": statistics.median(s["completion_len/mean"] for s in later),
             "stages": {k: statistics.median(s[k] for s in later) for k in later[0] if k.startswith("time/")},
             "micro_batch": cfg.resolved_micro_batch_size or "by tokens (train.micro_batch_tokens)",
+            "compile_training": cfg.model.compile_training,
+            "compile": compile_report() if cfg.model.compile_training else None,
             "threads": torch.get_num_threads(),
             "peak_rss_mb": vm_hwm_mb(),
         },

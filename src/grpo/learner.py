@@ -137,8 +137,13 @@ class Learner:
             compute_dtype=None if self.rt.sharded else self.compute_dtype,
             gradient_checkpointing=cfg.model.gradient_checkpointing,
             entropy_grad=cfg.algorithm.entropy_coef != 0,  # the bonus's gradient flows through the entropy
+            compile_blocks=cfg.model.compile_training,
         )
-        self.reference_forward = None if ref_model is None else PolicyForward(ref_model, native=native)
+        self.reference_forward = (
+            None
+            if ref_model is None
+            else PolicyForward(ref_model, native=native, compile_blocks=cfg.model.compile_training)
+        )
         # The row knobs' micro-batch (None: unset); whatever they say, the token budget caps every one.
         self.micro_batch_size = cfg.resolved_micro_batch_size
         self.micro_batch_tokens = self._token_budget(policy, device)

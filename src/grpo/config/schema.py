@@ -74,6 +74,12 @@ class ModelConfig:
         "Never logged and never written to the run directory.",
     )
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    compile_training: bool = _f(
+        False,
+        "torch.compile (inductor) the native training block's norms, projections, RoPE and MLP, forward "
+        "and backward, for the update and the reference pass (attention stays eager). The first step "
+        "compiles (tens of seconds on a CPU; inductor's on-disk cache serves later runs).",
+    )
 
 
 @dataclass

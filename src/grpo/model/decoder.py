@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpo.model.compiled import compiled_block
 from grpo.model.linear import DecodeLinear, decode_onednn, linear, swiglu_down
 from grpo.model.lora import adapted_linear, is_lora, lora_base, unfoldable_reason
 
@@ -98,6 +99,8 @@ class NativeDecoder:
         self.qk_norm = cfg.model_type == "qwen3"
         self.scale = self.head_dim**-0.5
         self.gradient_checkpointing = False
+        # Training blocks' dense parts through torch.compile (model/compiled.py); set by PolicyForward.
+        self.compile_blocks = False
         # Mixed precision: float32 master weights are cast to compute_dtype as they are read (the cast
         # is differentiable, so gradients reach the masters in float32); autocast would not reach
         # model/linear.py's oneDNN calls. None: compute in the weights' own dtype.
@@ -332,9 +335,12 @@ class NativeDecoder:
         return self.final_norm(h.index_select(0, packed.predictor_index))  # [M, d]
 
     def _shared_block(self, layer, h, cos, sin, packed: SharedPromptPack) -> torch.Tensor:
-        q, k, v = self.qkv(
-            layer, rms_norm(h, self.w(layer.input_layernorm.weight), self.eps), cos, sin
-        )  # [S, H|Hkv, D]
+        if self.compile_blocks:
+            q, k, v = self._compiled_pre_attention(layer, h, cos, sin)
+        else:
+            q, k, v = self.qkv(
+                layer, rms_norm(h, self.w(layer.input_layernorm.weight), self.eps), cos, sin
+            )  # [S, H|Hkv, D]
         p, lp, n, tc = packed.num_groups, packed.prompt_width, packed.num_rows, packed.input_width
 
         def pad_p(x):  # [S, ·] → [P, heads, Lp, D]
@@ -366,7 +372,37 @@ class NativeDecoder:
                 attn_c.transpose(1, 2).reshape(n * tc, -1).index_select(0, packed.completion_slot),
             ]
         )
+        if self.compile_blocks:
+            return self._compiled_post_attention(layer, h, attn)
         return self.block_tail(layer, h, attn)
+
+    def _compiled_pre_attention(self, layer, h, cos, sin):
+        a, w = layer.self_attn, self.w
+        norms = (w(a.q_norm.weight), w(a.k_norm.weight)) if self.qk_norm else (None, None)
+        return compiled_block().pre(
+            h,
+            w(layer.input_layernorm.weight),
+            *self.proj(a.q_proj),
+            *self.proj(a.k_proj),
+            *self.proj(a.v_proj),
+            *norms,
+            cos,
+            sin,
+            self.eps,
+            self.num_heads,
+            self.num_kv_heads,
+        )
+
+    def _compiled_post_attention(self, layer, h, attn):
+        m = layer.mlp
+        return compiled_block().post(
+            h,
+            attn,
+            *self.proj(layer.self_attn.o_proj),
+            self.w(layer.post_attention_layernorm.weight),
+            *(self.proj(p)[0] for p in (m.gate_proj, m.up_proj, m.down_proj)),
+            self.eps,
+        )
 
     def _completion_attention(self, q, keys, vals, mask, lp: int, lengths: list[int]) -> torch.Tensor:
         """Completion queries q [N, H, Tc, D] over their [prompt | completion] keys [N, Hkv, Lp+Tc, D];

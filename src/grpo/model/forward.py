@@ -104,6 +104,7 @@ class PolicyForward:
         compute_dtype: torch.dtype | None = None,
         gradient_checkpointing: bool = False,
         entropy_grad: bool = False,
+        compile_blocks: bool = False,
     ):
         self.model, self.compute_dtype, self.entropy_grad = model, compute_dtype, entropy_grad
         self.decoder = None
@@ -112,6 +113,7 @@ class PolicyForward:
         if native and not entropy_grad and not has_adapters(model) and unsupported_reason(model) is None:
             self.decoder = NativeDecoder(model, compute_dtype)
             self.decoder.gradient_checkpointing = gradient_checkpointing
+            self.decoder.compile_blocks = compile_blocks  # model/compiled.py
         self.kind = "transformers" if self.decoder is None else "native"
         # The transformers forward makes [tokens, vocab] logits unless its LM head can run in chunks.
         self.full_logits = self.decoder is None and chunkable_head(model, compute_dtype, entropy_grad) is None

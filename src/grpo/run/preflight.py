@@ -37,6 +37,7 @@ RESUME_SAFE_KEYS = frozenset(
         "model.hf_token",
         "model.device",
         "model.gradient_checkpointing",
+        "model.compile_training",
         "data.eval_dataset",
         "data.eval_max_samples",
         "generation.batch_size",
