@@ -101,8 +101,8 @@ def main() -> None:
     slices = learner.micro_slices(batch)
     print(
         f"cell {args.cell}: {len(batch)} rows, {int(batch.completion_mask.sum())} completion tokens, "
-        f"{len(slices)} micro-batches of ≤ {learner.micro_batch_tokens} tokens; threads {torch.get_num_threads()}, "
-        f"{'CPU' if args.cpu_time else 'wall'} time"
+        f"{len(slices)} micro-batches of ≤ {learner.micro_batch_tokens} tokens; "
+        f"threads {torch.get_num_threads()}, {'CPU' if args.cpu_time else 'wall'} time"
     )
     start = time.perf_counter()
     run(True, batch)
