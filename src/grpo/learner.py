@@ -18,6 +18,7 @@ from grpo.algorithm.loss import LossNorm, LossOutput, grpo_loss
 from grpo.algorithm.schedules import lr_lambda
 from grpo.config import GRPOConfig
 from grpo.distributed.runtime import Runtime
+from grpo.model.compiled import compile_by_default
 from grpo.model.forward import PolicyForward
 from grpo.model.loading import resolve_dtype
 from grpo.model.memory import release_large_frees
@@ -131,18 +132,24 @@ class Learner:
         # The native forward reads parameters directly, skipping module hooks: DDP and FSDP2 rely on their
         # wrapper's forward, so several processes train through the transformers forward.
         native = cfg.generation.engine != "transformers" and not self.rt.active
+        compile_training = cfg.model.compile_training
+        self.compile_blocks = native and (
+            compile_by_default(device, total_optimizer_steps)
+            if compile_training is None
+            else compile_training
+        )
         self.policy_forward = PolicyForward(
             self.model,
             native=native,
             compute_dtype=None if self.rt.sharded else self.compute_dtype,
             gradient_checkpointing=cfg.model.gradient_checkpointing,
             entropy_grad=cfg.algorithm.entropy_coef != 0,  # the bonus's gradient flows through the entropy
-            compile_blocks=cfg.model.compile_training,
+            compile_blocks=self.compile_blocks,
         )
         self.reference_forward = (
             None
             if ref_model is None
-            else PolicyForward(ref_model, native=native, compile_blocks=cfg.model.compile_training)
+            else PolicyForward(ref_model, native=native, compile_blocks=self.compile_blocks)
         )
         # The row knobs' micro-batch (None: unset); whatever they say, the token budget caps every one.
         self.micro_batch_size = cfg.resolved_micro_batch_size

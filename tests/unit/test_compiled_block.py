@@ -39,3 +39,30 @@ def test_compiled_block_matches_eager_log_probs_and_gradients():
     no_grad_eager, _ = run(False, batch, grad=False)
     no_grad_compiled, _ = run(True, batch, grad=False)
     assert torch.allclose(no_grad_compiled * mask, no_grad_eager * mask, atol=1e-5)
+
+
+def test_compile_default_follows_device_steps_and_compiler(monkeypatch):
+    from grpo.model import compiled
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(compiled, "cpp_compiler", lambda: "g++")
+    assert compiled.compile_by_default(cpu, compiled.AMORTISE_STEPS)
+    assert not compiled.compile_by_default(cpu, compiled.AMORTISE_STEPS - 1)  # not repaid: tests, demos
+    assert not compiled.compile_by_default(cuda, 10_000)  # not measured on a GPU yet
+    monkeypatch.setattr(compiled, "cpp_compiler", lambda: None)
+    assert not compiled.compile_by_default(cpu, 10_000)
+
+
+def test_explicit_compile_without_a_compiler_is_a_config_error(monkeypatch):
+    import shutil
+
+    import pytest
+
+    from grpo.config import ConfigError, GRPOConfig
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    cfg = GRPOConfig(batch_size=2, num_generations=4)
+    cfg.update({"model.compile_training": True, "model.device": "cpu"})
+    with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
+        cfg.validate()

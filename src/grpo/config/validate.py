@@ -13,6 +13,7 @@ import importlib.util
 import math
 import os
 import re
+import shutil
 from typing import TYPE_CHECKING
 
 from grpo.config.errors import ConfigError
@@ -267,6 +268,13 @@ def _unavailable(cfg: GRPOConfig) -> None:
                 f"{'checkpoint' if path.startswith('model.') else 'files'} locally (e.g. "
                 "gsutil -m cp -r / aws s3 cp --recursive) and pass its directory."
             )
+    no_cxx = not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++"))
+    if cfg.model.compile_training and not cfg.model.device.startswith("cuda") and no_cxx:
+        raise ConfigError(
+            "model.compile_training=true needs a C++ compiler for torch.compile's CPU kernels and none was "
+            "found (g++, clang++ or $CXX): install one (apt-get install g++) or leave "
+            "model.compile_training unset."
+        )
     if cfg.train.use_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
             "train.use_wandb is on but wandb is not installed: pip install 'grpo[wandb]' "

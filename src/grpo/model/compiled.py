@@ -22,8 +22,26 @@ the compile time and graphs compiled so far.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 import torch.nn.functional as F
+
+# A CPU run compiles by default from this many optimizer steps on. The compile costs 20-35 s on a
+# 2-core CPU (cold cache, quiet machine: 35 s for the matrix model) and saves ~15% of the reference and
+# update passes (docs/performance.md): 0.1-0.6 s a step on the matrix cells, so it is repaid within
+# 60-300 steps; short runs (tests, a quick demo) skip it.
+AMORTISE_STEPS = 200
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor's CPU backend would call, if one is installed."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def compile_by_default(device: torch.device, optimizer_steps: int) -> bool:
+    return device.type == "cpu" and optimizer_steps >= AMORTISE_STEPS and cpp_compiler() is not None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

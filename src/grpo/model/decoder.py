@@ -264,13 +264,18 @@ class NativeDecoder:
         weights: DecodeWeights,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        position: torch.Tensor | None = None,
+        cache_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token for each of n active rows; returns logits [n, V].
 
         caches: per layer (K, V) views [n, Hkv, t+1, D] of the completion cache up to this step; this
         step's K/V are written into their last column. Prompt attention is grouped: a group's queries
         meet its prompt KV in one matmul. cos, sin: [n, D] RoPE at each row's position.
-        No Python number depends on the step, so a compiled step serves every step.
+        Static shapes (the compiled step): `position` [1] long and `cache_bias` [1, 1, 1, T] given, the
+        caches are the whole [n, Hkv, T, D] buffers, this step's K/V go to column `position`, and the
+        bias (−inf past it) masks the columns not written yet; every step then has the same shapes, and
+        one compiled graph serves them all.
         """
         n, h_q, h_kv, d = tokens.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = cos[:, None], sin[:, None]
@@ -286,8 +291,12 @@ class NativeDecoder:
                 qk, v = qkv[:, : h_q + h_kv], qkv[:, h_q + h_kv :]
             q, k = rotate(qk, cos, sin).split([h_q, h_kv], dim=1)  # one RoPE for q and k together
             cache_k, cache_v = caches[i]
-            cache_k[:, :, -1] = k
-            cache_v[:, :, -1] = v
+            if position is None:
+                cache_k[:, :, -1] = k
+                cache_v[:, :, -1] = v
+            else:
+                cache_k.index_copy_(2, position, k[:, :, None])
+                cache_v.index_copy_(2, position, v[:, :, None])
             attn = self._decode_attention(
                 q,
                 cache_k,
@@ -297,18 +306,23 @@ class NativeDecoder:
                 prompts.bias,
                 layout,
                 scaled=w.q_scaled,
+                cache_bias=cache_bias,
             )
             h = w.o_proj.plus(attn, h)
             x = rms_norm(h, w.post_norm, self.eps)
             h = w.down.plus(w.up.times(x, w.gate.silu(x)), h)
         return weights.lm_head(rms_norm(h, weights.final_norm, self.eps))
 
-    def _decode_attention(self, q, kc, vc, kp, vp, bias, layout: GroupLayout, scaled: bool) -> torch.Tensor:
+    def _decode_attention(
+        self, q, kc, vc, kp, vp, bias, layout: GroupLayout, scaled: bool, cache_bias=None
+    ) -> torch.Tensor:
         # q [n, H, D]; kc, vc [n, Hkv, t, D]; kp, vp [P, Hkv, Lp, D] (prompt KV, shared by a group).
         n, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         rep, lp = self.num_heads // hkv, kp.shape[2]
         qr = q.view(n, hkv, rep, d)
         scores_c = qr @ kc.transpose(-1, -2)  # [n, Hkv, rep, t]
+        if cache_bias is not None:  # static shapes: mask the cache columns not written yet
+            scores_c = scores_c + cache_bias
         qg = layout.to_groups(qr)  # [P, Hkv, Gm·rep, D]
         scores_p = (qg @ kp.transpose(-1, -2)) + bias  # [P, Hkv, Gm·rep, Lp]
         scores = torch.cat([layout.to_rows(scores_p, rep), scores_c], dim=-1)  # [n, Hkv, rep, Lp+t]
