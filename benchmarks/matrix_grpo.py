@@ -42,6 +42,7 @@ def main() -> None:
     # Not defaults: the seed API's row knob (issue 26's workload) and the compiled training block, for A/Bs.
     ap.add_argument("--gradient-accumulation-steps", type=int, default=None)
     ap.add_argument("--compile-training", action="store_true")
+    ap.add_argument("--compile-decode", action="store_true")
     args = ap.parse_args()
     cell = matrix_cell(args.cell)
     path = make_matrix_model(cell["eos"], cell["completion"])
@@ -70,6 +71,8 @@ def main() -> None:
             cfg.update({"train.gradient_accumulation_steps": args.gradient_accumulation_steps})
         if args.compile_training:
             cfg.update({"model.compile_training": True})
+        if args.compile_decode:
+            cfg.update({"generation.compile_decode": True})
         trainer = GRPOTrainer(
             model=load(),
             ref_model=load() if cell["beta"] else None,
@@ -92,7 +95,10 @@ def main() -> None:
             "stages": {k: statistics.median(s[k] for s in later) for k in later[0] if k.startswith("time/")},
             "micro_batch": cfg.resolved_micro_batch_size or "by tokens (train.micro_batch_tokens)",
             "compile_training": cfg.model.compile_training,
-            "compile": compile_report() if cfg.model.compile_training else None,
+            "compile_decode": cfg.generation.compile_decode,
+            "compile": compile_report()
+            if cfg.model.compile_training or cfg.generation.compile_decode
+            else None,
             "threads": torch.get_num_threads(),
             "peak_rss_mb": vm_hwm_mb(),
         },
