@@ -120,7 +120,8 @@ def main() -> None:
     ap.add_argument(
         "--grpo-args",
         default="",
-        help="extra matrix_grpo.py arguments for an A/B of one setting, e.g. '--compile-training'",
+        help="extra matrix_grpo.py arguments for an A/B of one setting, given with '=' (a value starting "
+        "with -- would read as an option): --grpo-args='--compile-training'",
     )
     ap.add_argument(
         "--from-runs",
