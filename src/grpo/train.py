@@ -292,8 +292,12 @@ class GRPOTrainer:
             summary.update(self._log_eval(report, best, step, "after"))
         report.close()
         # the result line only after a step that changed the weights (lifecycle.Progress says why not)
-        if progress.finish(step, p.run_dir / "final_model", self.stop_signal):
-            page = lifecycle.write_report(p.run_dir) if t.report and rt.is_main else None
+        trained = progress.finish(step, p.run_dir / "final_model", self.stop_signal)
+        # The report shows what the steps did, trained or not; not when a signal cut the final saves short.
+        page = None
+        if t.report and rt.is_main and self.stop_signal is None:
+            page = lifecycle.write_report(p.run_dir)
+        if trained:
             final = p.run_dir / "final_model"
             log.info(result_line(summary, report.first_reward, time.perf_counter() - started, final, page))
         return summary

@@ -15,8 +15,9 @@ import pytest
 
 pytestmark = pytest.mark.slow
 SRC = str(Path(__file__).parents[2] / "src")
-SMALL = ["--steps", "2", "--batch-size", "4", "--num-generations", "4", "--max-new-tokens", "24"]
-SMALL += ["--logging-steps", "1", "--tensorboard", "false", "data.eval_max_samples=8"]
+SIZES = ["--batch-size", "4", "--num-generations", "4", "--max-new-tokens", "24"]
+SIZES += ["--logging-steps", "1", "--tensorboard", "false", "data.eval_max_samples=8"]
+SMALL = ["--steps", "2", *SIZES]
 
 
 def grpo(
@@ -102,7 +103,7 @@ def test_the_final_model_answers_through_its_chat_template_as_the_readme_shows(d
 def test_a_sweep_ends_with_a_table_of_its_runs(tmp_path):
     sweep = tmp_path / "sweep"
     off = ["train.eval_before=false", "train.eval_after=false", "--steps", "1"]
-    done = grpo("train", "--multirun", *SMALL, *off, "optimizer.lr=1e-4,3e-5", "--output-dir", str(sweep))
+    done = grpo("train", "--multirun", *SIZES, *off, "optimizer.lr=1e-4,3e-5", "--output-dir", str(sweep))
     lines = done.stdout.strip().splitlines()
     lines = lines[next(i for i, line in enumerate(lines) if line.startswith("Sweep ")) :]
     assert lines[0] == f"Sweep {sweep} (2 runs; also in {sweep / 'results.txt'}):"
@@ -169,8 +170,14 @@ def test_the_hint_printed_when_a_run_stops_resumes_that_run_not_the_preset(tmp_p
     from grpo.cli import main
 
     out = tmp_path / "run"
-    argv = [*SMALL, "--steps", "3", "--save-steps", "1", "train.eval_before=false", "train.eval_after=false"]
-    argv += ["--output-dir", str(out), f"algorithm.reward_funcs={__name__}:STOP"]
+    argv = [*SIZES, "--steps", "3", "--save-steps", "1", "train.eval_before=false", "train.eval_after=false"]
+    # In-process, so that the reward's signal reaches the trainer (by path it would run in a child process).
+    argv += [
+        "--output-dir",
+        str(out),
+        f"algorithm.reward_funcs={__name__}:STOP",
+        "algorithm.reward_isolation=thread",
+    ]
     assert main(["train", *argv]) == 128 + 15  # stopped by the SIGTERM after step 2, checkpoint saved
     hint = re.search(r"Resume it with: (grpo train [^(]+) \(", capsys.readouterr().err)
     assert hint and hint.group(1) == f"grpo train --resume --output-dir {out}"

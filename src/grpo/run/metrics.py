@@ -307,8 +307,13 @@ class StepReport:
         done = threading.Event()
         if not self.quiet and sys.stderr.isatty():
             threading.Thread(target=_redraw_until, args=(bar, done), daemon=True).start()
+
+        def update(rows_done: int) -> None:
+            bar.update(rows_done)
+            bar.refresh()  # a batch is seconds of work: always show it, not only after tqdm's mininterval
+
         try:
-            yield bar.update
+            yield update
         finally:
             done.set()
             bar.close()
