@@ -168,10 +168,9 @@ class GenerationConfig:
     )
     compile_decode: bool = _f(
         False,
-        "torch.compile the native engine's decode step with static KV shapes (the whole cache, unwritten "
-        "columns masked; finished rows stay in the batch). On a 2-core CPU: 20% faster when every "
-        "completion runs to max_new_tokens, 50% slower with eos-ended ones; the first generate() "
-        "compiles (~30 s). Not yet measured on a GPU, where it should pay off (many small kernels).",
+        "torch.compile the native engine's decode step with static KV shapes (finished rows stay in the "
+        "batch). 2-core CPU: 20% faster when completions run to max_new_tokens, 50% slower when they end "
+        "early; compiles ~30 s (docs/performance.md).",
     )
     batch_size: int | None = _f(None, "Completions generated per generate() call; default: all at once.")
     min_p: float = _f(
