@@ -88,6 +88,21 @@ def test_greedy_equals_native_and_threads_are_restored(parts):
     _same_rollouts(_greedy(engine, prompts), _greedy(build_engine("native", model, tokenizer), prompts))
 
 
+def test_continue_rows_extends_given_ids_like_the_native_engine(parts):
+    """Token in, token out: each row (a prompt plus earlier turns, as ids) is continued as given."""
+    from grpo.rollout.native import NativeEngine
+
+    model, tokenizer, engine, prompts = parts
+    native = NativeEngine(model, tokenizer)
+    greedy = SamplingParams(max_new_tokens=12, greedy=True)
+    first = native.generate(prompts, 1, greedy)
+    rows = [
+        p + first.completion_ids[i, : int(first.completion_mask[i].sum())].tolist()
+        for i, p in enumerate(prompts)
+    ]
+    _same_rollouts(engine.continue_rows(rows, greedy), native.continue_rows(rows, greedy))
+
+
 def test_group_of_n_has_the_sampling_distributions_logprobs(parts):
     model, tokenizer, engine, prompts = parts
     engine.sync_weights(model)
@@ -342,18 +357,3 @@ def test_lora_sync_matches_the_peft_model(parts, sync):
     engine.sync_weights(lora)
     _same_rollouts(_greedy(engine, prompts), _greedy(reference, prompts))
     engine.close()
-
-
-def test_continue_rows_extends_given_ids_like_the_native_engine(parts):
-    """Token in, token out: each row (a prompt plus earlier turns, as ids) is continued as given."""
-    from grpo.rollout.native import NativeEngine
-
-    model, tokenizer, engine, prompts = parts
-    native = NativeEngine(model, tokenizer)
-    greedy = SamplingParams(max_new_tokens=12, greedy=True)
-    first = native.generate(prompts, 1, greedy)
-    rows = [
-        p + first.completion_ids[i, : int(first.completion_mask[i].sum())].tolist()
-        for i, p in enumerate(prompts)
-    ]
-    _same_rollouts(engine.continue_rows(rows, greedy), native.continue_rows(rows, greedy))
