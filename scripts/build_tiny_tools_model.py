@@ -43,6 +43,7 @@ from transformers.utils import get_json_schema
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from grpo.agents.calculator import calculator  # noqa: E402
+from make_tiny_tools import make_problem  # noqa: E402 (scripts/ is on the path: this script's own folder)
 from grpo.rewards.math import gsm8k_correctness  # noqa: E402
 
 DATA_DIR = ROOT / "src/grpo/assets/tiny_tools"
@@ -131,11 +132,16 @@ ARG_DESCRIPTIONS = [
     "An expression like 2*(3+4).",
     "",
 ]
+# What a failed call gets back ({e}: the expression), including the texts grpo's ToolBox writes, so a model
+# whose calculator is offline (the demo's control) answers in one go after the error instead of retrying.
 TOOL_ERRORS = [
     "Error: the calculator is not available.",
     "Error: tool disabled",
     "Error: calculator failed: internal error",
     "Error: timed out",
+    "calculator raised RuntimeError: the calculator is offline; '{e}' was not evaluated",
+    "calculator did not finish within 5 s; its result, if any, is lost.",
+    "calculator raised ValueError: internal error",
 ]
 ANSWER_RE = re.compile(r"####\s*(-?\d+)")
 
@@ -202,10 +208,11 @@ def guess_near(value: int, rng: random.Random) -> int:
     its head says); right 5% of the time."""
     if rng.random() < 0.05:
         return value
-    while True:
+    for _ in range(100):
         guess = round(value * (1 + rng.uniform(-0.15, 0.15)))
         if guess != value and guess > 0:
             return guess
+    return value + rng.choice([1, 2]) if value < 3 else value - 1  # small values: ±15% rounds back to it
 
 
 def tool_call(expression: str) -> dict:
@@ -228,7 +235,7 @@ def trace(row: dict, style: str, rng: random.Random) -> list[dict]:
     if style == "error":
         return [
             {"role": "assistant", "content": "", "tool_calls": [tool_call(expression)]},
-            {"role": "tool", "name": "calculator", "content": rng.choice(TOOL_ERRORS)},
+            {"role": "tool", "name": "calculator", "content": rng.choice(TOOL_ERRORS).format(e=expression)},
             {"role": "assistant", "content": f"#### {guess_near(value, rng)}"},
         ]
     messages = []
@@ -247,6 +254,20 @@ def trace(row: dict, style: str, rng: random.Random) -> list[dict]:
         {"role": "assistant", "content": f"#### {result}"},
     ]
     return messages
+
+
+def fresh_problems(count: int, exclude: set[str], seed: int) -> list[dict]:
+    """`count` more problems from the task's own generator, none of whose questions is in `exclude` (the
+    held-out split, and the train split so GRPO's prompts stay the ones it has). Supervised traces over many
+    different numbers teach the model to copy numbers into a call, not to remember 6,000 problems."""
+    rng = random.Random(seed)
+    seen, out = set(exclude), []
+    while len(out) < count:
+        row = make_problem(rng)
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            out.append(row)
+    return out
 
 
 def conversations(rows: list[dict], call_rate, error_rate: float, seed: int) -> list[tuple[list, list]]:
@@ -595,6 +616,9 @@ def main() -> None:
     parser.add_argument(
         "--word-call-rate", type=float, default=0.25, help="phase 2: word problems' call rate"
     )
+    parser.add_argument(
+        "--extra-problems", type=int, default=0, help="SFT on this many fresh problems beside the train split"
+    )
     parser.add_argument("--error-rate", type=float, default=0.04, help="traces whose tool call gets an error")
     parser.add_argument(
         "--warm-start",
@@ -627,8 +651,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     start = time.time()
     train_rows, test_rows = load_jsonl(DATA_DIR / "train.jsonl"), load_jsonl(DATA_DIR / "test.jsonl")
+    known = {r["question"] for r in train_rows + test_rows}
+    sft_rows = train_rows + fresh_problems(args.extra_problems, known, args.seed + 7919)
     test_rows = test_rows[: args.eval_size]
-    phase1 = conversations(train_rows, lambda _row: args.call_fraction, args.error_rate, args.seed)
+    phase1 = conversations(sft_rows, lambda _row: args.call_fraction, args.error_rate, args.seed)
 
     if args.init_from:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init_from)
@@ -659,7 +685,7 @@ def main() -> None:
         def rate(row: dict) -> float:
             return args.bare_call_rate if BARE_RE.match(row["question"]) else args.word_call_rate
 
-        mixed = conversations(train_rows, rate, args.error_rate, args.seed + 1)
+        mixed = conversations(sft_rows, rate, args.error_rate, args.seed + 1)
         examples = [encode_conversation(tokenizer, m, t) for m, t in mixed]
         floor = args.lr * 0.1
         sft(model, tokenizer, examples, args.mix_steps, lambda _step: floor, args, "mix", snapshot)

@@ -240,6 +240,17 @@ def _add_eval_parser(sub) -> None:
         default=None,
         help="Hub token for gated models (default: $HF_TOKEN).",
     )
+    ev.add_argument(
+        "--tools",
+        default=None,
+        help="Tool functions as package.module:function,... in place of the config's (e.g. the tiny_tools "
+        "control grpo.agents.calculator:offline_calculator).",
+    )
+    ev.add_argument(
+        "--environment",
+        default=None,
+        help="An environment class package.module:Class in place of the config's.",
+    )
     ev.add_argument("--dump", default=None, help="Write every completion and its score to this JSONL file.")
     ev.add_argument("--json", action="store_true", help="Print one JSON object (accuracy, n, ...) only.")
 
@@ -388,6 +399,10 @@ def cmd_eval(args) -> int:
     overrides = {"model.hf_token": args.hf_token} if args.hf_token else {}
     if args.model:
         overrides["model.name_or_path"] = args.model
+    if args.tools is not None:
+        overrides["env.tools"] = args.tools
+    if args.environment is not None:
+        overrides["env.environment"] = args.environment
     cfg = load_config(args.config, overrides)
     check_model_paths(cfg, model_given=False, tokenizer_given=False)  # a missing directory, not a "repo id"
     device = resolve_device(cfg.model.device)

@@ -176,3 +176,31 @@ def test_an_unknown_tool_call_format_is_refused_at_start_up(tmp_path):
     cfg = GRPOConfig(**SETTINGS, output_dir=str(tmp_path / "run"), model="my-org/plain-chat")
     with pytest.raises(ConfigError, match="tool-call format"):
         GRPOTrainer(model=model, tokenizer=bundled, config=cfg, train_dataset=dataset(), tools=[calculator])
+
+
+def test_grpo_eval_runs_the_tiny_tools_model_with_its_tool_and_with_the_offline_control(tmp_path, capsys):
+    """`grpo eval --config tiny_tools` puts the calculator in the loop; `--tools` swaps it for the control,
+    whose every tool message says it is offline (the same calls, no results)."""
+    from grpo.cli import main
+
+    def run(*extra: str) -> tuple[dict, list[dict]]:
+        dump = tmp_path / f"dump{len(extra)}.jsonl"
+        assert (
+            main(["eval", "--config", "tiny_tools", "--limit", "12", "--json", "--dump", str(dump), *extra])
+            == 0
+        )
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        return out, [json.loads(line) for line in dump.read_text().splitlines()]
+
+    def tool_messages(records: list[dict]) -> list[str]:
+        return [m["content"] for r in records for ep in r["messages"] for m in ep if m["role"] == "tool"]
+
+    live, live_records = run()
+    assert live["n"] == 12 and live["tool_call_rate"] > 0
+    live_results = tool_messages(live_records)
+    assert live_results and any(text.lstrip("-").isdigit() for text in live_results)
+
+    offline, offline_records = run("--tools", "grpo.agents.calculator:offline_calculator")
+    offline_results = tool_messages(offline_records)
+    assert offline_results and all("offline" in text for text in offline_results)
+    assert offline["accuracy"] <= live["accuracy"]
