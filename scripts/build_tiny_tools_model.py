@@ -42,8 +42,9 @@ from transformers.utils import get_json_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from grpo.agents.calculator import calculator  # noqa: E402
 from make_tiny_tools import make_problem  # noqa: E402 (scripts/ is on the path: this script's own folder)
+
+from grpo.agents.calculator import calculator  # noqa: E402
 from grpo.rewards.math import gsm8k_correctness  # noqa: E402
 
 DATA_DIR = ROOT / "src/grpo/assets/tiny_tools"
