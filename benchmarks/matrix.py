@@ -2,6 +2,8 @@
 
     PYTHONPATH=src python benchmarks/matrix.py --repeats 3 --steps 4            # every cell
     PYTHONPATH=src python benchmarks/matrix.py --cells base eos-off --repeats 1  # a few
+    PYTHONPATH=src python benchmarks/matrix.py --cells eos-off --grpo-args= --grpo-args='--compile-training'
+                                                  # TRL and two grpo variants, interleaved in each repeat
 
 Cells (common.MATRIX_VARIATIONS): a base cell (eos on, 64-token prompts, ≤ 128 new tokens, G = 8,
 β = 0.04, plain-text prompts, 8 prompts per step) and one-factor-at-a-time variations of it, not a
@@ -58,23 +60,34 @@ def describe(cell: dict) -> str:
 
 
 def summarise(name: str, runs: dict[str, list[dict]]) -> dict:
+    """One row per cell; `runs` maps a side ("trl", "grpo", or "grpo <args>" for an A/B variant) to its
+    repeats. "grpo" (or the first variant) fills row["grpo"]; every variant's ratio is in row["variants"]."""
     cell = matrix_cell(name)
     row = {"cell": name, **cell, "prompts_per_step": MATRIX_PROMPTS}
+    variants = {}
     for side, results in runs.items():
-        row[side] = {
+        summary = {
             "s_per_step": statistics.median(r["median_s"] for r in results),
             "runs_s_per_step": [r["median_s"] for r in results],
             "completion_len": statistics.median(r["completion_len"] for r in results),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
             "threads": results[0]["threads"],
         }
-        if side == "grpo":
-            row[side]["micro_batch"] = results[0]["micro_batch"]
-            row[side]["stages"] = {
-                s: statistics.median(r["stages"].get(f"time/{s}", 0.0) for r in results) for s in STAGES
-            }
+        if side == "trl":
+            row["trl"] = summary
+            continue
+        summary["micro_batch"] = results[0]["micro_batch"]
+        summary["stages"] = {
+            s: statistics.median(r["stages"].get(f"time/{s}", 0.0) for r in results) for s in STAGES
+        }
+        variants[side] = summary
+    if variants:
+        row["grpo"] = variants.get("grpo", next(iter(variants.values())))
+        row["variants"] = variants
     if "trl" in row and "grpo" in row:
         row["speedup"] = row["trl"]["s_per_step"] / row["grpo"]["s_per_step"]
+        for summary in variants.values():
+            summary["speedup"] = row["trl"]["s_per_step"] / summary["s_per_step"]
     return row
 
 
@@ -91,15 +104,19 @@ def markdown(rows: list[dict]) -> str:
         return "–" if side is None else f.format(side[key])
 
     for r in rows:
-        t, g = r.get("trl"), r.get("grpo")
-        speedup = f"{r['speedup']:.2f}×" if "speedup" in r else "–"
-        stages = " / ".join(f"{g['stages'][s]:.2f}" for s in ("rollout", "reference", "update")) if g else "–"
-        out.append(
-            f"| {r['cell']} | {describe(r)} | {fmt(t, 's_per_step', '{:.2f}')} | "
-            f"{fmt(g, 's_per_step', '{:.2f}')} | {speedup} | "
-            f"{fmt(t, 'peak_rss_mb', '{:,.0f} MB')} | {fmt(g, 'peak_rss_mb', '{:,.0f} MB')} | "
-            f"{fmt(t, 'completion_len', '{:.0f}')} / {fmt(g, 'completion_len', '{:.0f}')} | {stages} |"
-        )
+        t = r.get("trl")
+        for label, g in (r.get("variants") or {"grpo": None}).items():
+            speedup = f"{g['speedup']:.2f}×" if g and "speedup" in g else "–"
+            stages = (
+                " / ".join(f"{g['stages'][s]:.2f}" for s in ("rollout", "reference", "update")) if g else "–"
+            )
+            name = r["cell"] if label == "grpo" else f"{r['cell']} ({label})"
+            out.append(
+                f"| {name} | {describe(r)} | {fmt(t, 's_per_step', '{:.2f}')} | "
+                f"{fmt(g, 's_per_step', '{:.2f}')} | {speedup} | "
+                f"{fmt(t, 'peak_rss_mb', '{:,.0f} MB')} | {fmt(g, 'peak_rss_mb', '{:,.0f} MB')} | "
+                f"{fmt(t, 'completion_len', '{:.0f}')} / {fmt(g, 'completion_len', '{:.0f}')} | {stages} |"
+            )
     ratios = [r["speedup"] for r in rows if "speedup" in r]
     if ratios:
         out.append(
@@ -119,9 +136,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "matrix.json"))
     ap.add_argument(
         "--grpo-args",
-        default="",
+        action="append",
         help="extra matrix_grpo.py arguments for an A/B of one setting, given with '=' (a value starting "
-        "with -- would read as an option): --grpo-args='--compile-training'",
+        "with -- would read as an option): --grpo-args='--compile-training'. Repeat it for several "
+        "variants, run interleaved in each repeat; --grpo-args= is the defaults. Default: the defaults only.",
     )
     ap.add_argument(
         "--from-runs",
@@ -134,7 +152,7 @@ def main() -> None:
         for line in MATRIX_RUNS.read_text().splitlines():
             r = json.loads(line)
             if r["time"] >= args.from_runs and r["cell"] in args.cells:
-                side = "grpo" if r["framework"] == "grpo" else "trl"
+                side = "grpo" if r["framework"] == "grpo" else "trl"  # variants are not told apart here
                 results.setdefault(r["cell"], {}).setdefault(side, []).append(r)
         rows = [summarise(name, results[name]) for name in args.cells if name in results]
         meta = {"command": " ".join(["python", "benchmarks/matrix.py", *sys.argv[1:]]), "from_runs": True}
@@ -150,7 +168,10 @@ def main() -> None:
     started = time.time()
     for repeat in range(args.repeats):
         for name in args.cells:
-            sides = [("grpo", [sys.executable, "matrix_grpo.py", *args.grpo_args.split()])]
+            sides = [
+                (f"grpo {extra}".strip(), [sys.executable, "matrix_grpo.py", *extra.split()])
+                for extra in args.grpo_args or [""]
+            ]
             if not args.skip_trl:
                 sides.insert(0, ("trl", [args.trl_python, "trl_step.py"]))
             for side, cmd in sides:
