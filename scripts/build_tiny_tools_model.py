@@ -608,7 +608,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--steps", type=int, default=400, help="phase-1 SFT steps")
+    parser.add_argument("--steps", type=int, default=3500, help="phase-1 SFT steps")
     parser.add_argument("--call-fraction", type=float, default=0.7, help="phase-1 traces that call the tool")
     parser.add_argument("--mix-steps", type=int, default=60, help="phase-2 SFT steps (sets the call rate)")
     parser.add_argument(
@@ -618,7 +618,7 @@ def main() -> None:
         "--word-call-rate", type=float, default=0.25, help="phase 2: word problems' call rate"
     )
     parser.add_argument(
-        "--extra-problems", type=int, default=0, help="SFT on this many fresh problems beside the train split"
+        "--extra-problems", type=int, default=60000, help="SFT on this many fresh problems beside the train split"
     )
     parser.add_argument("--error-rate", type=float, default=0.04, help="traces whose tool call gets an error")
     parser.add_argument(
@@ -631,7 +631,7 @@ def main() -> None:
     parser.add_argument(
         "--init-from", type=Path, default=None, help="start from this saved model + tokenizer"
     )
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--hidden", type=int, default=256)
@@ -643,7 +643,7 @@ def main() -> None:
     parser.add_argument("--eval-batch-size", type=int, default=256)
     parser.add_argument("--eval-size", type=int, default=500)
     parser.add_argument("--pass-k", type=int, default=8)
-    parser.add_argument("--pass-k-problems", type=int, default=200)
+    parser.add_argument("--pass-k-problems", type=int, default=100)
     parser.add_argument("--snapshots", type=parse_snapshots, default={}, help="e.g. 'sft:600,900;mix:50'")
     parser.add_argument("--snapshot-dir", type=Path, default=ROOT / "work_tmp/tools_candidates")
     parser.add_argument("--threads", type=int, default=2)
