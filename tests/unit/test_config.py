@@ -77,6 +77,7 @@ def test_unknown_key_suggests_the_closest():
         ({"inference_replicas": 4}, "inference_replicas=4"),
         ({"reward_funcs": [], "reward_model": None}, "No reward"),
         ({"reward_weights": "1,2,3"}, "3 entries but there are 2 rewards"),
+        ({"env.tools": ""}, r"env.tools cannot be empty \(expected list; write \[\] for an empty list\)"),
     ],
 )
 def test_impossible_values_name_the_constraint(overrides, message):
@@ -92,11 +93,13 @@ def test_string_values_from_the_command_line_are_typed():
             "stop_strings": "</answer>,###",
             "reward_weights": "[1.0, 0.5]",
             "micro_batch_size": "none",
+            "env.tools": "[]",
         }
     )
     assert cfg.train.steps == 12 and cfg.train.use_wandb is True
     assert cfg.generation.stop_strings == ["</answer>", "###"]
     assert cfg.algorithm.reward_weights == [1.0, 0.5] and cfg.train.micro_batch_size is None
+    assert cfg.env.tools == []
 
 
 def test_presets_and_files(tmp_path):

@@ -236,7 +236,8 @@ def coerce(path: str, value: Any) -> Any:
     if value is None:
         if optional:
             return None
-        raise ConfigError(f"{path} cannot be empty (expected {_type_name(hint)}).")
+        empty = "; write [] for an empty list" if hint is list or typing.get_origin(hint) is list else ""
+        raise ConfigError(f"{path} cannot be empty (expected {_type_name(hint)}{empty}).")
     origin = typing.get_origin(hint)
     if hint is dict or origin is dict:
         if not isinstance(value, dict):
