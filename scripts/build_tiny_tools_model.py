@@ -618,7 +618,10 @@ def main() -> None:
         "--word-call-rate", type=float, default=0.25, help="phase 2: word problems' call rate"
     )
     parser.add_argument(
-        "--extra-problems", type=int, default=60000, help="SFT on this many fresh problems beside the train split"
+        "--extra-problems",
+        type=int,
+        default=60000,
+        help="SFT on this many fresh problems beside the train split",
     )
     parser.add_argument("--error-rate", type=float, default=0.04, help="traces whose tool call gets an error")
     parser.add_argument(

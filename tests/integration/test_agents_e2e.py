@@ -217,4 +217,5 @@ def test_grpo_eval_runs_the_tiny_tools_model_with_its_tool_and_with_the_offline_
 
     offline, offline_records = run("--tools", "grpo.agents.calculator:offline_calculator")
     offline_results = tool_messages(offline_records)
+    assert offline["n"] == 12 and offline["tool_call_rate"] > 0
     assert offline_results and all("offline" in text for text in offline_results)
