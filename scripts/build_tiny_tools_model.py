@@ -43,6 +43,7 @@ from transformers.utils import get_json_schema
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from make_tiny_tools import make_problem  # noqa: E402 (scripts/ is on the path: this script's own folder)
+from task_data import unique_problems  # noqa: E402
 
 from grpo.agents.calculator import calculator  # noqa: E402
 from grpo.rewards.math import gsm8k_correctness  # noqa: E402
@@ -261,14 +262,7 @@ def fresh_problems(count: int, exclude: set[str], seed: int) -> list[dict]:
     """`count` more problems from the task's own generator, none of whose questions is in `exclude` (the
     held-out split, and the train split so GRPO's prompts stay the ones it has). Supervised traces over many
     different numbers teach the model to copy numbers into a call, not to remember 6,000 problems."""
-    rng = random.Random(seed)
-    seen, out = set(exclude), []
-    while len(out) < count:
-        row = make_problem(rng)
-        if row["question"] not in seen:
-            seen.add(row["question"])
-            out.append(row)
-    return out
+    return unique_problems(make_problem, random.Random(seed), count, exclude)
 
 
 def conversations(rows: list[dict], call_rate, error_rate: float, seed: int) -> list[tuple[list, list]]:

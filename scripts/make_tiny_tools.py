@@ -18,10 +18,12 @@ question text; the output is a pure function of `--seed` (one `random.Random` dr
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # task_data.py beside this file, however loaded
+import task_data
 
 NAMES = {
     "he": [
@@ -175,37 +177,18 @@ def make_problem(rng: random.Random) -> dict[str, str]:
 
 def generate(seed: int, train_size: int, test_size: int) -> tuple[list[dict], list[dict]]:
     """Draw unique problems (by question text); the first `test_size` become the held-out split."""
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    rows: list[dict] = []
-    while len(rows) < train_size + test_size:
-        row = make_problem(rng)
-        if row["question"] not in seen:
-            seen.add(row["question"])
-            rows.append(row)
-    return rows[test_size:], rows[:test_size]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    return task_data.generate(make_problem, seed, train_size, test_size)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=2026)
-    parser.add_argument("--train-size", type=int, default=6000)
-    parser.add_argument("--test-size", type=int, default=500)
-    parser.add_argument(
-        "--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "src/grpo/assets/tiny_tools"
+    task_data.main(
+        __doc__.split("\n")[0],
+        make_problem,
+        seed=2026,
+        train_size=6000,
+        test_size=500,
+        out_dir=Path(__file__).resolve().parents[1] / "src/grpo/assets/tiny_tools",
     )
-    args = parser.parse_args()
-    train, test = generate(args.seed, args.train_size, args.test_size)
-    write_jsonl(args.out_dir / "train.jsonl", train)
-    write_jsonl(args.out_dir / "test.jsonl", test)
-    print(f"wrote {len(train)} train and {len(test)} test problems to {args.out_dir}")
 
 
 if __name__ == "__main__":
