@@ -233,12 +233,12 @@ def coerce(path: str, value: Any) -> Any:
     hint, optional = _without_none(hint_of(path))
     if isinstance(value, str):
         value = _from_text(value, hint, optional, path)
+    origin = typing.get_origin(hint)
     if value is None:
         if optional:
             return None
-        empty = "; write [] for an empty list" if hint is list or typing.get_origin(hint) is list else ""
+        empty = "; write [] for an empty list" if list in (hint, origin) else ""
         raise ConfigError(f"{path} cannot be empty (expected {_type_name(hint)}{empty}).")
-    origin = typing.get_origin(hint)
     if hint is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path} expects a mapping, e.g. {{enable_thinking: false}}, got {value!r}.")
