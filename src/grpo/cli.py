@@ -240,17 +240,10 @@ def _add_eval_parser(sub) -> None:
         default=None,
         help="Hub token for gated models (default: $HF_TOKEN).",
     )
-    ev.add_argument(
-        "--tools",
-        default=None,
-        help="Tool functions as package.module:function,... in place of the config's (e.g. the tiny_tools "
-        "control grpo.agents.calculator:offline_calculator).",
-    )
-    ev.add_argument(
-        "--environment",
-        default=None,
-        help="An environment class package.module:Class in place of the config's.",
-    )
+    env_help = {f.name: f.metadata["help"] for f in dataclasses.fields(SECTIONS["env"])}
+    for name in ("tools", "environment"):  # in place of the config's (e.g. the tiny_tools offline control)
+        help_text = f"{env_help[name]} Replaces the config's (env.{name})."
+        ev.add_argument(f"--{name}", default=None, metavar="VALUE", help=help_text.replace("%", "%%"))
     ev.add_argument("--dump", default=None, help="Write every completion and its score to this JSONL file.")
     ev.add_argument("--json", action="store_true", help="Print one JSON object (accuracy, n, ...) only.")
 
