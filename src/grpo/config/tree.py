@@ -18,7 +18,15 @@ from typing import Any
 import yaml
 
 from grpo.config.errors import ConfigError
-from grpo.config.keys import coerce, field_of, get_path, resolve_key, set_path
+from grpo.config.keys import (
+    TORCHRL_ENV_ALIASES,
+    coerce,
+    field_of,
+    get_path,
+    normalise_key,
+    resolve_key,
+    set_path,
+)
 from grpo.config.schema import (
     EVAL_HOLDOUT,
     SECTIONS,
@@ -94,6 +102,13 @@ class GRPOConfig:
         for key, value in pairs:
             paths = resolve_key(key)
             broad = len(paths) > 1
+            if normalise_key(key) in TORCHRL_ENV_ALIASES:
+                log.info(
+                    "Config: %s is TorchRL's name for %s (this package's env.* settings are the agent "
+                    "environment's: env.tools, env.environment, env.max_turns, ...).",
+                    key,
+                    paths[0],
+                )
             for path in paths:
                 if path in given:
                     first, first_broad = given[path]
@@ -285,8 +300,9 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
 
     * Competing keys: `--num-epochs 3` under a preset with `train.steps: 80` would run 80 steps (steps win
       over epochs), so the preset's steps are dropped. When the user gives both, the winner is named.
-    * Task switch: a dataset set to a registered task (`env.dataset=ifeval`) brings that task's rewards,
-      evaluation split and system prompt, except where the user set those too (grpo.data.tasks)."""
+    * Task switch: a dataset set to a registered task (`data.dataset=ifeval`, TorchRL's `env.dataset=ifeval`)
+      brings that task's rewards, evaluation split and system prompt, except where the user set those too
+      (grpo.data.tasks)."""
     from grpo.data.tasks import task_settings
 
     notes = []
