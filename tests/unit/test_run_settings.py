@@ -131,3 +131,37 @@ def test_torchrl_env_names_say_which_setting_they_are_and_never_shadow_the_env_s
     ]
     # An alias that were also a field's own path would have two meanings: none is.
     assert not set(ALIASES) & set(all_paths())
+
+
+def test_vllm_max_model_len_is_the_prompt_plus_the_completion_limit_within_the_model():
+    cfg = GRPOConfig(max_new_tokens=48, max_turns=4, max_prompt_length=160)
+    agent = RunSettings.resolve(cfg, {}, multi_turn=True)
+    assert agent.generation.vllm_max_model_len == 160 + 4 * 48
+    assert dataclasses.replace(agent, model_context=256).generation.vllm_max_model_len == 256
+    assert agent.config.generation.vllm_max_model_len is None  # config.yaml keeps the user's (unset)
+    chosen = RunSettings.resolve(GRPOConfig(**{"generation.vllm_max_model_len": 1000}), {}, False)
+    assert chosen.generation.vllm_max_model_len == 1000
+
+
+def test_the_colocated_engine_gets_the_settings_generation_section(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from grpo.distributed.runtime import Runtime
+    from grpo.rollout import colocated
+
+    seen = {}
+    monkeypatch.setattr(colocated, "build_engine", lambda *a, **k: seen.update(k))
+    monkeypatch.setattr(colocated, "ColocatedRollout", lambda *a, **k: None)
+    cfg = GRPOConfig(max_new_tokens=48, max_turns=4, max_prompt_length=160)
+    settings = RunSettings.resolve(cfg, {}, multi_turn=True)
+    parts = SimpleNamespace(
+        policy=torch.nn.Linear(1, 1),
+        engine=None,
+        tokenizer=None,
+        compute_dtype=torch.float32,
+        settings=settings,
+    )
+    colocated.build(settings.config, parts, Runtime(), None, None, None)
+    assert seen["generation"].vllm_max_model_len == 160 + 4 * 48

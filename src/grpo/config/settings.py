@@ -57,6 +57,7 @@ class RunSettings:
     decided: Mapping[str, Any]  # dotted path -> the value the start chose (only DECIDED_KEYS)
     multi_turn: bool
     completion_limit: int  # see the module docstring: the one answer to "how long can a completion be"
+    model_context: int | None = None  # the policy's positions, once its config is read (None: unknown)
 
     @classmethod
     def resolve(cls, cfg: GRPOConfig, decided: Mapping[str, Any], multi_turn: bool) -> RunSettings:
@@ -85,9 +86,13 @@ class RunSettings:
     @property
     def max_model_len(self) -> int:
         """Positions an engine must hold for one rollout: generation.vllm_max_model_len when set, else the
-        longest prompt plus the completion limit."""
+        longest prompt plus the completion limit, within the model's positions (the context preflight has
+        checked that the prompts the data has fit; a cap above the context would be refused by vLLM)."""
         g = self.config.generation
-        return g.vllm_max_model_len or self.config.data.max_prompt_length + self.completion_limit
+        if g.vllm_max_model_len:
+            return g.vllm_max_model_len
+        needed = self.config.data.max_prompt_length + self.completion_limit
+        return min(needed, self.model_context) if self.model_context else needed
 
     @property
     def generation(self) -> GenerationConfig:

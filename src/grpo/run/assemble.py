@@ -6,6 +6,7 @@ reward names) is checked before the first model loads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -45,7 +46,7 @@ from grpo.run.rundir import (
     write_run_config,
 )
 from grpo.run.runlock import lock_run_dir
-from grpo.run.sizes import check_context, check_memory
+from grpo.run.sizes import check_context, check_memory, model_context
 
 # Callers import these from here too (the CLI, tests): run/datasets.py and run/rundir.py are their homes.
 __all__ = [
@@ -226,6 +227,7 @@ def _build_parts(
     formatter.check_lengths(train_rows)
     model_config = _model_config(cfg, model)
     if model_config is not None:  # before any weight is read: positions and memory the run needs
+        settings = dataclasses.replace(settings, model_context=model_context(model_config))
         check_context(settings, model_config, lambda: formatter.longest(train_rows))
         gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         check_memory(settings, model_config, torch.finfo(compute).bits // 8, gpu)
