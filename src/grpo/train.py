@@ -36,9 +36,8 @@ from grpo.distributed.checkpointing import save_policy_dir
 from grpo.distributed.roles import apply_role_plan
 from grpo.evaluation import EvalResult, evaluate
 from grpo.learner import Learner
-from grpo.records import PromptBatch, Rollouts, SamplingParams, ScoredRollouts, build_train_batch
+from grpo.records import PromptBatch, Rollouts, SamplingParams, ScoredRollouts
 from grpo.rewards.isolation import RewardInterrupted
-from grpo.rewards.rollouts import score_rollouts
 from grpo.rollout.source import RolloutSource, build_source
 from grpo.run import lifecycle
 from grpo.run.assemble import RunParts, build_run, planned_steps
@@ -54,6 +53,7 @@ from grpo.run.metrics import (
 )
 from grpo.run.profiling import StepProfiler
 from grpo.run.runlock import holding_run_lock
+from grpo.stages import build_train_batch, score_rollouts
 
 __all__ = ["GRPOTrainer", "TrainingHalted", "build_train_batch", "collect"]
 
