@@ -27,7 +27,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from grpo.gateway.responses_output import ResponseEvents, from_chat_reply
+from grpo.gateway.responses_output import ResponseEvents, from_chat_reply, new_id
+from grpo.gateway.wire import ChatRequest, GatewayError, TurnDone, chat_completion, stream_chunks
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -339,3 +340,37 @@ def respond_stream(
         store.remember(stream.response_id, conversation, stream.message)
 
     return events()
+
+
+# -- the route (server.ROUTES["/v1/responses"]) -----------------------------------------------------
+
+
+def responses_route(gateway: Any, session: Any, body: Any) -> dict | Iterator[tuple[str, dict]]:
+    """POST /v1/responses for one session: translated onto `gateway.complete` (one chat turn), answered as
+    a Response, or streamed as (event, data) pairs that the server frames as server-sent events."""
+    store = getattr(session, "responses", None)
+    if store is None:
+        store = session.responses = ResponseStore()
+    model = getattr(gateway, "model_name", "grpo")
+
+    def complete(request: dict) -> Any:
+        chat = ChatRequest.parse(request)
+        events = gateway.complete(session, chat)
+        first = next(events)  # a refusal surfaces here, before the first event goes out
+        events = _chain(first, events)
+        request_id = new_id("chatcmpl")
+        if chat.stream:
+            return (c for c in stream_chunks(events, request_id, model, True) if isinstance(c, dict))
+        return chat_completion(next(e for e in events if isinstance(e, TurnDone)), request_id, model)
+
+    try:
+        if isinstance(body, dict) and body.get("stream"):
+            return ((event["type"], event) for event in respond_stream(body, store, complete))
+        return respond(body, store, complete)
+    except ResponsesRequestError as err:
+        raise GatewayError(err.status, str(err), param=err.param) from None
+
+
+def _chain(first: Any, rest: Iterator) -> Iterator:
+    yield first
+    yield from rest
