@@ -26,9 +26,10 @@ class Registry:
     live with the code they register, which imports torch."""
 
     path: str  # "module:NAME"
+    also: tuple[str, ...] = ()  # choices that are not entries (e.g. "auto", resolved elsewhere)
 
     def keys(self) -> tuple[str, ...]:
-        return tuple(plugins.load(self.path, "registry"))
+        return (*self.also, *plugins.load(self.path, "registry"))
 
 
 BUNDLED_MODEL = "tiny-math-lm"  # the default policy: a name that resolves to a model in grpo/assets
@@ -570,6 +571,7 @@ class EnvConfig:
         "auto",
         "How tool calls are written: auto (what the tokenizer's chat template declares), hermes "
         "(<tool_call> JSON: Qwen, Hermes), llama3_json or mistral.",
+        choices=Registry("grpo.agents.parsing:PARSERS", also=("auto",)),
     )
     reward_weight: float = _f(
         1.0,

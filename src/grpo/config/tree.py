@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from grpo import plugins
 from grpo.config.errors import ConfigError
 from grpo.config.keys import field_of, get_path, set_path
 from grpo.config.root import ConfigTree
@@ -151,7 +152,7 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
       over epochs), so the preset's steps are dropped. When the user gives both, the winner is named.
     * Task switch: a dataset set to a registered task (`env.dataset=ifeval`) brings that task's rewards,
       evaluation split and system prompt, except where the user set those too (grpo.data.tasks)."""
-    from grpo.data.tasks import task_settings
+    task_settings = plugins.load("grpo.data.tasks:task_settings")  # by path: tasks sit above config
 
     notes = []
     explicit = cfg.explicit_keys
@@ -188,7 +189,7 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
 def _holdout_for_new_data(cfg: GRPOConfig, key: str) -> list[str]:
     """Training data the user chose that is not a task keeps no preset's evaluation set: held-out accuracy
     on the preset's problems would say nothing about the user's data. A slice of theirs is held out."""
-    from grpo.data.tasks import find_task
+    find_task = plugins.load("grpo.data.tasks:find_task")
 
     spec, current = get_path(cfg, key), cfg.data.eval_dataset
     if find_task(spec) or "data.eval_dataset" in cfg.explicit_keys or current in (None, EVAL_HOLDOUT):
