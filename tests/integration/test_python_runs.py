@@ -1,0 +1,86 @@
+"""Runs built in Python, as a script or a notebook builds them (issue 33): what they write down is what ran,
+and a CLI resume of one either reproduces it or refuses, saying how to resume from Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.cli import main
+from grpo.config.yaml_limits import load_yaml
+from tests import tiny_run
+
+pytestmark = pytest.mark.slow
+
+
+def _rows(n: int = 6) -> list[dict]:
+    return [{"prompt": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(n)]
+
+
+def _args(model: Path, out: Path, **overrides) -> GRPOConfig:
+    settings = {"steps": 1, "eval_before": False, "eval_after": False, **overrides}
+    settings = tiny_run.config(model, settings.pop("dataset", None), out, **settings)
+    if settings["dataset"] == "None":  # the data is passed as train_dataset=
+        del settings["dataset"]
+    return GRPOConfig(**settings)
+
+
+def _saved(run_dir: Path) -> dict:
+    return load_yaml((run_dir / "config.yaml").read_text(), "config.yaml")
+
+
+def test_a_python_run_records_its_data_rewards_and_tools_and_a_cli_resume_refuses(tmp_path, capsys):
+    from grpo.agents.calculator import calculator
+    from grpo.rewards.math import gsm8k_correctness
+
+    def in_script(prompts, completions, **_):
+        return [0.5] * len(prompts)
+
+    out = tmp_path / "run"
+    trainer = GRPOTrainer(
+        model="tiny-tools-lm",
+        args=_args("tiny-tools-lm", out),
+        train_dataset=_rows(),
+        reward_funcs=[in_script, gsm8k_correctness, "gsm8k_format"],
+        tools=[calculator],
+    )
+    trainer.train()
+    saved = _saved(out)
+    # the rows themselves (count and digest), not the preset's dataset
+    assert saved["data"]["dataset"].startswith("<in-memory train_dataset: 6 rows, sha256 ")
+    assert saved["data"]["hf_path"] is None
+    assert saved["algorithm"]["reward_funcs"] == [
+        "<test_a_python_run_records_its_data_rewards_and_tools_and_a_cli_resume_refuses.<locals>.in_script "
+        "from tests.integration.test_python_runs, not importable>",
+        "grpo.rewards.math:gsm8k_correctness",  # importable: by its path
+        "gsm8k_format",
+    ]
+    assert saved["env"]["tools"] == ["grpo.agents.calculator:calculator"]
+    page = (out / "report" / "index.html").read_text()
+    assert "in-memory train_dataset: 6 rows" in page and "grpo.rewards.math:gsm8k_correctness" in page
+    assert "grpo.agents.calculator:calculator" in page
+
+    capsys.readouterr()
+    code = main(["train", "--resume", "--output-dir", str(out), "train.steps=2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "data.dataset = <in-memory train_dataset: 6 rows" in err and "in_script" in err
+    assert "train(resume_from_checkpoint=True)" in err
+    assert "gsm8k_correctness" not in err.split("rebuild:")[1].split("A CLI")[0]  # importable: not a problem
+
+
+def test_a_cli_resume_of_a_python_run_with_importable_parts_reproduces_it(tmp_path):
+    model = tiny_run.make_model_dir(tmp_path / "model")
+    data = tiny_run.write_dataset(tmp_path / "data.jsonl", 6)
+    rewards = [tiny_run.letter_score, "gsm8k_format"]
+
+    whole, first = tmp_path / "whole", tmp_path / "pieces"
+    for out, steps in ((whole, 2), (first, 1)):
+        args = _args(model, out, steps=steps, dataset=str(data))
+        GRPOTrainer(model=str(model), args=args, reward_funcs=rewards).train()
+    assert _saved(first)["algorithm"]["reward_funcs"] == ["tests.tiny_run:letter_score", "gsm8k_format"]
+
+    assert main(["train", "--resume", "--output-dir", str(first), "train.steps=2"]) == 0
+    assert tiny_run.same_weights(whole / "final_model", first / "final_model")
