@@ -3,13 +3,19 @@ and a CLI resume of one either reproduces it or refuses, saying how to resume fr
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from grpo import GRPOConfig, GRPOTrainer
+from grpo import GRPOConfig, GRPOTrainer, TrainingStopped
 from grpo.cli import main
+from grpo.config import ConfigError
 from grpo.config.yaml_limits import load_yaml
+from grpo.run.runlock import RunLock
 from tests import tiny_run
 
 pytestmark = pytest.mark.slow
@@ -84,3 +90,71 @@ def test_a_cli_resume_of_a_python_run_with_importable_parts_reproduces_it(tmp_pa
 
     assert main(["train", "--resume", "--output-dir", str(first), "train.steps=2"]) == 0
     assert tiny_run.same_weights(whole / "final_model", first / "final_model")
+
+
+class CtrlCAt:
+    """letter_score, and at its n-th call a SIGINT to the main thread, as a terminal's Ctrl-C."""
+
+    def __init__(self, call: int):
+        self.call, self.calls = call, 0
+
+    def __call__(self, prompts, completions, **columns):
+        self.calls += 1
+        if self.calls == self.call:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.3)
+        return tiny_run.letter_score(prompts, completions, **columns)
+
+
+def test_ctrl_c_saves_then_raises_and_python_resumes_the_way_trl_does(tmp_path):
+    model = tiny_run.make_model_dir(tmp_path / "model")
+    data = str(tiny_run.write_dataset(tmp_path / "data.jsonl", 6))
+    straight, out = tmp_path / "straight", tmp_path / "run"
+
+    def trainer(out: Path, ctrl_c_at: int = 0, **settings) -> GRPOTrainer:
+        args = _args(model, out, **{"steps": 3, "dataset": data, **settings})
+        return GRPOTrainer(model=str(model), args=args, reward_funcs=[CtrlCAt(ctrl_c_at), "gsm8k_format"])
+
+    trainer(straight).train()
+    after_train = []
+    with pytest.raises(KeyboardInterrupt) as stopped:  # as TRL lets it through: a script stops here
+        trainer(out, ctrl_c_at=2).train()
+        after_train.append("ran")
+    assert not after_train and isinstance(stopped.value, TrainingStopped)
+    assert (stopped.value.signal, stopped.value.step) == (signal.SIGINT, 2)
+    assert stopped.value.checkpoint == out / "checkpoint-2" and stopped.value.summary["reward"] >= 0
+    assert "Resume it with: trainer.train(resume_from_checkpoint=True)" in str(stopped.value)
+    assert "grpo train --resume" not in (out / "train.log").read_text()  # the Python way, not the CLI's
+
+    # the script run again over its own unfinished run: told how to resume in Python, not with a CLI flag
+    again = trainer(out)
+    with pytest.raises(ConfigError, match=r"already holds a run .*train\(resume_from_checkpoint=True\)"):
+        again.train()
+    again.train(resume_from_checkpoint=True)  # TRL's spelling: the newest checkpoint
+    assert tiny_run.same_weights(straight / "final_model", out / "final_model")
+
+    # GRPOConfig(resume_from_checkpoint=path) and train(resume_from_checkpoint=path) name one checkpoint
+    extended = trainer(out, steps=4, resume_from_checkpoint=str(out / "checkpoint-3"))
+    assert extended.cfg.train.resume == str(out / "checkpoint-3")
+    extended.train()
+    assert [m["step"] for m in tiny_run.metrics(out)] == [1, 2, 3, 4]
+    trainer(out, steps=4).train(resume_from_checkpoint=str(out / "checkpoint-4"))  # done: nothing to train
+
+
+def test_a_new_trainer_in_the_same_process_takes_the_run_directory_over(tmp_path):
+    model = tiny_run.make_model_dir(tmp_path / "model")
+    data = str(tiny_run.write_dataset(tmp_path / "data.jsonl", 4))
+    out = tmp_path / "run"
+    first = GRPOTrainer(model=str(model), args=_args(model, out, dataset=data))  # the notebook cell, run once
+    second = GRPOTrainer(model=str(model), args=_args(model, out, dataset=data))  # ... and again
+    assert second.parts.lock.held and not first.parts.lock.held
+    second.train()
+    assert (out / "final_model").is_dir()
+    # A lock held here by something other than a trainer is refused, and never with "kill <this pid>".
+    (tmp_path / "elsewhere").mkdir()
+    other = RunLock(tmp_path / "elsewhere").acquire()
+    with pytest.raises(ConfigError) as refused:
+        GRPOTrainer(model=str(model), args=_args(model, tmp_path / "elsewhere", dataset=data))
+    message = str(refused.value)
+    assert f"kill {os.getpid()}" not in message and "in use by another grpo run" in message
+    other.release()
