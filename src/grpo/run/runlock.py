@@ -90,7 +90,8 @@ class RunLock:
             raise
         self._fd = fd
         _held_fds.add(fd)
-        _holders[os.path.realpath(self.path)] = self
+        self._key = os.path.realpath(self.path)
+        _holders[self._key] = self
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -118,8 +119,8 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            if _holders.get(os.path.realpath(self.path)) is self:
-                del _holders[os.path.realpath(self.path)]
+            if _holders is not None and _holders.get(self._key) is self:  # None: interpreter shutdown
+                del _holders[self._key]
             _held_fds.discard(self._fd)
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
