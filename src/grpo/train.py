@@ -140,7 +140,7 @@ def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> di
             where = lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step, data_at_stop))
         report.close()
         lifecycle.stopped_early(
-            p.run_dir, step, total_steps, trainer.stop_signal, where, learner.nonfinite_in_a_row
+            p.run_dir, step, total_steps, trainer.stop_signal, where, learner.nonfinite_in_a_row, summary
         )
         return summary
     with trainer.stops.watching():  # a signal now lets the final saves finish; a second one: exit 130

@@ -153,8 +153,12 @@ class GRPOTrainer:
                 source.close()
 
     @holding_run_lock
-    def train(self) -> dict[str, float]:
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> dict[str, float]:
+        """The run, to its last step; returns the last step's metrics. `resume_from_checkpoint` (TRL's):
+        True continues from the newest checkpoint in the output directory, a path from that checkpoint.
+        A stop signal (Ctrl-C) saves a checkpoint, then raises grpo.TrainingStopped (a KeyboardInterrupt)."""
         cfg, p = self.cfg, self.parts
+        lifecycle.plan_train(cfg, p, self.rt, resume_from_checkpoint, first=self.step == 0)
         stream = PromptStream(p.train_rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
         self.total_steps = planned_steps(cfg, len(p.train_rows))
         # The source owns its engine: built here, before the learner shards the policy; closed at the end,

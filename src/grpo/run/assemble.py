@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
-from grpo.data import PromptFormatter
+from grpo.data import PromptFormatter, rows_from_dataset
 from grpo.model.loading import (
     float32_masters,
     load_causal_lm,
@@ -31,6 +31,7 @@ from grpo.model.loading import (
 )
 from grpo.rollout import RolloutEngine
 from grpo.rollout.episodes import EpisodeRunner, SingleTurn, build_episodes
+from grpo.run import provenance
 from grpo.run.datasets import describe_eval_set, eval_set_name, load_data_and_rewards, planned_steps
 from grpo.run.preflight import check_model_paths, plan_resume
 from grpo.run.rundir import (
@@ -129,6 +130,17 @@ def build_run(
             setattr(
                 cfg.model, key, getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>"
             )
+    given = {"data.dataset": train_dataset, "data.eval_dataset": eval_dataset, "env.tools": tools or None,
+             "algorithm.reward_funcs": reward_funcs, "algorithm.reward_model": reward_model,
+             "env.environment": environment, "model.name_or_path": model}  # fmt: skip
+    provenance.refuse_unrebuildable(cfg, given)  # a CLI --resume of a run built in Python
+    skip = cfg.data.skip_invalid_rows
+    provenance.record_objects(
+        cfg,
+        train_rows=None if train_dataset is None else rows_from_dataset(train_dataset, skip),
+        eval_rows=None if eval_dataset is None else rows_from_dataset(eval_dataset, split="test"),
+        reward_funcs=reward_funcs, reward_model=reward_model, tools=tools, environment=environment,
+    )  # fmt: skip
     created = not run_dir_of(cfg).exists()
     run_dir = make_run_dir(cfg)
     held_a_run = holds_a_run(run_dir)  # looked at before the lock file is created
