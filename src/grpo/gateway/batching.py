@@ -2,9 +2,10 @@
 
 Requests queue while the engine decodes; when a batch ends, every request that arrived meanwhile goes into
 the next one (never one request at a time). The thread starts a batch as soon as every live session has a
-request waiting, or `window_s` after the first one arrived (an agent still running its tools joins the next
-batch). An engine whose `continue_rows` takes `on_step` (the native one) reports each decode step's tokens,
-which the waiting requests stream as they are sampled; another engine's tokens arrive when its call ends.
+request waiting, or once no new request came for `window_s` (at most `max_wait_s` after the first): an
+agent still running its tools joins the next batch. An engine whose `continue_rows` takes `on_step` (the
+native one) reports each decode step's tokens, which the waiting requests stream as they are sampled;
+another engine's tokens arrive when its call ends.
 """
 
 from __future__ import annotations
@@ -34,8 +35,16 @@ class Job:
 
 
 class Batcher:
-    def __init__(self, engine, sampling: SamplingParams, live: Callable[[], int], window_s: float = 0.05):
-        self.engine, self.sampling, self.live, self.window_s = engine, sampling, live, window_s
+    def __init__(
+        self,
+        engine,
+        sampling: SamplingParams,
+        live: Callable[[], int],
+        window_s: float = 0.1,
+        max_wait_s: float = 1.0,
+    ):
+        self.engine, self.sampling, self.live = engine, sampling, live
+        self.window_s, self.max_wait_s = window_s, max(window_s, max_wait_s)
         self._pending: list[Job] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -75,9 +84,14 @@ class Batcher:
                 for job in self._pending:
                     job.events.put(("error", RuntimeError("the gateway closed")))
                 return None
-            deadline = time.monotonic() + self.window_s
+            # Wait while requests keep coming (each arrival restarts the window), at most max_wait_s.
+            start = time.monotonic()
+            seen, last = len(self._pending), start
             while not self._closed and len(self._pending) < self.live():
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                if len(self._pending) > seen:
+                    seen, last = len(self._pending), now
+                left = min(last + self.window_s, start + self.max_wait_s) - now
                 if left <= 0:
                     break
                 self._cond.wait(left)

@@ -99,13 +99,17 @@ class AgentRunner:
         strict_history: bool = False,
         template_kwargs: dict | None = None,
         model_name: str = "grpo-policy",
+        window_s: float = 0.1,
     ):
         self.agent = load_agent(agent)
         self.is_async = inspect.iscoroutinefunction(self.agent)
         self.tokenizer, self.parser, self.limits = tokenizer, parser, limits
         self.timeout_s, self.failed_episode = timeout_s, failed_episode
         self.gateway_args = dict(
-            strict_history=strict_history, template_kwargs=template_kwargs, model_name=model_name
+            strict_history=strict_history,
+            template_kwargs=template_kwargs,
+            model_name=model_name,
+            window_s=window_s,
         )
         self.gateway: Gateway | None = None
         self.server: GatewayServer | None = None

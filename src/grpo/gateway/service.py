@@ -49,7 +49,7 @@ class Gateway:
         strict_history: bool = False,
         template_kwargs: dict | None = None,
         model_name: str = "grpo-policy",
-        window_s: float = 0.05,
+        window_s: float = 0.1,
     ):
         self.tokenizer, self.parser, self.limits = tokenizer, parser, limits
         self.strict_history, self.model_name = strict_history, model_name
