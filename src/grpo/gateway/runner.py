@@ -131,6 +131,8 @@ class AgentRunner:
 
     def close(self) -> None:
         """Stop the server and the batcher: no thread keeps the port."""
+        if (stop := getattr(self.agent, "close", None)) is not None:  # an agent command's live processes
+            stop()
         if self._http is not None:
             self._http.close()
             self._http = None
@@ -186,7 +188,8 @@ class AgentRunner:
             try:
                 results[k] = (self.agent(clients[k], copy.deepcopy(s.row)), None)
             except Exception as err:  # noqa: BLE001 - the agent's fault ends its episode, not the run
-                results[k] = (None, self._failure(s, err))
+                late = time.monotonic() >= deadline - 0.1  # e.g. an agent command killed at its limit
+                results[k] = (None, "timeout" if late else self._failure(s, err))
             finally:
                 self._ended(s, results[k][1])
 
@@ -194,9 +197,9 @@ class AgentRunner:
             threading.Thread(target=work, args=(k, s), name=f"grpo-agent-{k}", daemon=True)
             for k, s in enumerate(sessions)
         ]
+        deadline = time.monotonic() + self.timeout_s
         for t in threads:
             t.start()
-        deadline = time.monotonic() + self.timeout_s
         for k, t in enumerate(threads):
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():  # a thread cannot be stopped: its session ends, so its calls now get 409
@@ -351,6 +354,12 @@ def build_agent_runner(cfg, formatter, agent) -> AgentRunner:
     """The runner for GRPOTrainer(agent=) or env.agent; the family's tool-call parser reads every turn."""
     from grpo.agents.parsing import detect_parser
 
+    if agent is None:
+        agent = cfg.env.agent
+    if agent is None:  # env.agent_command: any language, one process per episode
+        from grpo.gateway.agent_command import AgentCommand
+
+        agent = AgentCommand(cfg.env.agent_command, timeout_s=cfg.env.episode_timeout_s)
     tokenizer = formatter.tokenizer
     parser = detect_parser(tokenizer, cfg.model.name_or_path, cfg.env.tool_parser)
     limits = Limits(

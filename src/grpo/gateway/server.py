@@ -1,10 +1,11 @@
 """The HTTP endpoint: stdlib ThreadingHTTPServer on 127.0.0.1, a free port, one thread per connection.
 
 Routes (ROUTES, path → handler(gateway, session, body)) answer a dict as JSON, or an iterator as a
-server-sent event stream; GET /v1/models needs no body. Every request must carry a live session's key as
-`Authorization: Bearer ...` (401 otherwise). A request that cannot be served gets an OpenAI-style error
-object and the server stays up: malformed JSON 400, a body over `max_body` bytes 413, an ended session 409.
-A session's malformed request (400/413) ends its episode (counted as `bad_request`).
+server-sent event stream; GET /v1/models needs no body; /v1/responses is responses.py's translation. Every
+request must carry a live session's key as `Authorization: Bearer ...` (401 otherwise). A request that
+cannot be served gets an OpenAI-style error object and the server stays up: malformed JSON 400, a body
+over `max_body` bytes 413, an ended session 409. A session's malformed request (400/413) ends its episode
+(counted as `bad_request`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from grpo.gateway.responses import responses_route
 from grpo.gateway.service import Gateway, ended_error
 from grpo.gateway.sessions import Session
 from grpo.gateway.wire import ChatRequest, GatewayError, TurnDone, chat_completion, stream_chunks
@@ -62,7 +64,11 @@ def _chain(first, rest: Iterator) -> Iterator:
     yield from rest
 
 
-ROUTES: dict[str, Callable] = {"/v1/chat/completions": chat_completions, "/v1/reward": reward}
+ROUTES: dict[str, Callable] = {
+    "/v1/chat/completions": chat_completions,
+    "/v1/responses": responses_route,  # the Responses API, translated onto Gateway.complete
+    "/v1/reward": reward,
+}
 
 
 class GatewayServer:
