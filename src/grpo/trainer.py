@@ -45,7 +45,8 @@ class GRPOTrainer:
 
     Agents (docs/agents.md): `tools=[fn, ...]` (typed, documented functions the model may call) or
     `environment_factory=Cls` (TRL's form: reset(**row), public methods as tools; or the step form
-    reset(row)/step(messages)); a dict of classes is routed by the dataset's `environment` column."""
+    reset(row)/step(messages)); a dict of classes is routed by the dataset's `environment` column; or
+    `agent=run`, your own agent code over an OpenAI-compatible gateway (grpo/gateway/runner.py)."""
 
     def __init__(
         self,
@@ -66,6 +67,7 @@ class GRPOTrainer:
         reward_processing_classes=None,
         tools=None,
         environment_factory=None,
+        agent=None,
     ):
         # TRL's positional order: (model, reward_funcs, args, ...)
         if trl_compat.looks_like_rewards(ref_model):
@@ -98,6 +100,7 @@ class GRPOTrainer:
             rt=self.rt,
             tools=tools,
             environment=environment_factory,
+            agent=agent,
         )
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
         self.source: RolloutSource | None = (

@@ -116,6 +116,7 @@ def build_run(
     rt=None,
     tools=None,
     environment=None,
+    agent=None,
 ) -> RunParts:
     threads, why = cpu_threads(cfg, os.environ)
     if threads:
@@ -161,6 +162,7 @@ def build_run(
             is_main=rt is None or rt.is_main,
             tools=tools,
             environment=environment,
+            agent=agent,
         )
     except BaseException:
         lock.release()
@@ -185,6 +187,7 @@ def _build_parts(
     is_main: bool,
     tools=None,
     environment=None,
+    agent=None,
 ) -> RunParts:
     setup_logging(run_dir)
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
@@ -222,7 +225,7 @@ def _build_parts(
         check_context(cfg, model_config, lambda: formatter.longest(train_rows))
         gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         check_memory(cfg, model_config, torch.finfo(compute).bits // 8, gpu)
-    episodes = build_episodes(cfg, formatter, tools=tools, environment=environment)
+    episodes = _episodes(cfg, formatter, tools, environment, agent)
     if episodes.multi_turn:
         episodes.check_prompts(train_rows)
     policy = _policy(cfg, model, device, compute)
@@ -238,7 +241,7 @@ def _build_parts(
                 resolve_device(cfg.algorithm.reward_model_device or cfg.model.device),
             )
         )
-    if not funcs and not (tools or environment or cfg.env.environment):
+    if not funcs and not (tools or environment or cfg.env.environment or agent or cfg.env.agent):
         raise ConfigError(
             "No reward: pass reward_funcs=[...] or reward_model=..., or set algorithm.reward_funcs."
         )
@@ -246,7 +249,7 @@ def _build_parts(
     if weights is not None and len(weights) != len(funcs):
         raise ConfigError(f"algorithm.reward_weights has {len(weights)} entries for {len(funcs)} rewards.")
 
-    if episodes.multi_turn and (own := episodes.factory.reward_functions()):
+    if episodes.multi_turn and (own := getattr(episodes, "factory", episodes).reward_functions()):
         # Environments that score their episodes add a reward each, named after the class (as TRL logs it).
         if weights is not None or cfg.env.reward_weight != 1.0:
             weights = [*(weights or [1.0] * len(funcs)), *[cfg.env.reward_weight] * len(own)]
@@ -289,6 +292,14 @@ def _build_parts(
         episodes=episodes,
         eval_name=eval_name,
     )
+
+
+def _episodes(cfg, formatter, tools, environment, agent) -> EpisodeRunner:
+    if agent is not None or cfg.env.agent or cfg.env.agent_command:  # the user's own agent (grpo/gateway)
+        from grpo.gateway.runner import build_agent_runner
+
+        return build_agent_runner(cfg, formatter, agent)
+    return build_episodes(cfg, formatter, tools=tools, environment=environment)
 
 
 def _model_config(cfg: GRPOConfig, model):
