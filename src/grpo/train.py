@@ -32,15 +32,15 @@ from grpo.algorithm.filters import informative_prompts
 from grpo.config import AlgorithmConfig
 from grpo.data import PromptStream
 from grpo.learner import Learner
-from grpo.records import PromptBatch, Rollouts, ScoredRollouts, build_train_batch
+from grpo.records import PromptBatch, Rollouts, ScoredRollouts
 from grpo.rewards.isolation import RewardInterrupted
-from grpo.rewards.rollouts import score_rollouts
 from grpo.rollout.source import RolloutSource
 from grpo.run import lifecycle
 from grpo.run.console import result_line
 from grpo.run.lifecycle import TrainingHalted
 from grpo.run.metrics import StageTimer, StepReport, reduce_metrics, sampler_metrics, step_metrics
 from grpo.run.profiling import StepProfiler
+from grpo.stages import build_train_batch, score_rollouts
 
 if TYPE_CHECKING:
     from grpo.trainer import GRPOTrainer
@@ -141,7 +141,7 @@ def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> di
             where = lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step, data_at_stop))
         report.close()
         lifecycle.stopped_early(
-            p.run_dir, step, total_steps, trainer.stop_signal, where, learner.nonfinite_in_a_row
+            p.run_dir, step, total_steps, trainer.stop_signal, where, learner.nonfinite_in_a_row, summary
         )
         return summary
     with trainer.stops.watching():  # a signal now lets the final saves finish; a second one: exit 130

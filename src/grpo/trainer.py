@@ -46,7 +46,8 @@ class GRPOTrainer:
 
     Agents (docs/agents.md): `tools=[fn, ...]` (typed, documented functions the model may call) or
     `environment_factory=Cls` (TRL's form: reset(**row), public methods as tools; or the step form
-    reset(row)/step(messages)); a dict of classes is routed by the dataset's `environment` column."""
+    reset(row)/step(messages)); a dict of classes is routed by the dataset's `environment` column; or
+    `agent=run`, your own agent code over an OpenAI-compatible gateway (grpo/gateway/runner.py)."""
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class GRPOTrainer:
         reward_processing_classes=None,
         tools=None,
         environment_factory=None,
+        agent=None,
     ):
         # TRL's positional order: (model, reward_funcs, args, ...)
         if trl_compat.looks_like_rewards(ref_model):
@@ -99,6 +101,7 @@ class GRPOTrainer:
             rt=self.rt,
             tools=tools,
             environment=environment_factory,
+            agent=agent,
         )
         # What the start decided (run name, threads, rewards, eval set, the completion limit), frozen; the
         # caller's config is not written to: the run reads the resolved copy.
@@ -158,8 +161,12 @@ class GRPOTrainer:
                 source.close()
 
     @holding_run_lock
-    def train(self) -> dict[str, float]:
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> dict[str, float]:
+        """The run, to its last step; returns the last step's metrics. `resume_from_checkpoint` (TRL's):
+        True continues from the newest checkpoint in the output directory, a path from that checkpoint.
+        A stop signal (Ctrl-C) saves a checkpoint, then raises grpo.TrainingStopped (a KeyboardInterrupt)."""
         cfg, p = self.cfg, self.parts
+        lifecycle.plan_train(cfg, p, self.rt, resume_from_checkpoint, first=self.step == 0)
         stream = PromptStream(p.train_rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
         self.total_steps = planned_steps(cfg, len(p.train_rows))
         # The source owns its engine: built here, before the learner shards the policy; closed at the end,

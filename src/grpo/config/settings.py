@@ -6,6 +6,7 @@ The caller's GRPOConfig is never written after `validate()`: each decision is re
 read. The decisions (cleanrl derives its sizes once, right after parsing, and never writes `args` again):
 
 * the run name (a timestamp unless given), the CPU thread count, the model paths of passed-in objects;
+* what other Python objects stand in for (run/provenance.py: in-memory data, reward functions, tools);
 * the reward functions and their weights after task detection, and the evaluation set;
 * ONE completion limit: the tokens a rollout may add after the prompt. A single-turn run's is
   generation.max_new_tokens (capped by max_total_length); a multi-turn run's is the episode's, sampled and
@@ -37,6 +38,12 @@ DECIDED_KEYS = frozenset(
         "algorithm.reward_funcs",
         "algorithm.reward_weights",
         "data.eval_dataset",
+        # what Python objects stand in for (run/provenance.py): the data, rewards, tools, environment
+        "data.dataset",
+        "data.hf_path",
+        "algorithm.reward_model",
+        "env.tools",
+        "env.environment",
     }
 )
 
@@ -46,9 +53,11 @@ def completion_limit(cfg: GRPOConfig, multi_turn: bool) -> int:
     return cfg.episode_max_tokens if multi_turn else cfg.effective_max_new_tokens
 
 
-def is_multi_turn(cfg: GRPOConfig, tools=None, environment=None) -> bool:
-    """Whether rollouts are episodes of several turns: tools or an environment, passed or configured."""
-    return bool(tools or cfg.env.tools or environment or cfg.env.environment)
+def is_multi_turn(cfg: GRPOConfig, tools=None, environment=None, agent=None) -> bool:
+    """Whether rollouts are episodes of several turns: tools, an environment or an agent (the gateway's),
+    passed or configured."""
+    e = cfg.env
+    return bool(tools or e.tools or environment or e.environment or agent or e.agent or e.agent_command)
 
 
 @dataclass(frozen=True)

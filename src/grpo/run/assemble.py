@@ -18,7 +18,7 @@ import torch
 
 from grpo.config import ConfigError, GRPOConfig
 from grpo.config.settings import RunSettings, is_multi_turn
-from grpo.data import PromptFormatter
+from grpo.data import PromptFormatter, rows_from_dataset
 from grpo.model.loading import (
     float32_masters,
     load_causal_lm,
@@ -33,6 +33,7 @@ from grpo.model.loading import (
 )
 from grpo.rollout import RolloutEngine
 from grpo.rollout.episodes import EpisodeRunner, SingleTurn, build_episodes
+from grpo.run import provenance
 from grpo.run.datasets import describe_eval_set, eval_set_name, load_data_and_rewards, planned_steps
 from grpo.run.preflight import check_model_paths, plan_resume
 from grpo.run.rundir import (
@@ -140,11 +141,22 @@ def build_run(
     rt=None,
     tools=None,
     environment=None,
+    agent=None,
 ) -> RunParts:
     """The parts of a run from the validated `cfg`, which is only read: its start-up decisions are in
     `RunParts.settings` (config/settings.py)."""
+    given = {"data.dataset": train_dataset, "data.eval_dataset": eval_dataset, "env.tools": tools or None,
+             "algorithm.reward_funcs": reward_funcs, "algorithm.reward_model": reward_model,
+             "env.environment": environment, "model.name_or_path": model}  # fmt: skip
+    provenance.refuse_unrebuildable(cfg, given)  # a CLI --resume of a run built in Python
     decided = start_decisions(cfg, os.environ, model=model, tokenizer=tokenizer, ref_model=ref_model)
-    early = RunSettings.resolve(cfg, decided, is_multi_turn(cfg, tools, environment))
+    skip = cfg.data.skip_invalid_rows
+    decided |= provenance.record_objects(
+        train_rows=None if train_dataset is None else rows_from_dataset(train_dataset, skip),
+        eval_rows=None if eval_dataset is None else rows_from_dataset(eval_dataset, split="test"),
+        reward_funcs=reward_funcs, reward_model=reward_model, tools=tools, environment=environment,
+    )  # fmt: skip
+    early = RunSettings.resolve(cfg, decided, is_multi_turn(cfg, tools, environment, agent))
     threads, why = cpu_threads(cfg, os.environ)
     if threads:
         torch.set_num_threads(threads)
@@ -170,6 +182,7 @@ def build_run(
             is_main=rt is None or rt.is_main,
             tools=tools,
             environment=environment,
+            agent=agent,
         )
     except BaseException:
         lock.release()
@@ -194,6 +207,7 @@ def _build_parts(
     is_main: bool,
     tools=None,
     environment=None,
+    agent=None,
 ) -> RunParts:
     setup_logging(run_dir)
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
@@ -231,9 +245,7 @@ def _build_parts(
         check_context(settings, model_config, lambda: formatter.longest(train_rows))
         gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         check_memory(settings, model_config, torch.finfo(compute).bits // 8, gpu)
-    episodes = build_episodes(
-        cfg, formatter, tools=tools, environment=environment, max_tokens=settings.completion_limit
-    )
+    episodes = _episodes(cfg, formatter, tools, environment, agent, settings.completion_limit)
     if episodes.multi_turn:
         episodes.check_prompts(train_rows)
     policy = _policy(cfg, model, device, compute)
@@ -249,7 +261,7 @@ def _build_parts(
                 resolve_device(cfg.algorithm.reward_model_device or cfg.model.device),
             )
         )
-    if not funcs and not (tools or environment or cfg.env.environment):
+    if not funcs and not (tools or environment or cfg.env.environment or agent or cfg.env.agent):
         raise ConfigError(
             "No reward: pass reward_funcs=[...] or reward_model=..., or set algorithm.reward_funcs."
         )
@@ -257,7 +269,7 @@ def _build_parts(
     if weights is not None and len(weights) != len(funcs):
         raise ConfigError(f"algorithm.reward_weights has {len(weights)} entries for {len(funcs)} rewards.")
 
-    if episodes.multi_turn and (own := episodes.factory.reward_functions()):
+    if episodes.multi_turn and (own := getattr(episodes, "factory", episodes).reward_functions()):
         # Environments that score their episodes add a reward each, named after the class (as TRL logs it).
         if weights is not None or cfg.env.reward_weight != 1.0:
             weights = [*(weights or [1.0] * len(funcs)), *[cfg.env.reward_weight] * len(own)]
@@ -301,6 +313,14 @@ def _build_parts(
         eval_name=eval_name,
         settings=settings,
     )
+
+
+def _episodes(cfg, formatter, tools, environment, agent, completion_limit: int) -> EpisodeRunner:
+    if agent is not None or cfg.env.agent or cfg.env.agent_command:  # the user's own agent (grpo/gateway)
+        from grpo.gateway.runner import build_agent_runner
+
+        return build_agent_runner(cfg, formatter, agent)
+    return build_episodes(cfg, formatter, tools=tools, environment=environment, max_tokens=completion_limit)
 
 
 def _model_config(cfg: GRPOConfig, model):
