@@ -142,6 +142,7 @@ COMPETING_KEYS = (
     ("train.num_epochs", "train.steps"),
     ("train.gradient_accumulation_steps", "train.micro_batch_size"),
     ("algorithm.reward_funcs", "algorithm.reward_weights"),
+    ("env.agent_command", "env.agent"),  # --agent-command on the tiny_tools_agent preset runs the command
 )
 
 

@@ -57,6 +57,9 @@ def load_agent(spec):
     try:
         if module_name.endswith(".py") or "/" in module_name:
             path = Path(module_name)
+            # a relative path not found here may be one of grpo's own examples (the tiny_tools_agent preset)
+            checkout = Path(__file__).resolve().parents[3] / path
+            path = checkout if not path.is_file() and not path.is_absolute() and checkout.is_file() else path
             if not path.is_file():
                 raise ConfigError(f"env.agent = {spec!r}: no file {path}.")
             module_spec = importlib.util.spec_from_file_location(f"grpo_agent_{path.stem}", path)

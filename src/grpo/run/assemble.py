@@ -261,7 +261,8 @@ def _build_parts(
                 resolve_device(cfg.algorithm.reward_model_device or cfg.model.device),
             )
         )
-    if not funcs and not (tools or environment or cfg.env.environment or agent or cfg.env.agent):
+    agents = agent or cfg.env.agent or cfg.env.agent_command  # an agent may give its episodes' rewards
+    if not funcs and not (tools or environment or cfg.env.environment or agents):
         raise ConfigError(
             "No reward: pass reward_funcs=[...] or reward_model=..., or set algorithm.reward_funcs."
         )
