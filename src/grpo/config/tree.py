@@ -143,6 +143,9 @@ COMPETING_KEYS = (
     ("train.gradient_accumulation_steps", "train.micro_batch_size"),
     ("algorithm.reward_funcs", "algorithm.reward_weights"),
 )
+# Pairs of COMPETING_KEYS that compete only with a preset's value: given both, the user's weights are the
+# weights of the user's functions, and both are used.
+_USED_TOGETHER = {("algorithm.reward_funcs", "algorithm.reward_weights")}
 
 
 def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
@@ -161,6 +164,8 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
         if given not in explicit or rival_value is None:
             continue
         if rival in explicit:
+            if (given, rival) in _USED_TOGETHER:
+                continue
             notes.append(
                 f"both {given} = {get_path(cfg, given)} and {rival} = {rival_value} were given; "
                 f"{rival} wins, {given} is not used."
