@@ -43,8 +43,10 @@ _interrupted = threading.Event()
 _HEADER = struct.Struct("<Q")
 
 
-class RewardInterrupted(RuntimeError):
-    """A stop signal arrived while a reward call ran, and the call did not finish within STOP_GRACE_S."""
+class RewardInterrupted(BaseException):
+    """A stop signal arrived while user code ran (a reward, a tool, an environment method), and the call did
+    not finish within STOP_GRACE_S. A BaseException, as KeyboardInterrupt is: code that turns a user's
+    exception into a message (`except Exception`) must let the stop through to the training loop."""
 
 
 def can_fork() -> bool:
