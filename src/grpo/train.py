@@ -175,7 +175,11 @@ def collect(
     while rounds < (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 1):
         rounds += 1
         with timer("rollout"):
-            prompts, rollouts, lag = source.next_batch()
+            try:  # a tool or environment call in an episode, cut short by a stop signal (agents/workers.py)
+                prompts, rollouts, lag = source.next_batch()
+            except RewardInterrupted as stopped:
+                log.warning("Stopping: %s, so it was killed and this step is dropped.", stopped)
+                return None, {}
             texts = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
         with timer("reward"):
             try:
