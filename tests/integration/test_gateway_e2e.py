@@ -1,0 +1,60 @@
+"""The agent gateway end to end: `grpo train --agent file.py:run` on the bundled tiny tool model, and
+`GRPOTrainer(agent=run)`, each for two steps through the real `openai` client."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from grpo.cli import main
+
+AGENTS = Path(__file__).resolve().parents[1] / "gateway_agents.py"
+SMALL = [
+    "steps=2", "prompts_per_step=2", "num_generations=4", "eval_before=false", "eval_after=false",
+    "save_steps=0", "logging_steps=1", "num_threads=1", "progress_bar=false", "tensorboard=false",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("agent", ["calculator_agent", "streaming_agent"])
+def test_grpo_train_with_an_agent_file_runs_its_episodes_through_the_gateway(tmp_path, agent):
+    out = tmp_path / "run"
+    rc = main(
+        ["train", "--config", "tiny_tools", "--agent", f"{AGENTS}:{agent}", f"output_dir={out}", *SMALL]
+    )
+    assert rc == 0
+    lines = [m for m in metrics_of(out) if "gateway/rows_per_episode" in m]
+    assert len(lines) == 2
+    for m in lines:
+        assert m["gateway/rows_per_episode"] == 1.0 and m["gateway/forks"] == 0.0
+        assert m["episode/ended_by/answer"] + m.get("episode/ended_by/max_tokens", 0.0) == 1.0
+        assert m["gateway/batch_rows"] > 1.0  # the episodes' calls shared engine calls
+    assert (out / "final_model" / "model.safetensors").exists()
+    assert not [t for t in threading.enumerate() if t.name.startswith(("grpo-gateway", "grpo-agent"))]
+
+
+def test_grpo_trainer_takes_an_async_agent_function(tmp_path):
+    from grpo import GRPOTrainer
+    from grpo.config import load_config
+    from tests import gateway_agents
+
+    overrides = dict(a.split("=") for a in SMALL) | {"output_dir": str(tmp_path / "run")}
+    cfg = load_config("tiny_tools", overrides)
+    trainer = GRPOTrainer(config=cfg, agent=gateway_agents.async_agent)
+    trainer.train()
+    lines = [m for m in metrics_of(tmp_path / "run") if "reward" in m]
+    assert lines and all(m["reward"] == 1.0 for m in lines)  # the agent's own reward, not the functions'
+    assert not [t for t in threading.enumerate() if t.name.startswith("grpo-gateway")]
