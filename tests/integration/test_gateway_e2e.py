@@ -58,3 +58,37 @@ def test_grpo_trainer_takes_an_async_agent_function(tmp_path):
     lines = [m for m in metrics_of(tmp_path / "run") if "reward" in m]
     assert lines and all(m["reward"] == 1.0 for m in lines)  # the agent's own reward, not the functions'
     assert not [t for t in threading.enumerate() if t.name.startswith("grpo-gateway")]
+
+
+def test_sigterm_ends_the_agents_and_the_server_and_leaves_no_port(tmp_path):
+    import os
+    import re
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    agent = f"{AGENTS}:hanging_agent"
+    argv = [sys.executable, "-m", "grpo", "train", "--config", "tiny_tools", "--agent", agent,
+            "env.episode_timeout_s=300", f"output_dir={tmp_path / 'run'}", *SMALL]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        port = None
+        for line in proc.stderr:
+            if m := re.search(r"Agent gateway: http://127\.0\.0\.1:(\d+)/v1", line):
+                port = int(m.group(1))
+                break
+        assert port is not None
+        time.sleep(2)  # the agents have called the model and hang
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.stderr.read()
+        rc = proc.wait(timeout=120)
+        assert rc == 128 + signal.SIGTERM and time.monotonic() - started < 60  # not the 300 s episode limit
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
