@@ -300,9 +300,20 @@ def _config_source(config: str | None, overrides: list[tuple[str, str]] | dict[s
 
 
 def cmd_train(args) -> int:
+    from grpo.run.console import set_front
+
+    set_front("cli")  # resume hints show the command to type, not the Python call
+    try:
+        return _train_runs(args)
+    finally:
+        set_front("python")  # main() called from Python code: its later trainers are Python's
+
+
+def _train_runs(args) -> int:
     from grpo.files import write_text
     from grpo.run.console import sweep_table
-    from grpo.train import GRPOTrainer
+    from grpo.run.lifecycle import TrainingStopped
+    from grpo.trainer import GRPOTrainer
 
     overrides = _overrides(args)
     args.config = _config_source(args.config, overrides)
@@ -330,7 +341,10 @@ def cmd_train(args) -> int:
             log.info("Sweep run %d/%d: %s", i + 1, len(runs), redact_mapping(dict(run)))
         trainer = GRPOTrainer(config=cfg)
         args.run_dir = trainer.parts.run_dir  # for the resume hint should a second Ctrl-C stop it at once
-        summary = trainer.train()
+        try:
+            summary = trainer.train()
+        except TrainingStopped as stopped:  # the checkpoint is saved and the way to resume was said
+            return 128 + stopped.signal
         if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM: the conventional 128 + signal
             return 128 + trainer.stop_signal
         finished.append((redact_mapping(dict(swept)), summary, trainer.parts.run_dir))

@@ -47,6 +47,7 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "steps": "train.steps",
     "seed": "train.seed",
     "resume": "train.resume",
+    "resume_from_checkpoint": "train.resume",  # TRL (TrainingArguments): True = the newest checkpoint
     "reward_model": "algorithm.reward_model",
     "reward_funcs": "algorithm.reward_funcs",
     # MaxText / Tunix demo
@@ -231,6 +232,8 @@ def set_path(cfg: Any, path: str, value: Any) -> None:
 def coerce(path: str, value: Any) -> Any:
     """Convert `value` (possibly a string from the command line) to the field's type, or explain."""
     hint, optional = _without_none(hint_of(path))
+    if path == "train.resume" and isinstance(value, bool):  # TRL's resume_from_checkpoint=True
+        return "latest" if value else None
     if isinstance(value, str):
         value = _from_text(value, hint, optional, path)
     origin = typing.get_origin(hint)

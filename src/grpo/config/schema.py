@@ -577,6 +577,28 @@ class EnvConfig:
         1.0,
         "Weight of the environment's own reward (step rewards or get_reward()) beside the reward functions.",
     )
+    agent: str | None = _f(
+        None,
+        "Your own agent as package.module:function or path/to/file.py:function: run(client, row) drives "
+        "each episode through an OpenAI-compatible gateway (client: openai.OpenAI, or AsyncOpenAI for "
+        "async def run) and returns the reward or None (the reward functions score it).",
+    )
+    agent_command: str | None = _f(
+        None,
+        "A command run once per episode with the row as JSON on stdin and OPENAI_BASE_URL / "
+        "OPENAI_API_KEY set for its session; a number on its last stdout line is the reward.",
+    )
+    episode_timeout_s: float = _f(300.0, "Seconds an agent's episode may run; past it the episode fails.")
+    failed_episode: str = _f(
+        "zero",
+        "How a failed agent episode (it raised, timed out, never called the model, sent a malformed "
+        "request) is scored: zero (reward 0) or drop (left out of its group's baseline).",
+        choices=("zero", "drop"),
+    )
+    strict_history: bool = _f(
+        False,
+        "End an agent's episode when a request rewrites its history, instead of starting a new row.",
+    )
 
 
 SECTIONS = {

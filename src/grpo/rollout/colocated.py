@@ -64,9 +64,12 @@ class ColocatedRollout:
         return self.feed.stream.state_dict()
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        own = getattr(self.episodes, "metrics", None)  # the agent gateway's (rows, forks, batching)
+        return own() if own is not None else {}
 
     def close(self) -> None:
+        if (stop := getattr(self.episodes, "close", None)) is not None:  # the agent gateway's server
+            stop()
         close = getattr(self.engine, "close", None)  # an engine a caller made before engines had close()
         if close is not None:
             close()

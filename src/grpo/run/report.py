@@ -180,6 +180,7 @@ def _summary(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple[str, str]]
         ("dataset", trained_on),
         ("evaluation set", _eval_set(data.get("eval_dataset"), trained_on, rows)),
         ("rewards", ", ".join(map(str, section_of("algorithm").get("reward_funcs") or [])) or "?"),
+        *[(name, str(value)) for name, value in _agent_parts(section_of("env"))],
         (
             "prompts × generations",
             f"{get('train', 'prompts_per_step')} × {get('generation', 'num_generations')}",
@@ -204,6 +205,13 @@ def _summary(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple[str, str]]
         if isinstance(last.get(key), int | float):
             items.append((f"last {key}", f"{last[key]:.4g}"))
     return items
+
+
+def _agent_parts(env: dict) -> list[tuple[str, str]]:
+    """The tools and environment episodes ran with, when there were any (a one-turn run shows neither)."""
+    tools = env.get("tools") or []
+    shown = [("tools", ", ".join(map(str, tools)))] if tools else []
+    return shown + ([("environment", env["environment"])] if env.get("environment") else [])
 
 
 def _completion_html(sample: dict) -> str:
