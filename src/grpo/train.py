@@ -30,6 +30,7 @@ from grpo import records, trl_compat
 from grpo.algorithm.advantages import estimate_advantages, per_row_advantages
 from grpo.algorithm.filters import informative_prompts
 from grpo.config import AlgorithmConfig, GRPOConfig
+from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
 from grpo.distributed.runtime import Runtime
 from grpo.learner import Learner
@@ -44,28 +45,27 @@ from grpo.run.metrics import StageTimer, StepReport, reduce_metrics, sampler_met
 from grpo.run.profiling import StepProfiler
 from grpo.stages import build_train_batch, score_rollouts
 
-__all__ = ["TrainingHalted", "build_train_batch", "collect", "run"]
-
-log = logging.getLogger("grpo")
-
 
 class Trainer(Protocol):
-    """What the loop reads from the trainer that runs it (trainer.GRPOTrainer), named here so that the
-    loop does not import the floor above it."""
+    """What the loop reads and sets on the GRPOTrainer that runs it (trainer.py imports this module)."""
 
     cfg: GRPOConfig
     parts: RunParts
     rt: Runtime
-    total_steps: int
-    step: int  # the loop keeps it current: a stop or an error reports the step reached
+    settings: RunSettings
     stops: lifecycle.StopRequests
+    step: int
+    total_steps: int
 
     @property
     def stop_signal(self) -> int | None: ...
 
-    def log_eval(
-        self, report: StepReport, best: lifecycle.BestModel, step: int, when: str
-    ) -> dict[str, float]: ...
+    def log_eval(self, report: StepReport, best: lifecycle.BestModel, step: int, when: str) -> dict: ...
+
+
+__all__ = ["TrainingHalted", "build_train_batch", "collect", "run"]
+
+log = logging.getLogger("grpo")
 
 
 def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[str, float]:
@@ -73,7 +73,10 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
     cfg, p, rt = trainer.cfg, trainer.parts, trainer.rt
     t, a, total_steps = cfg.train, cfg.algorithm, trainer.total_steps
     started = time.perf_counter()
-    learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt)
+    length_limit = trainer.settings.completion_limit  # the episode's for agents (config/settings.py)
+    learner = Learner(
+        p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt, completion_limit=length_limit
+    )
     start_step, nonfinite_total = lifecycle.resume(cfg, p, rt, learner, stream)
     source.sync_weights(start_step, learner.policy)
     lifecycle.log_sizes(cfg, learner.describe_micro_batches(), total_steps, stream)
@@ -81,8 +84,6 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
     profiler = StepProfiler(cfg.distributed.profiler == "torch", p.run_dir, total_steps, rt.rank)
     best = lifecycle.BestModel(cfg, p, rt)
     summary = trainer.log_eval(report, best, 0, "before") if t.eval_before and start_step == 0 else {}
-
-    length_limit = cfg.episode_max_tokens if source.multi_turn else cfg.effective_max_new_tokens
 
     def score(prompts: PromptBatch, rollouts: Rollouts, texts: list[str], lag: int) -> ScoredRollouts:
         state = trl_compat.RewardState(global_step=step, epoch=float(stream.epoch), max_steps=total_steps)
@@ -192,7 +193,11 @@ def collect(
     while rounds < (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 1):
         rounds += 1
         with timer("rollout"):
-            prompts, rollouts, lag = source.next_batch()
+            try:  # a tool or environment call in an episode, cut short by a stop signal (agents/workers.py)
+                prompts, rollouts, lag = source.next_batch()
+            except RewardInterrupted as stopped:
+                log.warning("Stopping: %s, so it was killed and this step is dropped.", stopped)
+                return None, {}
             texts = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
         with timer("reward"):
             try:

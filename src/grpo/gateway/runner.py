@@ -27,6 +27,7 @@ import logging
 import math
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,6 +36,7 @@ from grpo.gateway.server import GatewayServer
 from grpo.gateway.service import Gateway, Limits
 from grpo.gateway.sessions import Session
 from grpo.records import Episode, PromptBatch, Rollouts
+from grpo.rewards.isolation import STOP_GRACE_S, stop_requested
 
 log = logging.getLogger("grpo")
 
@@ -43,7 +45,15 @@ FAILURES = ("agent_error", "bad_request", "timeout", "no_calls", "history")
 
 def load_agent(spec):
     """The agent callable: itself, or `package.module:function` / `path/to/file.py:function`."""
-    return spec if callable(spec) else plugins.load(str(spec), "env.agent", call=True)
+    if callable(spec):
+        return spec
+    module_name, _, name = str(spec).rpartition(":")
+    path = Path(module_name)
+    if (module_name.endswith(".py") or "/" in module_name) and not path.is_absolute() and not path.is_file():
+        # a relative path not found here may be one of grpo's own examples (the tiny_tools_agent preset)
+        checkout = Path(__file__).resolve().parents[3] / path
+        spec = f"{checkout}:{name}" if checkout.is_file() else spec
+    return plugins.load(str(spec), "env.agent", call=True)
 
 
 def agent_reward(prompts, completions, env_reward=None, **kwargs) -> list[float | None]:
@@ -175,7 +185,10 @@ class AgentRunner:
         for t in threads:
             t.start()
         for k, t in enumerate(threads):
-            t.join(max(0.0, deadline - time.monotonic()))
+            while t.is_alive() and (left := deadline - time.monotonic()) > 0:
+                t.join(min(left, 0.25))
+                if stop_requested() and deadline > time.monotonic() + STOP_GRACE_S:
+                    deadline = time.monotonic() + STOP_GRACE_S  # SIGINT/SIGTERM: the step ends soon
             if t.is_alive():  # a thread cannot be stopped: its session ends, so its calls now get 409
                 self._ended(sessions[k], "timeout")
         return results
