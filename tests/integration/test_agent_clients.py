@@ -236,3 +236,18 @@ def test_the_example_shows_the_model_what_the_tools_episodes_show_it():
     assert example.use_tool("calculator", '{"expression": "x+1"}').startswith("calculator raised ValueError")
     assert example.use_tool("search", "{}") == "unknown tool 'search'; the tools are: calculator."
     assert example.use_tool("calculator", '{"expr": "1"}').startswith("bad arguments for calculator")
+
+
+def test_grpo_eval_goes_through_the_configs_agent(tmp_path, capsys):
+    """`grpo eval --config tiny_tools_agent --json`: each held-out row is an episode of the example agent
+    (greedy), scored on its final answer; `--agent-command` evaluates through a command the same way."""
+    from grpo.cli import main
+
+    for extra in ([], ["--agent-command", f"{sys.executable} {EXAMPLE_PATH}"]):
+        dump = tmp_path / "dump.jsonl"
+        args = ["eval", "--config", "tiny_tools_agent", "--json", "--limit", "3", "--dump", str(dump), *extra]
+        assert main(args) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["n"] == 3 and 0.0 <= result["accuracy"] <= 1.0 and "tool_call_rate" in result
+        records = [json.loads(line) for line in dump.read_text().splitlines()]
+        assert all(r["messages"][0] and r["messages"][0][0]["role"] == "assistant" for r in records)
