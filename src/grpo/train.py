@@ -55,7 +55,10 @@ def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> di
     cfg, p, rt = trainer.cfg, trainer.parts, trainer.rt
     t, a, total_steps = cfg.train, cfg.algorithm, trainer.total_steps
     started = time.perf_counter()
-    learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt)
+    length_limit = trainer.settings.completion_limit  # the episode's for agents (config/settings.py)
+    learner = Learner(
+        p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt, completion_limit=length_limit
+    )
     start_step, nonfinite_total = lifecycle.resume(cfg, p, rt, learner, stream)
     source.sync_weights(start_step, learner.policy)
     lifecycle.log_sizes(cfg, learner.describe_micro_batches(), total_steps, stream)
@@ -63,8 +66,6 @@ def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> di
     profiler = StepProfiler(cfg.distributed.profiler == "torch", p.run_dir, total_steps, rt.rank)
     best = lifecycle.BestModel(cfg, p, rt)
     summary = trainer.log_eval(report, best, 0, "before") if t.eval_before and start_step == 0 else {}
-
-    length_limit = cfg.episode_max_tokens if source.multi_turn else cfg.effective_max_new_tokens
 
     def score(prompts: PromptBatch, rollouts: Rollouts, texts: list[str], lag: int) -> ScoredRollouts:
         state = trl_compat.RewardState(global_step=step, epoch=float(stream.epoch), max_steps=total_steps)
@@ -174,7 +175,11 @@ def collect(
     while rounds < (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 1):
         rounds += 1
         with timer("rollout"):
-            prompts, rollouts, lag = source.next_batch()
+            try:  # a tool or environment call in an episode, cut short by a stop signal (agents/workers.py)
+                prompts, rollouts, lag = source.next_batch()
+            except RewardInterrupted as stopped:
+                log.warning("Stopping: %s, so it was killed and this step is dropped.", stopped)
+                return None, {}
             texts = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
         with timer("reward"):
             try:

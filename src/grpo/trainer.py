@@ -17,6 +17,7 @@ from pathlib import Path
 from grpo import train as loop
 from grpo import trl_compat
 from grpo.config import GRPOConfig
+from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
 from grpo.distributed import init_runtime
 from grpo.distributed.checkpointing import save_policy_dir
@@ -102,6 +103,10 @@ class GRPOTrainer:
             environment=environment_factory,
             agent=agent,
         )
+        # What the start decided (run name, threads, rewards, eval set, the completion limit), frozen; the
+        # caller's config is not written to: the run reads the resolved copy.
+        self.settings: RunSettings = self.parts.settings
+        self.cfg = self.settings.config
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
         self.source: RolloutSource | None = (
             None  # while train() runs: where rollouts and evaluations come from

@@ -186,7 +186,9 @@ class GenerationConfig:
         "inference_model.gpu_memory_utilization).",
     )
     vllm_max_model_len: int | None = _f(
-        None, "vllm: longest prompt + completion; default: max prompt + max_new_tokens."
+        None,
+        "vllm: longest prompt + completion; default: data.max_prompt_length + the run's completion limit "
+        "(a whole episode's for agents), within the model's positions.",
     )
     vllm_tensor_parallel_size: int = _f(
         1, "vllm: GPUs one engine shards the model over (TorchRL inference_model.tensor_parallel_size)."

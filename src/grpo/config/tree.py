@@ -144,6 +144,9 @@ COMPETING_KEYS = (
     ("algorithm.reward_funcs", "algorithm.reward_weights"),
     ("env.agent_command", "env.agent"),  # --agent-command on the tiny_tools_agent preset runs the command
 )
+# Pairs of COMPETING_KEYS that compete only with a preset's value: given both, the user's weights are the
+# weights of the user's functions, and both are used.
+_USED_TOGETHER = {("algorithm.reward_funcs", "algorithm.reward_weights")}
 
 
 def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
@@ -151,8 +154,9 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
 
     * Competing keys: `--num-epochs 3` under a preset with `train.steps: 80` would run 80 steps (steps win
       over epochs), so the preset's steps are dropped. When the user gives both, the winner is named.
-    * Task switch: a dataset set to a registered task (`env.dataset=ifeval`) brings that task's rewards,
-      evaluation split and system prompt, except where the user set those too (grpo.data.tasks)."""
+    * Task switch: a dataset set to a registered task (`data.dataset=ifeval`, TorchRL's `env.dataset=ifeval`)
+      brings that task's rewards, evaluation split and system prompt, except where the user set those too
+      (grpo.data.tasks)."""
     task_settings = plugins.load("grpo.data.tasks:task_settings")  # by path: tasks sit above config
 
     notes = []
@@ -162,6 +166,8 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
         if given not in explicit or rival_value is None:
             continue
         if rival in explicit:
+            if (given, rival) in _USED_TOGETHER:
+                continue
             notes.append(
                 f"both {given} = {get_path(cfg, given)} and {rival} = {rival_value} were given; "
                 f"{rival} wins, {given} is not used."

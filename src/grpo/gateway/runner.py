@@ -37,6 +37,7 @@ from grpo.gateway.server import GatewayServer
 from grpo.gateway.service import Gateway, Limits
 from grpo.gateway.sessions import Session
 from grpo.records import Episode, PromptBatch, Rollouts
+from grpo.rewards.isolation import STOP_GRACE_S, stop_requested
 
 log = logging.getLogger("grpo")
 
@@ -204,7 +205,10 @@ class AgentRunner:
         for t in threads:
             t.start()
         for k, t in enumerate(threads):
-            t.join(max(0.0, deadline - time.monotonic()))
+            while t.is_alive() and (left := deadline - time.monotonic()) > 0:
+                t.join(min(left, 0.25))
+                if stop_requested() and deadline > time.monotonic() + STOP_GRACE_S:
+                    deadline = time.monotonic() + STOP_GRACE_S  # SIGINT/SIGTERM: the step ends soon
             if t.is_alive():  # a thread cannot be stopped: its session ends, so its calls now get 409
                 self._ended(sessions[k], "timeout")
         return results

@@ -6,6 +6,7 @@ reward names) is checked before the first model loads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
+from grpo.config.settings import RunSettings, is_multi_turn
 from grpo.data import PromptFormatter, rows_from_dataset
 from grpo.model.loading import (
     float32_masters,
@@ -35,6 +37,7 @@ from grpo.run import provenance
 from grpo.run.datasets import describe_eval_set, eval_set_name, load_data_and_rewards, planned_steps
 from grpo.run.preflight import check_model_paths, plan_resume
 from grpo.run.rundir import (
+    decide_run_name,
     holds_a_run,
     make_run_dir,
     refuse_users_files,
@@ -44,7 +47,7 @@ from grpo.run.rundir import (
     write_run_config,
 )
 from grpo.run.runlock import lock_run_dir
-from grpo.run.sizes import check_context, check_memory
+from grpo.run.sizes import check_context, check_memory, model_context
 
 # Callers import these from here too (the CLI, tests): run/datasets.py and run/rundir.py are their homes.
 __all__ = [
@@ -81,6 +84,7 @@ class RunParts:
     # An engine the caller made (tests, embedding); None: the rollout source builds and owns its own.
     engine: RolloutEngine | None = None
     eval_name: str = ""  # the evaluation set in words (logs, closing line)
+    settings: RunSettings | None = None  # what the start decided (config/settings.py); the run reads it
 
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # what torch itself reads at start-up
@@ -103,6 +107,27 @@ def cpu_threads(cfg: GRPOConfig, environ) -> tuple[int | None, str]:
     return n, "train.num_threads from the config; OMP_NUM_THREADS or train.num_threads=N changes it"
 
 
+def start_decisions(
+    cfg: GRPOConfig, environ, *, model=None, tokenizer=None, ref_model=None
+) -> dict[str, Any]:
+    """What the start decides before the data (RunSettings.decided): the CPU threads, the run name, and
+    config.yaml's record of where passed-in models came from (not the bundled default)."""
+    decided: dict[str, Any] = {}
+    threads, _ = cpu_threads(cfg, environ)
+    if threads:
+        decided["train.num_threads"] = threads  # what ran, in config.yaml and for Ray's workers
+    for key, value in (("tokenizer_path", tokenizer), ("name_or_path", model), ("ref_model_path", ref_model)):
+        if isinstance(value, str):  # a name or path passed in place of an object
+            decided[f"model.{key}"] = value
+        elif value is not None:  # an object: where it came from
+            decided[f"model.{key}"] = (
+                getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>"
+            )
+    if (name := decide_run_name(cfg)) != cfg.train.run_name:
+        decided["train.run_name"] = name
+    return decided
+
+
 def build_run(
     cfg: GRPOConfig,
     *,
@@ -118,39 +143,34 @@ def build_run(
     environment=None,
     agent=None,
 ) -> RunParts:
-    threads, why = cpu_threads(cfg, os.environ)
-    if threads:
-        cfg.train.num_threads = threads  # what ran, in config.yaml and for Ray's workers
-        torch.set_num_threads(threads)
-        log.info("CPU threads: %d (%s).", threads, why)
-    torch.manual_seed(cfg.train.seed)
-    for key, value in (("tokenizer_path", tokenizer), ("name_or_path", model), ("ref_model_path", ref_model)):
-        if isinstance(value, str):  # a name or path passed in place of an object
-            setattr(cfg.model, key, value)
-        elif value is not None:  # an object: config.yaml records where it came from, not the bundled default
-            setattr(
-                cfg.model, key, getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>"
-            )
+    """The parts of a run from the validated `cfg`, which is only read: its start-up decisions are in
+    `RunParts.settings` (config/settings.py)."""
     given = {"data.dataset": train_dataset, "data.eval_dataset": eval_dataset, "env.tools": tools or None,
              "algorithm.reward_funcs": reward_funcs, "algorithm.reward_model": reward_model,
              "env.environment": environment, "model.name_or_path": model}  # fmt: skip
     provenance.refuse_unrebuildable(cfg, given)  # a CLI --resume of a run built in Python
+    decided = start_decisions(cfg, os.environ, model=model, tokenizer=tokenizer, ref_model=ref_model)
     skip = cfg.data.skip_invalid_rows
-    provenance.record_objects(
-        cfg,
+    decided |= provenance.record_objects(
         train_rows=None if train_dataset is None else rows_from_dataset(train_dataset, skip),
         eval_rows=None if eval_dataset is None else rows_from_dataset(eval_dataset, split="test"),
         reward_funcs=reward_funcs, reward_model=reward_model, tools=tools, environment=environment,
     )  # fmt: skip
-    created = not run_dir_of(cfg).exists()
-    run_dir = make_run_dir(cfg)
+    early = RunSettings.resolve(cfg, decided, is_multi_turn(cfg, tools, environment, agent))
+    threads, why = cpu_threads(cfg, os.environ)
+    if threads:
+        torch.set_num_threads(threads)
+        log.info("CPU threads: %d (%s).", threads, why)
+    torch.manual_seed(cfg.train.seed)
+    created = not run_dir_of(early.config).exists()
+    run_dir = make_run_dir(early.config)
     held_a_run = holds_a_run(run_dir)  # looked at before the lock file is created
     refuse_users_files(run_dir, held_a_run)  # before the lock too, which leaves run.lock behind
     # Before anything in run_dir is read or written: a second run on a live directory stops here.
     lock = lock_run_dir(run_dir, rt)
     try:
         parts = _build_parts(
-            cfg,
+            early,
             run_dir,
             model=model,
             ref_model=ref_model,
@@ -174,7 +194,7 @@ def build_run(
 
 
 def _build_parts(
-    cfg: GRPOConfig,
+    early: RunSettings,
     run_dir: Path,
     *,
     model,
@@ -192,6 +212,7 @@ def _build_parts(
     setup_logging(run_dir)
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
     # weights are read.
+    cfg = early.config
     resume_from = plan_resume(cfg, run_dir, clean_up=is_main)
     if resume_from is not None:  # absolute, like run_dir: a reward's os.chdir must not move it
         resume_from = Path(os.path.abspath(resume_from))
@@ -200,13 +221,11 @@ def _build_parts(
         model_given=model is not None and not isinstance(model, str),
         tokenizer_given=tokenizer is not None and not isinstance(tokenizer, str),
     )
-    token = cfg.hf_token()
-
-    train_rows, eval_rows, funcs = load_data_and_rewards(
-        cfg, train_dataset, eval_dataset, reward_funcs, reward_model, token
-    )
+    data = load_data_and_rewards(cfg, train_dataset, eval_dataset, reward_funcs, reward_model, cfg.hf_token())
+    settings = early.extend(data.decided)  # resolved: from here on the run reads settings.config
+    cfg, train_rows, eval_rows, funcs = settings.config, data.train_rows, data.eval_rows, data.reward_funcs
     if is_main:  # rank 0 writes for the group; after the data, which may settle the rewards and eval set
-        write_run_config(run_dir, cfg.to_yaml())
+        write_run_config(run_dir, settings.to_yaml())
     source = "train_dataset" if train_dataset is not None else (cfg.data.hf_path or cfg.data.dataset)
     eval_name = "eval_dataset" if eval_dataset is not None else eval_set_name(cfg, source)
     log.info("Evaluation: %s", describe_eval_set(cfg, eval_name, eval_rows, len(train_rows)))
@@ -222,10 +241,11 @@ def _build_parts(
     formatter.check_lengths(train_rows)
     model_config = _model_config(cfg, model)
     if model_config is not None:  # before any weight is read: positions and memory the run needs
-        check_context(cfg, model_config, lambda: formatter.longest(train_rows))
+        settings = dataclasses.replace(settings, model_context=model_context(model_config))
+        check_context(settings, model_config, lambda: formatter.longest(train_rows))
         gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        check_memory(cfg, model_config, torch.finfo(compute).bits // 8, gpu)
-    episodes = _episodes(cfg, formatter, tools, environment, agent)
+        check_memory(settings, model_config, torch.finfo(compute).bits // 8, gpu)
+    episodes = _episodes(cfg, formatter, tools, environment, agent, settings.completion_limit)
     if episodes.multi_turn:
         episodes.check_prompts(train_rows)
     policy = _policy(cfg, model, device, compute)
@@ -292,15 +312,16 @@ def _build_parts(
         compute,
         episodes=episodes,
         eval_name=eval_name,
+        settings=settings,
     )
 
 
-def _episodes(cfg, formatter, tools, environment, agent) -> EpisodeRunner:
+def _episodes(cfg, formatter, tools, environment, agent, completion_limit: int) -> EpisodeRunner:
     if agent is not None or cfg.env.agent or cfg.env.agent_command:  # the user's own agent (grpo/gateway)
         from grpo.gateway.runner import build_agent_runner
 
         return build_agent_runner(cfg, formatter, agent)
-    return build_episodes(cfg, formatter, tools=tools, environment=environment)
+    return build_episodes(cfg, formatter, tools=tools, environment=environment, max_tokens=completion_limit)
 
 
 def _model_config(cfg: GRPOConfig, model):
