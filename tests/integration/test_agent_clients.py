@@ -236,6 +236,14 @@ def test_the_example_shows_the_model_what_the_tools_episodes_show_it():
     assert example.use_tool("calculator", '{"expression": "x+1"}').startswith("calculator raised ValueError")
     assert example.use_tool("search", "{}") == "unknown tool 'search'; the tools are: calculator."
     assert example.use_tool("calculator", '{"expr": "1"}').startswith("bad arguments for calculator")
+    # the control's tool message is the one grpo's own tools= control (offline_calculator) gives the model
+    from grpo.agents.calculator import offline_calculator
+    from grpo.agents.parsing import ParsedTurn, ToolCall
+    from grpo.agents.tools import ToolBox
+
+    turn = ParsedTurn(content="", calls=[ToolCall("calculator", {"expression": "94*73"})], errors=[])
+    (result,) = ToolBox([offline_calculator]).run([turn])[0]
+    assert example.use_tool("calculator", '{"expression": "94*73"}', offline=True) == result.content
 
 
 def test_grpo_eval_goes_through_the_configs_agent(tmp_path, capsys):
