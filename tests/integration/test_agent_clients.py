@@ -259,3 +259,40 @@ def test_grpo_eval_goes_through_the_configs_agent(tmp_path, capsys):
         assert result["n"] == 3 and 0.0 <= result["accuracy"] <= 1.0 and "tool_call_rate" in result
         records = [json.loads(line) for line in dump.read_text().splitlines()]
         assert all(r["messages"][0] and r["messages"][0][0]["role"] == "assistant" for r in records)
+
+
+def test_a_steps_episodes_connect_at_once_without_resets():
+    """The eval batch (256 rows) or a step's episodes open their connections together: the server's listen
+    backlog takes them all (the stdlib default of 5 reset some of them)."""
+    import threading
+
+    import httpx
+
+    from grpo.gateway.server import GatewayServer
+    from grpo.gateway.sessions import Session, SessionTable
+
+    class Models:  # what GET /v1/models reads of a gateway
+        model_name = "policy"
+        sessions = SessionTable()
+
+    session = Models.sessions.add(Session(0, 0, {}))
+    server = GatewayServer(Models())
+    errors: list[str] = []
+
+    def connect() -> None:
+        try:
+            headers = {"Authorization": f"Bearer {session.key}"}
+            reply = httpx.get(f"{server.base_url}/models", headers=headers, timeout=120)
+            reply.raise_for_status()
+        except httpx.HTTPError as err:
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=connect) for _ in range(256)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(150)
+    finally:
+        server.close()
+    assert server.httpd.request_queue_size >= 256 and not errors, errors[:3]
