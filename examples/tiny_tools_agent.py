@@ -25,11 +25,12 @@ What the model sees is what those episodes show it: the same calculator schema (
 from __future__ import annotations
 
 import ast
+import http.client
 import json
 import operator
 import os
 import sys
-import urllib.request
+import urllib.parse
 from collections.abc import Callable
 from fractions import Fraction
 
@@ -178,14 +179,20 @@ def run_responses(client, row: dict) -> None:
 
 
 def http_ask(base_url: str, api_key: str, timeout_s: float = 300.0) -> Callable[[list[dict]], dict]:
-    """`ask` over plain HTTP: POST {base_url}/chat/completions, as any OpenAI-compatible client does."""
+    """`ask` over plain HTTP (http.client: the lightest import): POST {base_url}/chat/completions, as any
+    OpenAI-compatible client does, on one kept-alive connection for the episode."""
+    url = urllib.parse.urlsplit(base_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
 
     def ask(messages: list[dict]) -> dict:
-        body = json.dumps({"model": MODEL, "messages": messages, "tools": TOOLS}).encode()
-        headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
-        request = urllib.request.Request(f"{base_url.rstrip('/')}/chat/completions", body, headers)
-        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-            return json.load(reply)["choices"][0]["message"]
+        body = json.dumps({"model": MODEL, "messages": messages, "tools": TOOLS})
+        connection.request("POST", f"{url.path.rstrip('/')}/chat/completions", body, headers)
+        reply = connection.getresponse()
+        data = json.loads(reply.read())
+        if reply.status != 200:
+            raise RuntimeError(f"the server answered {reply.status}: {data.get('error', data)}")
+        return data["choices"][0]["message"]
 
     return ask
 
