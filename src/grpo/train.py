@@ -24,33 +24,51 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from grpo import records, trl_compat
 from grpo.algorithm.advantages import group_advantages
 from grpo.algorithm.filters import informative_prompts
-from grpo.config import AlgorithmConfig
+from grpo.config import AlgorithmConfig, GRPOConfig
+from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
+from grpo.distributed.runtime import Runtime
 from grpo.learner import Learner
 from grpo.records import PromptBatch, Rollouts, ScoredRollouts
 from grpo.rewards.isolation import RewardInterrupted
 from grpo.rollout.source import RolloutSource
 from grpo.run import lifecycle
+from grpo.run.assemble import RunParts
 from grpo.run.console import result_line
 from grpo.run.lifecycle import TrainingHalted
 from grpo.run.metrics import StageTimer, StepReport, reduce_metrics, sampler_metrics, step_metrics
 from grpo.run.profiling import StepProfiler
 from grpo.stages import build_train_batch, score_rollouts
 
-if TYPE_CHECKING:
-    from grpo.trainer import GRPOTrainer
+
+class Trainer(Protocol):
+    """What the loop reads and sets on the GRPOTrainer that runs it (trainer.py imports this module)."""
+
+    cfg: GRPOConfig
+    parts: RunParts
+    rt: Runtime
+    settings: RunSettings
+    stops: lifecycle.StopRequests
+    step: int
+    total_steps: int
+
+    @property
+    def stop_signal(self) -> int | None: ...
+
+    def log_eval(self, report: StepReport, best: lifecycle.BestModel, step: int, when: str) -> dict: ...
+
 
 __all__ = ["TrainingHalted", "build_train_batch", "collect", "run"]
 
 log = logging.getLogger("grpo")
 
 
-def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> dict[str, float]:
+def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[str, float]:
     """The steps of `trainer`'s run, from its resume point to the final save, evaluation and report."""
     cfg, p, rt = trainer.cfg, trainer.parts, trainer.rt
     t, a, total_steps = cfg.train, cfg.algorithm, trainer.total_steps

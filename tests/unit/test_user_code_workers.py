@@ -153,3 +153,89 @@ def test_a_reward_answer_is_read_as_soon_as_it_is_complete():
     args = {"prompts": ["p"], "completions": ["c"]}
     kind, value = call_in_child(quick_reward_leaving_a_grandchild, args, 20)
     assert (kind, value) == ("value", [1.0]) and time.monotonic() - started < 5
+
+
+# -- through the episode loop ----------------------------------------------------------------------------
+def hanging_regex(text: str) -> str:
+    """Match a pattern.
+
+    Args:
+        text: The text.
+    """
+    return str(bool(CATASTROPHIC.match("a" * 40 + "b")))
+
+
+def exiting(text: str) -> str:
+    """Exit at once.
+
+    Args:
+        text: The text.
+    """
+    os._exit(7)
+
+
+def episodes(factory, script, questions, n=1, **columns):
+    from grpo.agents import HermesParser
+    from grpo.config import DataConfig
+    from grpo.data import PromptFormatter
+    from grpo.rollout.episodes import EpisodeLimits, MultiTurn
+    from tests.chat_templates import family_tokenizer
+    from tests.unit.test_episodes import SAMPLING, ScriptedEngine, batch
+
+    qwen = family_tokenizer("qwen2.5")
+    formatter = PromptFormatter(qwen, DataConfig(max_prompt_length=4096))
+    run = MultiTurn(factory, formatter, HermesParser(), EpisodeLimits(3, 2000, 200), tool_timeout_s=1.0)
+    return run.run(ScriptedEngine(qwen, script), batch(questions, **columns), n, SAMPLING)[1]
+
+
+def call_once(name, arguments):
+    from tests.unit.test_episodes import call_text
+
+    return lambda seen: call_text(name, arguments) if "<tool_response>" not in seen else "Done."
+
+
+@pytest.mark.parametrize(
+    ("tool", "says"),
+    [
+        (hanging_regex, "did not finish within 1 s"),
+        (exiting, "raised WorkerDied: exiting: its process exited with code 7"),
+    ],
+)
+def test_a_hanging_or_exiting_tool_is_a_message_and_the_episode_goes_on(tool, says):
+    from grpo.agents.environments import EnvironmentFactory
+    from grpo.agents.workers import isolate_factory
+
+    factory = EnvironmentFactory([tool])
+    isolate_factory(factory, ["by.path:tool"], None, "auto", 1.0)
+    started = time.monotonic()
+    r = episodes(factory, call_once(tool.__name__, {"text": "x"}), ["Go."], n=2)
+    assert time.monotonic() - started < 10
+    assert all(e.ended_by == "answer" for e in r.episodes)
+    assert says in r.episodes[0].messages[1]["content"]
+
+
+def test_an_isolated_environment_gives_the_rewards_the_in_process_one_gives():
+    from grpo.agents.environments import EnvironmentFactory
+    from grpo.agents.workers import isolate_factory
+    from tests.unit.test_episodes import Counter as TrlCounter
+    from tests.unit.test_episodes import call_text
+
+    def script(seen):
+        return call_text("add", {"amount": 5}) if "<tool_response>" not in seen else "Done."
+
+    plain = episodes(EnvironmentFactory(None, TrlCounter), script, ["Count.", "Count."], 2, target=[5, 7])
+    factory = EnvironmentFactory(None, TrlCounter)
+    isolate_factory(factory, [], "tests.unit.test_episodes:Counter", "auto", 5.0)
+    isolated = episodes(factory, script, ["Count.", "Count."], 2, target=[5, 7])
+    assert [e.env_reward for e in isolated.episodes] == [e.env_reward for e in plain.episodes] == [1, 1, 0, 0]
+    assert [e.messages for e in isolated.episodes] == [e.messages for e in plain.episodes]
+    assert isolated.episodes[0].environment.total == 5  # reward functions read the instance's state
+
+
+def test_python_objects_stay_in_process_under_auto():
+    from grpo.agents.environments import EnvironmentFactory
+    from grpo.agents.workers import isolate_factory
+
+    factory = EnvironmentFactory([calculator])
+    isolate_factory(factory, [calculator], None, "auto", 1.0)
+    assert factory.fixed_tools["calculator"] is calculator
