@@ -239,3 +239,23 @@ def test_python_objects_stay_in_process_under_auto():
     factory = EnvironmentFactory([calculator])
     isolate_factory(factory, [calculator], None, "auto", 1.0)
     assert factory.fixed_tools["calculator"] is calculator
+
+
+def test_an_isolated_factory_travels_to_a_ray_actor_and_forks_its_own_workers_there():
+    cloudpickle = pytest.importorskip("cloudpickle")
+    from grpo.agents.calculator import calculator as calc
+    from grpo.agents.environments import EnvironmentFactory
+    from grpo.agents.workers import isolate_factory
+    from tests.unit.test_episodes import Counter as TrlCounter
+
+    factory = EnvironmentFactory([calc], TrlCounter)
+    isolate_factory(
+        factory, ["grpo.agents.calculator:calculator"], "tests.unit.test_episodes:Counter", "auto", 5
+    )
+    assert factory.fixed_tools["calculator"](expression="2*3") == "6"
+    copy = cloudpickle.loads(cloudpickle.dumps(factory))
+    assert copy.fixed_tools["calculator"](expression="2*4") == "8"
+    env = copy.make({"prompt": "Count.", "target": 3}, 0)
+    assert env.start([{"role": "user", "content": "Count."}], {"prompt": "Count.", "target": 3})[-1][
+        "content"
+    ].endswith("Reach 3.")
