@@ -256,3 +256,84 @@ def test_the_server_and_its_port_are_released_on_close(qwen):
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/v1/models")
     assert not [t for t in threading.enumerate() if t.name.startswith("grpo-gateway")]
+
+
+def test_native_continue_rows_reports_each_step_as_it_is_sampled(tiny_model):
+    from grpo.rollout.native import NativeEngine
+    from tests.conftest import IdTokenizer
+
+    engine = NativeEngine(tiny_model, IdTokenizer())
+    rows, seen = [[5, 6, 7], [9, 3]], {0: [], 1: []}
+
+    def on_step(which, tokens):
+        for r, t in zip(which, tokens, strict=True):
+            seen[r].append(t)
+
+    greedy = SamplingParams(max_new_tokens=5, greedy=True)
+    out = engine.continue_rows(rows, greedy, on_step=on_step)
+    plain = engine.continue_rows(rows, greedy)
+    for r in range(2):
+        n = int(out.completion_mask[r].sum())
+        assert seen[r] == out.completion_ids[r, :n].tolist() == plain.completion_ids[r, :n].tolist()
+
+
+class SlowStepsEngine(ScriptedEngine):
+    """The scripted policy, reporting one token per decode step 0.05 s apart (as the native engine does)."""
+
+    def continue_rows(self, rows, sampling, on_step=None):
+        import time
+
+        out = super().continue_rows(rows, sampling)
+        for step in range(out.completion_ids.shape[1]):
+            time.sleep(0.05)
+            on_step(list(range(len(rows))), out.completion_ids[:, step].tolist())
+        self.finished = time.monotonic()
+        return out
+
+
+def test_streaming_is_real_chunks_leave_while_the_turn_is_sampled(qwen):
+    import time
+
+    engine = SlowStepsEngine(qwen, lambda text: "The answer is 408, since twelve times thirty-four is that.")
+    gateway = Gateway(qwen, HermesParser(), LIMITS, engine, SAMPLING)
+    server = GatewayServer(gateway)
+    s = gateway.sessions.add(Session(0, 0, {}))
+    client = openai.OpenAI(base_url=server.base_url, api_key=s.key, max_retries=0)
+    try:
+        stream = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "What is 12 * 34?"}], stream=True
+        )
+        arrivals = [(time.monotonic(), c.choices[0].delta.content) for c in stream if c.choices]
+    finally:
+        server.close()
+        gateway.batcher.close()
+    texts = [(t, text) for t, text in arrivals if text]
+    assert "".join(text for _, text in texts) == "The answer is 408, since twelve times thirty-four is that."
+    assert len(texts) > 5 and texts[0][0] < engine.finished - 0.3  # the first words came long before the end
+
+
+def test_an_agents_own_reward_replaces_the_reward_functions_total():
+    from grpo import trl_compat
+    from grpo.algorithm.advantages import group_advantages
+    from grpo.config import AlgorithmConfig
+    from grpo.records import Episode, Rollouts
+    from grpo.stages import score_rollouts
+
+    episodes = [Episode(messages=[{"role": "assistant", "content": "x"}]) for _ in range(4)]
+    episodes[0].final_reward, episodes[1].final_reward, episodes[3].final_reward = 0.5, 0.0, math.nan
+    mask = torch.ones(4, 2)
+    rollouts = Rollouts(torch.zeros(4, dtype=torch.long), torch.zeros(4, 2, dtype=torch.long), mask,
+                        torch.zeros(4, 2), torch.zeros(4, dtype=torch.bool), episodes=episodes)  # fmt: skip
+    prompts = PromptBatch(prompts=["q"], prompt_token_ids=[[1]], indices=[0])
+
+    def two(prompts, completions, **_):
+        return [2.0] * len(completions)
+
+    scored = score_rollouts(
+        prompts, rollouts, ["x"] * 4, 0, funcs=[two], weights=None, algorithm=AlgorithmConfig(),
+        max_new_tokens=8, trainer_state=trl_compat.RewardState(0, 0.0, 1),
+    )  # fmt: skip
+    assert scored.rewards[:3].tolist() == [0.5, 0.0, 2.0] and math.isnan(scored.rewards[3])
+    assert scored.scores.total.tolist() == [2.0] * 4  # what the functions said is still logged
+    advantages = group_advantages(scored.rewards, rollouts.group_ids)
+    assert advantages[3] == 0  # a dropped episode: no advantage, out of its group's baseline

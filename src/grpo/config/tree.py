@@ -142,6 +142,7 @@ COMPETING_KEYS = (
     ("train.num_epochs", "train.steps"),
     ("train.gradient_accumulation_steps", "train.micro_batch_size"),
     ("algorithm.reward_funcs", "algorithm.reward_weights"),
+    ("env.agent_command", "env.agent"),  # --agent-command on the tiny_tools_agent preset runs the command
 )
 # Pairs of COMPETING_KEYS that compete only with a preset's value: given both, the user's weights are the
 # weights of the user's functions, and both are used.
@@ -153,8 +154,9 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
 
     * Competing keys: `--num-epochs 3` under a preset with `train.steps: 80` would run 80 steps (steps win
       over epochs), so the preset's steps are dropped. When the user gives both, the winner is named.
-    * Task switch: a dataset set to a registered task (`env.dataset=ifeval`) brings that task's rewards,
-      evaluation split and system prompt, except where the user set those too (grpo.data.tasks)."""
+    * Task switch: a dataset set to a registered task (`data.dataset=ifeval`, TorchRL's `env.dataset=ifeval`)
+      brings that task's rewards, evaluation split and system prompt, except where the user set those too
+      (grpo.data.tasks)."""
     task_settings = plugins.load("grpo.data.tasks:task_settings")  # by path: tasks sit above config
 
     notes = []

@@ -76,6 +76,11 @@ def clear_stop() -> None:
     _interrupted.clear()
 
 
+def stop_requested() -> bool:
+    """Whether the trainer got SIGINT/SIGTERM (agents through the gateway get STOP_GRACE_S too)."""
+    return _interrupted.is_set()
+
+
 class ChildDied(RuntimeError):
     """The reward's process ended without an answer (killed, crashed, or it called os._exit)."""
 
