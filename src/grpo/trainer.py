@@ -66,6 +66,7 @@ class GRPOTrainer:
         reward_processing_classes=None,
         tools=None,
         environment_factory=None,
+        **trl_only,  # TRL arguments with no counterpart: refused with the reason (trl_compat)
     ):
         # TRL's positional order: (model, reward_funcs, args, ...)
         if trl_compat.looks_like_rewards(ref_model):
@@ -76,7 +77,10 @@ class GRPOTrainer:
         tokenizer = trl_compat.one_of("tokenizer", tokenizer, "processing_class", processing_class)
         reward_funcs, reward_model = trl_compat.split_reward_models(reward_funcs, reward_model)
         trl_compat.refuse_trainer_args(
-            callbacks=callbacks, optimizers=optimizers, reward_processing_classes=reward_processing_classes
+            callbacks=callbacks,
+            optimizers=optimizers,
+            reward_processing_classes=reward_processing_classes,
+            **trl_only,
         )
         self.cfg = (config or GRPOConfig()).validate()
         if peft_config is not None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
+from grpo.config.keys import set_path
 from grpo.data import PromptFormatter, rows_from_dataset
 from grpo.model.loading import (
     float32_masters,
@@ -135,12 +136,13 @@ def build_run(
              "env.environment": environment, "model.name_or_path": model}  # fmt: skip
     provenance.refuse_unrebuildable(cfg, given)  # a CLI --resume of a run built in Python
     skip = cfg.data.skip_invalid_rows
-    provenance.record_objects(
-        cfg,
+    recorded = provenance.recorded(
         train_rows=None if train_dataset is None else rows_from_dataset(train_dataset, skip),
         eval_rows=None if eval_dataset is None else rows_from_dataset(eval_dataset, split="test"),
         reward_funcs=reward_funcs, reward_model=reward_model, tools=tools, environment=environment,
     )  # fmt: skip
+    for key, value in recorded.items():  # config.yaml says what ran
+        set_path(cfg, key, value)
     created = not run_dir_of(cfg).exists()
     run_dir = make_run_dir(cfg)
     held_a_run = holds_a_run(run_dir)  # looked at before the lock file is created

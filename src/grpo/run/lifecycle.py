@@ -124,6 +124,9 @@ def plan_train(cfg: GRPOConfig, parts: RunParts, rt: Runtime, resume_from_checkp
     """TRL's `trainer.train(resume_from_checkpoint=True | "path")`: the checkpoint to continue from, chosen
     (and its settings compared) now. Without it, the first train() of a Python run refuses a directory
     that already holds a run's checkpoints, saying how to continue it (the CLI refused at start-up)."""
+    if parts.episodes.multi_turn:
+        log_episode_lengths(cfg)
+        warn_untaught_tools(cfg, parts.episodes)
     if resume_from_checkpoint not in (None, False):
         cfg.train.resume = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
         found = plan_resume(cfg, parts.run_dir, clean_up=rt.is_main)
@@ -136,6 +139,65 @@ def plan_train(cfg: GRPOConfig, parts: RunParts, rt: Runtime, resume_from_checkp
             "Continue it with trainer.train(resume_from_checkpoint=True) (or GRPOConfig(..., "
             "resume_from_checkpoint=True)), or pass another output_dir to start afresh."
         )
+
+
+BUNDLED_TOOL_MODEL = "tiny-tools-lm"
+TAUGHT_TOOL = {"name": "calculator", "parameters": ["expression"]}  # all tiny-tools-lm was shown calling
+
+
+def warn_untaught_tools(cfg: GRPOConfig, episodes) -> None:
+    """The bundled tool model only ever calls calculator(expression): given other tools it calls that one
+    anyway, every call fails as an unknown tool and nothing is learned. Say so before the first step, with
+    the change that makes the user's own tool work with it."""
+    from grpo.model.loading import bundled_model_path
+
+    name = cfg.model.name_or_path
+    if name != BUNDLED_TOOL_MODEL and os.path.abspath(name) != bundled_model_path(BUNDLED_TOOL_MODEL):
+        return
+    factory = getattr(episodes, "factory", None)
+    schemas = list(getattr(factory, "fixed_schemas", None) or [])
+    for more in getattr(factory, "_schemas", {}).values():  # an environment's methods
+        schemas += more
+    tools = {
+        s["function"]["name"]: list(s["function"].get("parameters", {}).get("properties", {}))
+        for s in schemas
+    }
+    if tools == {TAUGHT_TOOL["name"]: TAUGHT_TOOL["parameters"]}:
+        return
+    shown = ", ".join(f"{n}({', '.join(args)})" for n, args in tools.items()) or "none"
+    one_text_argument = [n for n, args in tools.items() if args == ["expression"]]
+    change = (
+        f"{one_text_argument[0]}.__name__ = 'calculator' before passing tools=[{one_text_argument[0]}]"
+        if one_text_argument
+        else "def calculator(expression: str) -> str, with a docstring, that parses the expression and calls "
+        "your tool, passed as tools=[calculator]"
+    )
+    log.warning(
+        "%s (the bundled tool model) was only ever shown calling calculator(expression); it will call "
+        "that, not your tools (%s): each call gets 'unknown tool', rewards stay flat and the weights barely "
+        "move. To try your own tool with it, expose it under that name and argument: %s (docs/agents.md). "
+        "Any chat model trained on tool calls (Qwen2.5-Instruct) calls the tools its prompt lists.",
+        BUNDLED_TOOL_MODEL,
+        shown,
+        change,
+    )
+
+
+def log_episode_lengths(cfg: GRPOConfig) -> None:
+    """Multi-turn: the completion cap is per assistant turn, not per episode (in TRL, max_completion_length
+    caps the whole episode), so say both numbers in the user's words."""
+    name = cfg.name_of("generation.max_new_tokens")
+    trl = " (in TRL it caps the whole episode: set env.max_tokens to the same number for that)"
+    how = "env.max_tokens" if cfg.env.max_tokens else f"env.max_turns {cfg.env.max_turns} × {name}"
+    log.info(
+        "Lengths: %s = %d tokens per assistant turn%s; an episode holds up to %d tokens after its prompt "
+        "(%s), sampled and injected together.",
+        name,
+        cfg.effective_max_new_tokens,
+        trl if name == "max_completion_length" else "",
+        cfg.episode_max_tokens,
+        how,
+    )
 
 
 def resume(cfg: GRPOConfig, parts: RunParts, rt: Runtime, learner, stream: PromptStream) -> tuple[int, int]:

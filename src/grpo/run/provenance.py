@@ -79,8 +79,7 @@ def is_recorded_object(value: Any) -> bool:
     return isinstance(value, str) and value.startswith("<") and value.endswith(">")
 
 
-def record_objects(
-    cfg: GRPOConfig,
+def recorded(
     *,
     train_rows: list[dict[str, Any]] | None = None,
     eval_rows: list[dict[str, Any]] | None = None,
@@ -88,31 +87,34 @@ def record_objects(
     reward_model=None,
     tools=None,
     environment=None,
-) -> None:
-    """Put what was passed in Python into the settings it replaces (config.yaml is written from them)."""
+) -> dict[str, Any]:
+    """{setting: its record} for what was passed in Python, in place of the settings it replaces
+    (config.yaml is written from them)."""
+    out: dict[str, Any] = {}
     if train_rows is not None:
-        cfg.data.dataset = dataset_record("train_dataset", train_rows)
-        cfg.data.hf_path = None  # not what ran: the rows did
+        out["data.dataset"] = dataset_record("train_dataset", train_rows)
+        out["data.hf_path"] = None  # not what ran: the rows did
     if eval_rows is not None:
-        cfg.data.eval_dataset = dataset_record("eval_dataset", eval_rows)
+        out["data.eval_dataset"] = dataset_record("eval_dataset", eval_rows)
     if reward_funcs is not None:
         funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
-        cfg.algorithm.reward_funcs = [describe(f) for f in funcs]
+        out["algorithm.reward_funcs"] = [describe(f) for f in funcs]
     if reward_model is not None:
-        cfg.algorithm.reward_model = (
+        out["algorithm.reward_model"] = (
             reward_model
             if isinstance(reward_model, str)
             else getattr(getattr(reward_model, "config", None), "_name_or_path", None)
             or f"<{type(reward_model).__name__} object>"
         )
     if tools:
-        cfg.env.tools = [describe(t) for t in tools]
+        out["env.tools"] = [describe(t) for t in tools]
     if environment is not None:
         if isinstance(environment, dict):  # routed by the dataset's `environment` column: no config form
             inner = ", ".join(f"{k}={describe(v)}" for k, v in environment.items())
-            cfg.env.environment = f"<by the environment column: {inner}>"
+            out["env.environment"] = f"<by the environment column: {inner}>"
         else:
-            cfg.env.environment = describe(environment)
+            out["env.environment"] = describe(environment)
+    return out
 
 
 def unrebuildable(cfg: GRPOConfig) -> list[str]:
