@@ -3,10 +3,12 @@ and a CLI resume of one either reproduces it or refuses, saying how to resume fr
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -158,3 +160,67 @@ def test_a_new_trainer_in_the_same_process_takes_the_run_directory_over(tmp_path
     message = str(refused.value)
     assert f"kill {os.getpid()}" not in message and "in use by another grpo run" in message
     other.release()
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers (TRL's documentation example tool).
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+def _trl_args(out: Path, **kwargs) -> GRPOConfig:
+    return GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=2, num_generations=2, max_completion_length=8,
+        max_steps=1, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+        eval_before=False, eval_after=False, report=False, num_threads=1, **kwargs,
+    )  # fmt: skip
+
+
+def test_a_trl_style_agent_run_with_the_bundled_tool_model_says_what_it_can_call(tmp_path):
+    out = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer = GRPOTrainer(
+            model="tiny-tools-lm", args=_trl_args(out), train_dataset=_rows(4), tools=[multiply],
+            reward_funcs=["gsm8k_format"],
+        )  # fmt: skip
+    assert not [w for w in seen if "gradient_checkpointing_enable" in str(w.message)]
+    trainer.train()
+    log = (out / "train.log").read_text()
+    # max_completion_length is per turn here, and said in the user's (TRL's) words
+    assert "max_completion_length = 8 tokens per assistant turn (in TRL it caps the whole episode" in log
+    assert "holds up to 32 tokens after its prompt (env.max_turns 4 × max_completion_length)" in log
+    # the bundled model calls only calculator(expression): said before the first step, with the way out
+    assert "only ever shown calling calculator(expression)" in log and "multiply(a, b)" in log
+    assert "def calculator(expression: str) -> str" in log
+    assert (out / "config.yaml").read_text().count("tests.integration.test_python_runs:multiply") == 1
+
+
+def test_trl_defaults_the_user_never_set_are_not_given_and_messages_use_trl_names(tmp_path):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("grpo").addHandler(handler)
+    try:
+        args = GRPOConfig(max_steps=5, per_device_train_batch_size=4, num_generations=4)
+        assert "were given" not in " ".join(r.getMessage() for r in records)  # num_train_epochs=3 is TRL's
+        assert {"train.num_epochs", "train.gradient_accumulation_steps"}.isdisjoint(args.explicit_keys)
+        assert args.train.steps == 5 and args.train.num_epochs == 3.0  # TRL's default still recorded
+        GRPOConfig(max_steps=5, num_train_epochs=2, per_device_train_batch_size=4, num_generations=4)
+        said = " ".join(r.getMessage() for r in records)
+        assert "both num_train_epochs = 2.0 and max_steps = 5 were given; max_steps wins" in said
+    finally:
+        logging.getLogger("grpo").removeHandler(handler)
+
+
+def test_trl_trainer_arguments_without_a_counterpart_say_why_and_what_is_nearest():
+    with pytest.raises(ConfigError, match=r"rollout_func=\.\.\.\) is not supported: .*environment_factory="):
+        GRPOTrainer(rollout_func=lambda prompts, trainer: {})
+    with pytest.raises(ConfigError, match=r"quantization_config=\.\.\.\) is not supported: .*peft_config="):
+        GRPOTrainer(quantization_config=object())
+    with pytest.raises(TypeError, match="did you mean 'environment_factory'"):
+        GRPOTrainer(environmnet_factory=object)
