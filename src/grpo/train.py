@@ -36,7 +36,6 @@ from grpo.records import PromptBatch, Rollouts, ScoredRollouts
 from grpo.rewards.isolation import RewardInterrupted
 from grpo.rollout.source import RolloutSource
 from grpo.run import lifecycle
-from grpo.run.console import result_line
 from grpo.run.lifecycle import TrainingHalted
 from grpo.run.metrics import StageTimer, StepReport, reduce_metrics, sampler_metrics, step_metrics
 from grpo.run.profiling import StepProfiler
@@ -54,7 +53,6 @@ def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> di
     """The steps of `trainer`'s run, from its resume point to the final save, evaluation and report."""
     cfg, p, rt = trainer.cfg, trainer.parts, trainer.rt
     t, a, total_steps = cfg.train, cfg.algorithm, trainer.total_steps
-    started = time.perf_counter()
     learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt)
     start_step, nonfinite_total = lifecycle.resume(cfg, p, rt, learner, stream)
     source.sync_weights(start_step, learner.policy)
@@ -156,9 +154,8 @@ def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> di
     page = None
     if t.report and rt.is_main and trainer.stop_signal is None:
         page = lifecycle.write_report(p.run_dir)
-    if trained:
-        final = p.run_dir / "final_model"
-        log.info(result_line(summary, report.first_reward, time.perf_counter() - started, final, page))
+    if trained:  # the whole run's: "before →" and the time of every piece a resume joined
+        log.info(lifecycle.closing_line(p, summary, report.first_reward, page))
     return summary
 
 

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,7 +36,7 @@ from grpo.run.checkpoint import (
     seed_everything,
     set_rng_state,
 )
-from grpo.run.console import resume_hint
+from grpo.run.console import result_line, resume_hint
 from grpo.run.preflight import plan_resume
 
 log = logging.getLogger("grpo")
@@ -204,6 +205,7 @@ def resume(cfg: GRPOConfig, parts: RunParts, rt: Runtime, learner, stream: Promp
     """Load the checkpoint preflight chose (weights, learner, data position, RNG), or seed a fresh run.
     Returns (the step to continue after, non-finite steps so far)."""
     path = parts.resume_from  # verified, settings compared: preflight.plan_resume
+    parts.clock = (time.perf_counter(), 0.0)  # (this piece's start, seconds of the pieces before it)
     if path is None:
         if cfg.train.resume:
             log.info("No checkpoint in %s yet; starting from step 0.", parts.run_dir)
@@ -217,6 +219,7 @@ def resume(cfg: GRPOConfig, parts: RunParts, rt: Runtime, learner, stream: Promp
     stream.load_state_dict(state["data"], strict=not cfg.train.allow_config_change)
     rngs = state["rng"]
     set_rng_state(rngs[rt.rank] if isinstance(rngs, list) else rngs)
+    parts.clock = (parts.clock[0], float(state.get("elapsed_s", 0.0)))
     log.info("Resumed from %s (step %d).", path, state["step"])
     return state["step"], state["nonfinite_total"]
 
@@ -234,7 +237,46 @@ def training_state(rt: Runtime, step: int, learner, data_state: dict, nonfinite_
     }
 
 
+def run_seconds(parts: RunParts) -> float:
+    """Seconds the run has trained, over every piece a resume joined (checkpoints carry the sum)."""
+    started, before = getattr(parts, "clock", (time.perf_counter(), 0.0))  # set by resume()
+    return before + time.perf_counter() - started
+
+
+def closing_line(
+    parts: RunParts, summary: dict[str, float], first_reward: float | None, page: Path | None
+) -> str:
+    """The result line of the whole run: after a resume, 'before →' and the first reward come from the
+    earlier pieces' metrics.jsonl, and the time is every piece's."""
+    whole = dict(summary)
+    if parts.resume_from is not None:
+        earlier = _logged(parts.run_dir)
+        before = next((r["eval/accuracy_before"] for r in earlier if "eval/accuracy_before" in r), None)
+        if before is not None:
+            whole.setdefault("eval/accuracy_before", before)
+        first_reward = next((r["reward"] for r in earlier if "reward" in r), first_reward)
+    return result_line(whole, first_reward, run_seconds(parts), parts.run_dir / "final_model", page)
+
+
+def _logged(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's lines in order (a line cut short by a kill is skipped)."""
+    rows = []
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def save_checkpoint(cfg: GRPOConfig, parts: RunParts, rt: Runtime, step: int, state: dict) -> Path:
+    state = {**state, "elapsed_s": run_seconds(parts)}
     path = save_policy_dir(
         rt, parts.run_dir / f"checkpoint-{step}", parts.policy, parts.tokenizer, cfg.to_yaml(), state
     )
@@ -249,13 +291,14 @@ def save_final(cfg: GRPOConfig, parts: RunParts, rt: Runtime, state: Callable[[]
     (train.save_dtype), which no longer holds the float32 masters."""
     merged = cfg.lora.enabled and cfg.lora.save_merged
     export = SAVE_DTYPES.get(cfg.train.save_dtype)
+    timed = lambda: {**state(), "elapsed_s": run_seconds(parts)}  # noqa: E731
     save_policy_dir(
         rt,
         parts.run_dir / "final_model",
         parts.policy,
         parts.tokenizer,
         cfg.to_yaml(),
-        None if merged or export else state(),
+        None if merged or export else timed(),
         merge_lora=cfg.lora.save_merged,
         dtype=export,
     )
