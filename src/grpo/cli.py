@@ -229,7 +229,12 @@ def _add_eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="Accuracy of a model on a dataset (greedy pass@1, or pass@k/maj@k).")
     ev.add_argument("--model", default=None, help="Model directory or hub id (default: the bundled model).")
     ev.add_argument("--dataset", default=None, help="Dataset spec (default: the bundled held-out split).")
-    ev.add_argument("--config", default=DEFAULT_PRESET, help="Preset or YAML file for generation settings.")
+    ev.add_argument(
+        "--config",
+        default=None,
+        help="Preset or YAML file for the generation settings, eval set and tools (default: the config.yaml "
+        f"saved beside --model by the run that trained it, else {DEFAULT_PRESET}).",
+    )
     ev.add_argument("--k", type=int, default=1, help="Samples per prompt; k > 1 reports pass@k and maj@k.")
     ev.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature when k > 1.")
     ev.add_argument("--limit", type=int, default=None, help="Evaluate the first N rows only.")
@@ -441,17 +446,26 @@ def cmd_eval(args) -> int:
         overrides["env.tools"] = args.tools
     if args.environment is not None:
         overrides["env.environment"] = args.environment
-    cfg = load_config(args.config, overrides)
+    config = args.config or _config_beside(args.model)
+    if config != (args.config or DEFAULT_PRESET):  # the training run's: its model paths are not this one's
+        overrides.update({"model.tokenizer_path": None, "model.load_parameters_path": None})
+    cfg = load_config(config, overrides)
     check_model_paths(cfg, model_given=False, tokenizer_given=False)  # a missing directory, not a "repo id"
+    spec = args.dataset or cfg.data.eval_dataset or "tiny_math:test"
+    _refuse_unloadable_eval(cfg, spec, config)
     device = resolve_device(cfg.model.device)
     tokenizer = load_tokenizer(cfg)
-    rows = load_rows(
-        args.dataset or cfg.data.eval_dataset or "tiny_math:test",
-        cfg.data,
-        split="test",
-        token=cfg.hf_token(),
-    )
+    rows = load_rows(spec, cfg.data, split="test", token=cfg.hf_token())
     rows = rows[: args.limit] if args.limit else rows
+    tools = ", ".join(cfg.env.tools) or (f"environment {cfg.env.environment}" if cfg.env.environment else "")
+    log.info(
+        "Evaluating %s on %s (%d rows), %s; settings from %s.",
+        cfg.model.name_or_path,
+        spec,
+        len(rows),
+        f"with tools: {tools}" if tools else "one turn, no tools",
+        config,
+    )
     model = load_policy(cfg, device)
     formatter = PromptFormatter(tokenizer, cfg.data)
     episodes = build_episodes(cfg, formatter)  # the config's tools / environment: evaluated with them
@@ -477,13 +491,40 @@ def cmd_eval(args) -> int:
         from grpo.files import write_text
 
         write_text(args.dump, "".join(json.dumps(record) + "\n" for record in result.records))
-    out = result.as_dict()
+    out = {**result.as_dict(), "dataset": spec, "tools": list(cfg.env.tools) or cfg.env.environment or None}
     if args.json:
         print(redact(json.dumps(out)))
     else:
         shown = "  ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in out.items())
         print(redact(shown))
     return 0
+
+
+def _config_beside(model: str | None) -> str:
+    """The config.yaml a training run saved in its model directory (final_model/, checkpoint-N/), so a
+    tool-trained model is evaluated on its run's eval set with its tools; else the default preset."""
+    saved = Path(model) / "config.yaml" if model else None
+    if saved is not None and saved.is_file():
+        return str(saved)
+    return DEFAULT_PRESET
+
+
+def _refuse_unloadable_eval(cfg: GRPOConfig, spec: str, config: str) -> None:
+    """An eval set or tools that only the Python process that trained the model had: say which and how."""
+    from grpo.config import EVAL_HOLDOUT
+    from grpo.run.provenance import is_recorded_object
+
+    if spec == EVAL_HOLDOUT or is_recorded_object(spec):
+        raise ConfigError(
+            f"The run's evaluation set ({spec}, from {config}) cannot be loaded here: pass --dataset SPEC "
+            "(a file, a hub id or a bundled task such as tiny_tools:test)."
+        )
+    if is_recorded_object(cfg.env.tools) or is_recorded_object(cfg.env.environment):
+        raise ConfigError(
+            f"The run's tools were passed in Python ({cfg.env.tools or cfg.env.environment}, from {config}): "
+            "pass --tools package.module:function (or --environment package.module:Class) to evaluate with "
+            "them, or --tools '' for one turn."
+        )
 
 
 def cmd_report(args) -> int:

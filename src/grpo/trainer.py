@@ -25,7 +25,7 @@ from grpo.evaluation import EvalResult, evaluate
 from grpo.records import SamplingParams
 from grpo.rollout.source import RolloutSource, build_source
 from grpo.run import console, lifecycle
-from grpo.run.assemble import RunParts, build_run, planned_steps
+from grpo.run.assemble import RunParts, build_run, planned_steps, setup_logging
 from grpo.run.metrics import StepReport, eval_metrics
 from grpo.run.runlock import holding_run_lock
 
@@ -68,7 +68,8 @@ class GRPOTrainer:
         environment_factory=None,
         **trl_only,  # TRL arguments with no counterpart: refused with the reason (trl_compat)
     ):
-        console.begin_startup_log()  # its start-up lines go to train.log too, once the run directory is known
+        setup_logging()  # the console from the first line on, as the CLI's (device roles, threads) ...
+        console.begin_startup_log()  # ... and those lines in train.log too, once the run directory is known
         # TRL's positional order: (model, reward_funcs, args, ...)
         if trl_compat.looks_like_rewards(ref_model):
             ref_model, reward_funcs = None, ref_model if reward_funcs is None else reward_funcs

@@ -3,6 +3,7 @@ and a CLI resume of one either reproduces it or refuses, saying how to resume fr
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -12,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo import GRPOConfig, GRPOTrainer, TrainingStopped
 from grpo.cli import main
@@ -49,7 +51,7 @@ def test_a_python_run_records_its_data_rewards_and_tools_and_a_cli_resume_refuse
     out = tmp_path / "run"
     trainer = GRPOTrainer(
         model="tiny-tools-lm",
-        args=_args("tiny-tools-lm", out),
+        args=_args("tiny-tools-lm", out, max_prompt_length=256),
         train_dataset=_rows(),
         reward_funcs=[in_script, gsm8k_correctness, "gsm8k_format"],
         tools=[calculator],
@@ -70,7 +72,14 @@ def test_a_python_run_records_its_data_rewards_and_tools_and_a_cli_resume_refuse
     assert "in-memory train_dataset: 6 rows" in page and "grpo.rewards.math:gsm8k_correctness" in page
     assert "grpo.agents.calculator:calculator" in page
 
+    # grpo eval of the tool-trained model reads its run's config (the tools) and names what it evaluated
     capsys.readouterr()
+    assert main(["eval", "--model", str(out / "final_model"), "--limit", "2", "--json"]) == 0
+    printed = capsys.readouterr()
+    result = json.loads(printed.out.strip().splitlines()[-1])
+    assert result["tools"] == ["grpo.agents.calculator:calculator"] and result["dataset"] == "tiny_math:test"
+    assert "on tiny_math:test (2 rows), with tools: grpo.agents.calculator:calculator" in printed.err
+
     code = main(["train", "--resume", "--output-dir", str(out), "train.steps=2"])
     err = capsys.readouterr().err
     assert code == 2
@@ -224,3 +233,26 @@ def test_trl_trainer_arguments_without_a_counterpart_say_why_and_what_is_nearest
         GRPOTrainer(quantization_config=object())
     with pytest.raises(TypeError, match="did you mean 'environment_factory'"):
         GRPOTrainer(environmnet_factory=object)
+
+
+def test_train_log_has_the_console_lines_and_a_resumed_result_line_is_the_whole_run(tmp_path, capsys):
+    model = tiny_run.make_model_dir(tmp_path / "model")
+    data = str(tiny_run.write_dataset(tmp_path / "data.jsonl", 6))
+    out = tmp_path / "run"
+    settings = {"dataset": data, "progress_bar": True, "eval_before": True, "eval_after": True, "eval_dataset": data,
+                "eval_max_samples": 2}  # fmt: skip
+    GRPOTrainer(model=str(model), args=_args(model, out, steps=1, **settings)).train()
+    log = (out / "train.log").read_text()
+    assert "CPU threads: 1" in log and "Device roles:" in log  # said before the run directory was known
+    assert "step 1 | reward" in log  # the progress bar's step, in full
+    first = [line for line in log.splitlines() if "held-out accuracy" in line and "→" in line]
+    assert first and " in " in first[0]
+    GRPOTrainer(model=str(model), args=_args(model, out, steps=2, **settings)).train(
+        resume_from_checkpoint=True
+    )
+    last = (out / "train.log").read_text().splitlines()[-1]
+    before = first[0].split("held-out accuracy ")[1].split(" → ")[0]
+    assert f"held-out accuracy {before} → " in last  # "before →" from the first piece
+    state = torch.load(out / "final_model" / "training_state.pt", weights_only=True)
+    first_piece = torch.load(out / "checkpoint-1" / "training_state.pt", weights_only=True)
+    assert state["elapsed_s"] > first_piece["elapsed_s"] > 0  # the whole run's time, carried on
