@@ -367,6 +367,7 @@ def dry_run(cfg: GRPOConfig) -> str:
     """The resolved config plus what the run would do, as YAML, from the data alone (no model is loaded)."""
     import yaml
 
+    from grpo.config.settings import RunSettings, is_multi_turn
     from grpo.rewards import reward_name
     from grpo.run import provenance
     from grpo.run.assemble import load_data_and_rewards, planned_steps
@@ -374,7 +375,8 @@ def dry_run(cfg: GRPOConfig) -> str:
 
     provenance.refuse_unrebuildable(cfg, {})  # a Python run's config.yaml: say so, not "unknown dataset"
     check_model_paths(cfg, model_given=False, tokenizer_given=False)
-    train_rows, eval_rows, funcs = load_data_and_rewards(cfg, token=cfg.hf_token())
+    train_rows, eval_rows, funcs, decided = load_data_and_rewards(cfg, token=cfg.hf_token())
+    resolved = RunSettings.resolve(cfg, decided, is_multi_turn(cfg))  # what config.yaml would hold
     plan = {
         "train_rows": len(train_rows),
         "eval_rows": len(eval_rows),
@@ -387,8 +389,8 @@ def dry_run(cfg: GRPOConfig) -> str:
         "micro_batch_size": cfg.resolved_micro_batch_size or "by tokens (train.micro_batch_tokens)",
         "explicit": sorted(cfg.explicit_keys),
     }
-    plan.update(_episode_plan(cfg))
-    return cfg.to_yaml() + yaml.safe_dump({"plan": plan}, sort_keys=False)
+    plan.update(_episode_plan(resolved.config))
+    return resolved.to_yaml() + yaml.safe_dump({"plan": plan}, sort_keys=False)
 
 
 def _episode_plan(cfg: GRPOConfig) -> dict:

@@ -100,6 +100,9 @@ class Episode:
     ended_by: str = "answer"
     environment: Any = None  # the environment instance (TRL reward functions receive it as `environments`)
     env_class: str | None = None  # its class name (which environment reward function scores it)
+    # set: the episode's reward in place of the reward functions' total (an agent's own reward through the
+    # gateway; a failed episode's 0, or NaN = dropped from its group's baseline)
+    final_reward: float | None = None
 
     @property
     def truncated(self) -> bool:

@@ -54,7 +54,14 @@ def score_rollouts(
         extras={"trainer_state": trainer_state},
     )
     shaping = overlong_penalty(rollouts.lengths, max_new_tokens, a.overlong_buffer, a.overlong_penalty)  # [N]
-    return ScoredRollouts(prompts, rollouts, texts, scores, scores.total + shaping, lag=lag)
+    rewards = scores.total + shaping
+    if rollouts.episodes is not None and any(e.final_reward is not None for e in rollouts.episodes):
+        fixed = [e.final_reward for e in rollouts.episodes]  # an agent's own reward replaces the total
+        has = torch.tensor([f is not None for f in fixed])
+        rewards = torch.where(
+            has, torch.tensor([0.0 if f is None else f for f in fixed]).to(rewards), rewards
+        )
+    return ScoredRollouts(prompts, rollouts, texts, scores, rewards, lag=lag)
 
 
 def build_train_batch(

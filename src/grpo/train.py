@@ -24,36 +24,57 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from grpo import records, trl_compat
 from grpo.algorithm.advantages import group_advantages
 from grpo.algorithm.filters import informative_prompts
-from grpo.config import AlgorithmConfig
+from grpo.config import AlgorithmConfig, GRPOConfig
+from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
+from grpo.distributed.runtime import Runtime
 from grpo.learner import Learner
 from grpo.records import PromptBatch, Rollouts, ScoredRollouts
 from grpo.rewards.isolation import RewardInterrupted
 from grpo.rollout.source import RolloutSource
 from grpo.run import lifecycle
+from grpo.run.assemble import RunParts
 from grpo.run.lifecycle import TrainingHalted
 from grpo.run.metrics import StageTimer, StepReport, reduce_metrics, sampler_metrics, step_metrics
 from grpo.run.profiling import StepProfiler
 from grpo.stages import build_train_batch, score_rollouts
 
-if TYPE_CHECKING:
-    from grpo.trainer import GRPOTrainer
+
+class Trainer(Protocol):
+    """What the loop reads and sets on the GRPOTrainer that runs it (trainer.py imports this module)."""
+
+    cfg: GRPOConfig
+    parts: RunParts
+    rt: Runtime
+    settings: RunSettings
+    stops: lifecycle.StopRequests
+    step: int
+    total_steps: int
+
+    @property
+    def stop_signal(self) -> int | None: ...
+
+    def log_eval(self, report: StepReport, best: lifecycle.BestModel, step: int, when: str) -> dict: ...
+
 
 __all__ = ["TrainingHalted", "build_train_batch", "collect", "run"]
 
 log = logging.getLogger("grpo")
 
 
-def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> dict[str, float]:
+def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[str, float]:
     """The steps of `trainer`'s run, from its resume point to the final save, evaluation and report."""
     cfg, p, rt = trainer.cfg, trainer.parts, trainer.rt
     t, a, total_steps = cfg.train, cfg.algorithm, trainer.total_steps
-    learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt)
+    length_limit = trainer.settings.completion_limit  # the episode's for agents (config/settings.py)
+    learner = Learner(
+        p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt, completion_limit=length_limit
+    )
     start_step, nonfinite_total = lifecycle.resume(cfg, p, rt, learner, stream)
     source.sync_weights(start_step, learner.policy)
     lifecycle.log_sizes(cfg, learner.describe_micro_batches(), total_steps, stream)
@@ -61,8 +82,6 @@ def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> di
     profiler = StepProfiler(cfg.distributed.profiler == "torch", p.run_dir, total_steps, rt.rank)
     best = lifecycle.BestModel(cfg, p, rt)
     summary = trainer.log_eval(report, best, 0, "before") if t.eval_before and start_step == 0 else {}
-
-    length_limit = cfg.episode_max_tokens if source.multi_turn else cfg.effective_max_new_tokens
 
     def score(prompts: PromptBatch, rollouts: Rollouts, texts: list[str], lag: int) -> ScoredRollouts:
         state = trl_compat.RewardState(global_step=step, epoch=float(stream.epoch), max_steps=total_steps)
@@ -171,7 +190,11 @@ def collect(
     while rounds < (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 1):
         rounds += 1
         with timer("rollout"):
-            prompts, rollouts, lag = source.next_batch()
+            try:  # a tool or environment call in an episode, cut short by a stop signal (agents/workers.py)
+                prompts, rollouts, lag = source.next_batch()
+            except RewardInterrupted as stopped:
+                log.warning("Stopping: %s, so it was killed and this step is dropped.", stopped)
+                return None, {}
             texts = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
         with timer("reward"):
             try:

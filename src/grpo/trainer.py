@@ -17,6 +17,7 @@ from pathlib import Path
 from grpo import train as loop
 from grpo import trl_compat
 from grpo.config import GRPOConfig
+from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
 from grpo.distributed import init_runtime
 from grpo.distributed.checkpointing import save_policy_dir
@@ -45,7 +46,8 @@ class GRPOTrainer:
 
     Agents (docs/agents.md): `tools=[fn, ...]` (typed, documented functions the model may call) or
     `environment_factory=Cls` (TRL's form: reset(**row), public methods as tools; or the step form
-    reset(row)/step(messages)); a dict of classes is routed by the dataset's `environment` column."""
+    reset(row)/step(messages)); a dict of classes is routed by the dataset's `environment` column; or
+    `agent=run`, your own agent code over an OpenAI-compatible gateway (grpo/gateway/runner.py)."""
 
     def __init__(
         self,
@@ -66,6 +68,7 @@ class GRPOTrainer:
         reward_processing_classes=None,
         tools=None,
         environment_factory=None,
+        agent=None,
         **trl_only,  # TRL arguments with no counterpart: refused with the reason (trl_compat)
     ):
         setup_logging()  # the console from the first line on, as the CLI's (device roles, threads) ...
@@ -104,7 +107,12 @@ class GRPOTrainer:
             rt=self.rt,
             tools=tools,
             environment=environment_factory,
+            agent=agent,
         )
+        # What the start decided (run name, threads, rewards, eval set, the completion limit), frozen; the
+        # caller's config is not written to: the run reads the resolved copy.
+        self.settings: RunSettings = self.parts.settings
+        self.cfg = self.settings.config
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
         self.source: RolloutSource | None = (
             None  # while train() runs: where rollouts and evaluations come from

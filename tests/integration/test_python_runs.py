@@ -239,8 +239,8 @@ def test_train_log_has_the_console_lines_and_a_resumed_result_line_is_the_whole_
     model = tiny_run.make_model_dir(tmp_path / "model")
     data = str(tiny_run.write_dataset(tmp_path / "data.jsonl", 6))
     out = tmp_path / "run"
-    settings = {"dataset": data, "progress_bar": True, "eval_before": True, "eval_after": True, "eval_dataset": data,
-                "eval_max_samples": 2}  # fmt: skip
+    settings = {"dataset": data, "progress_bar": True, "eval_before": True, "eval_after": True,
+                "eval_dataset": data, "eval_max_samples": 2}  # fmt: skip
     GRPOTrainer(model=str(model), args=_args(model, out, steps=1, **settings)).train()
     log = (out / "train.log").read_text()
     assert "CPU threads: 1" in log and "Device roles:" in log  # said before the run directory was known
@@ -256,3 +256,14 @@ def test_train_log_has_the_console_lines_and_a_resumed_result_line_is_the_whole_
     state = torch.load(out / "final_model" / "training_state.pt", weights_only=True)
     first_piece = torch.load(out / "checkpoint-1" / "training_state.pt", weights_only=True)
     assert state["elapsed_s"] > first_piece["elapsed_s"] > 0  # the whole run's time, carried on
+
+
+def test_a_context_overflow_of_a_trl_style_config_names_max_completion_length(tmp_path):
+    model = tiny_run.make_model_dir(tmp_path / "model")  # 256 positions
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=300, max_prompt_length=96, max_steps=1, use_cpu=True,
+    )  # fmt: skip
+    named = r"plus max_completion_length \(300\) is .*Lower max_completion_length"
+    with pytest.raises(ConfigError, match=named):
+        GRPOTrainer(model=str(model), args=args, train_dataset=_rows(), reward_funcs=["gsm8k_format"])

@@ -108,6 +108,18 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
 }
 
 
+# TorchRL's names under `env.` (its "environment" is the prompt stream) that mean other sections' settings,
+# while this package's env.* section configures agent environments (env.tools, env.max_turns, ...). Each use
+# is said in the log; no alias may be a field's own path (tests/unit/test_config.py checks), so a spelling
+# never has two meanings.
+TORCHRL_ENV_ALIASES = frozenset(k for k in ALIASES if k.startswith("env."))
+
+
+def normalise_key(key: str) -> str:
+    """A key as resolve_key reads it: no leading dashes, '-' == '_'."""
+    return str(key).strip().lstrip("-").replace("-", "_")
+
+
 # Seed settings with no counterpart, and what to use instead.
 FOREIGN_KEYS = {
     "train.total_dialog_turns": "TorchRL's run length in dialog turns; here the run length is train.steps "
@@ -177,7 +189,7 @@ def all_paths() -> list[str]:
 def resolve_key(key: str, trl: bool = False) -> tuple[str, ...]:
     """Map a user-facing key (dotted path, unique leaf name or alias; '-' == '_') to dotted paths.
     `trl`: the key comes from a TRL-style config, where TRL's names come first."""
-    k = str(key).strip().lstrip("-").replace("-", "_")
+    k = normalise_key(key)
     if trl and k in TRL_ALIASES:
         return (TRL_ALIASES[k],)
     if k in ALIASES:

@@ -7,6 +7,9 @@
                  leaves the reward to what the process posted, else to the run's reward functions
          exit    non-zero: the episode failed (counted as agent_error, scored per env.failed_episode)
 
+A leading `python` (or `python3`) is the interpreter running grpo, so a Python agent imports what grpo's
+environment has installed (openai, the agent's own packages) whatever `python` is first on PATH.
+
 `AgentCommand` is an agent function (`run(client, row)`), so the gateway's runner drives it like a Python
 agent: same sessions, same timeout. The command runs in its own process group, without a shell unless it
 is given as one string that needs one; at the time limit, on close, or when the run ends, the whole group
@@ -24,6 +27,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import weakref
 from typing import Any
@@ -43,6 +47,8 @@ class AgentCommand:
         argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
         if not argv:
             raise ValueError('the agent command is empty; give the program to run, e.g. "python my_agent.py"')
+        if argv[0] in ("python", "python3"):
+            argv[0] = sys.executable  # the Python running grpo: the agent sees the packages grpo sees
         if timeout_s <= 0:
             raise ValueError(f"the agent command's time limit must be positive, got {timeout_s}")
         self.argv, self.timeout_s, self.cwd = argv, timeout_s, cwd

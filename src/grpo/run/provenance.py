@@ -79,7 +79,7 @@ def is_recorded_object(value: Any) -> bool:
     return isinstance(value, str) and value.startswith("<") and value.endswith(">")
 
 
-def recorded(
+def record_objects(
     *,
     train_rows: list[dict[str, Any]] | None = None,
     eval_rows: list[dict[str, Any]] | None = None,
@@ -88,33 +88,33 @@ def recorded(
     tools=None,
     environment=None,
 ) -> dict[str, Any]:
-    """{setting: its record} for what was passed in Python, in place of the settings it replaces
-    (config.yaml is written from them)."""
-    out: dict[str, Any] = {}
+    """What was passed in Python, as the settings it replaces: {dotted path: value}, start-up decisions
+    (config/settings.py) that config.yaml is written from."""
+    decided: dict[str, Any] = {}
     if train_rows is not None:
-        out["data.dataset"] = dataset_record("train_dataset", train_rows)
-        out["data.hf_path"] = None  # not what ran: the rows did
+        decided["data.dataset"] = dataset_record("train_dataset", train_rows)
+        decided["data.hf_path"] = None  # not what ran: the rows did
     if eval_rows is not None:
-        out["data.eval_dataset"] = dataset_record("eval_dataset", eval_rows)
+        decided["data.eval_dataset"] = dataset_record("eval_dataset", eval_rows)
     if reward_funcs is not None:
         funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
-        out["algorithm.reward_funcs"] = [describe(f) for f in funcs]
+        decided["algorithm.reward_funcs"] = [describe(f) for f in funcs]
     if reward_model is not None:
-        out["algorithm.reward_model"] = (
+        decided["algorithm.reward_model"] = (
             reward_model
             if isinstance(reward_model, str)
             else getattr(getattr(reward_model, "config", None), "_name_or_path", None)
             or f"<{type(reward_model).__name__} object>"
         )
     if tools:
-        out["env.tools"] = [describe(t) for t in tools]
+        decided["env.tools"] = [describe(t) for t in tools]
     if environment is not None:
         if isinstance(environment, dict):  # routed by the dataset's `environment` column: no config form
             inner = ", ".join(f"{k}={describe(v)}" for k, v in environment.items())
-            out["env.environment"] = f"<by the environment column: {inner}>"
+            decided["env.environment"] = f"<by the environment column: {inner}>"
         else:
-            out["env.environment"] = describe(environment)
-    return out
+            decided["env.environment"] = describe(environment)
+    return decided
 
 
 def unrebuildable(cfg: GRPOConfig) -> list[str]:

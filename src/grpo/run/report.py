@@ -130,7 +130,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
             continue
         fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
         for label, steps, values in drawn:
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=_plain(label))
         if panel.file == "accuracy.png":
             _mark_eval_phases(ax, rows)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -148,6 +148,13 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     page = out_dir / "index.html"
     write_text(page, _html(run_dir, out_dir, rows, figures))
     return page
+
+
+def _plain(label: str) -> str:
+    """A metric name as matplotlib shows it literally: a `$` pair would be parsed as mathtext (and raise on
+    `reward/$\\frac$`); a leading `_` hides a legend entry."""
+    label = label.replace("$", r"\$")
+    return f" {label}" if label.startswith("_") else label
 
 
 def _mark_eval_phases(ax, rows: list[dict[str, Any]]) -> None:
