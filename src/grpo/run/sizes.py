@@ -57,7 +57,7 @@ def _completion_words(settings: RunSettings) -> str:
     if cfg.env.max_tokens:
         return f"the episode's env.max_tokens ({n})"
     turns = f"{cfg.env.max_turns} × {settings.turn_limit} = {n}"
-    return f"the episode's env.max_turns × {cap}, per turn ({turns})"
+    return f"the episode's env.max_turns × {cap} ({turns})"
 
 
 def _shorter_completions(settings: RunSettings, room: int) -> str:
