@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from grpo import records, trl_compat
-from grpo.algorithm.advantages import group_advantages
+from grpo.algorithm.advantages import estimate_advantages, per_row_advantages
 from grpo.algorithm.filters import informative_prompts
 from grpo.config import AlgorithmConfig, GRPOConfig
 from grpo.config.settings import RunSettings
@@ -108,8 +108,7 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
             if scored is None:  # a stop signal, and a reward call that would not finish: drop the step
                 step, data_at_stop = step - 1, data_before
                 break
-            group_ids = scored.rollouts.group_ids  # [N]
-            advantages = group_advantages(scored.rewards, group_ids, a.advantage_scale, a.advantage_eps)
+            advantages = estimate_advantages(scored, a)  # [N], or [N, T] from a per-token estimator
             # The sampler's log-probs [N, T] are π_old itself when they are the learner's own (exact
             # engine, one pass), or a behaviour policy to correct for (stale weights, other kernels).
             sampled = scored.rollouts.sampling_logprobs
@@ -128,6 +127,7 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
             with timer("weight_sync"):
                 source.sync_weights(step, learner.policy)
             nonfinite_total += stats.skipped
+            advantages = per_row_advantages(advantages, batch.loss_mask)  # [N] for checks and metrics
             progress.step(step, scored.rewards, advantages, stats.skipped, stats.grad_norm)
             seconds = time.perf_counter() - step_start
             metrics = {

@@ -9,6 +9,7 @@ The constructor validates the config, joins the process group and assembles the 
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -88,8 +89,8 @@ class GRPOTrainer:
             **trl_only,
         )
         self.cfg = (config or GRPOConfig()).validate()
-        if peft_config is not None:
-            self.cfg.update(trl_compat.lora_from_peft(peft_config)).validate()
+        if peft_config is not None:  # on a copy: the caller's args stay as they were given
+            self.cfg = copy.deepcopy(self.cfg).update(trl_compat.lora_from_peft(peft_config)).validate()
         d = self.cfg.distributed
         self.rt = init_runtime(d.strategy, d.backend, d.timeout_s)  # one process unless torchrun started us
         apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
