@@ -241,9 +241,11 @@ def _add_eval_parser(sub) -> None:
         help="Hub token for gated models (default: $HF_TOKEN).",
     )
     env_help = {f.name: f.metadata["help"] for f in dataclasses.fields(SECTIONS["env"])}
-    for name in ("tools", "environment"):  # in place of the config's (e.g. the tiny_tools offline control)
+    # in place of the config's (e.g. the tiny_tools offline control; another agent for tiny_tools_agent)
+    for name in ("tools", "environment", "agent", "agent_command"):
         help_text = f"{env_help[name]} Replaces the config's (env.{name})."
-        ev.add_argument(f"--{name}", default=None, metavar="VALUE", help=help_text.replace("%", "%%"))
+        flag = "--" + name.replace("_", "-")
+        ev.add_argument(flag, default=None, metavar="VALUE", help=help_text.replace("%", "%%"))
     ev.add_argument("--dump", default=None, help="Write every completion and its score to this JSONL file.")
     ev.add_argument("--json", action="store_true", help="Print one JSON object (accuracy, n, ...) only.")
 
@@ -300,8 +302,19 @@ def _config_source(config: str | None, overrides: list[tuple[str, str]] | dict[s
 
 
 def cmd_train(args) -> int:
+    from grpo.run.console import set_front
+
+    set_front("cli")  # resume hints show the command to type, not the Python call
+    try:
+        return _train_runs(args)
+    finally:
+        set_front("python")  # main() called from Python code: its later trainers are Python's
+
+
+def _train_runs(args) -> int:
     from grpo.files import write_text
     from grpo.run.console import sweep_table
+    from grpo.run.lifecycle import TrainingStopped
     from grpo.trainer import GRPOTrainer
 
     overrides = _overrides(args)
@@ -330,7 +343,10 @@ def cmd_train(args) -> int:
             log.info("Sweep run %d/%d: %s", i + 1, len(runs), redact_mapping(dict(run)))
         trainer = GRPOTrainer(config=cfg)
         args.run_dir = trainer.parts.run_dir  # for the resume hint should a second Ctrl-C stop it at once
-        summary = trainer.train()
+        try:
+            summary = trainer.train()
+        except TrainingStopped as stopped:  # the checkpoint is saved and the way to resume was said
+            return 128 + stopped.signal
         if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM: the conventional 128 + signal
             return 128 + trainer.stop_signal
         finished.append((redact_mapping(dict(swept)), summary, trainer.parts.run_dir))
@@ -345,12 +361,14 @@ def dry_run(cfg: GRPOConfig) -> str:
     """The resolved config plus what the run would do, as YAML, from the data alone (no model is loaded)."""
     import yaml
 
+    from grpo.config.settings import RunSettings, is_multi_turn
     from grpo.rewards import reward_name
     from grpo.run.assemble import load_data_and_rewards, planned_steps
     from grpo.run.preflight import check_model_paths
 
     check_model_paths(cfg, model_given=False, tokenizer_given=False)
-    train_rows, eval_rows, funcs = load_data_and_rewards(cfg, token=cfg.hf_token())
+    train_rows, eval_rows, funcs, decided = load_data_and_rewards(cfg, token=cfg.hf_token())
+    resolved = RunSettings.resolve(cfg, decided, is_multi_turn(cfg))  # what config.yaml would hold
     plan = {
         "train_rows": len(train_rows),
         "eval_rows": len(eval_rows),
@@ -363,7 +381,19 @@ def dry_run(cfg: GRPOConfig) -> str:
         "micro_batch_size": cfg.resolved_micro_batch_size or "by tokens (train.micro_batch_tokens)",
         "explicit": sorted(cfg.explicit_keys),
     }
-    return cfg.to_yaml() + yaml.safe_dump({"plan": plan}, sort_keys=False)
+    return resolved.to_yaml() + yaml.safe_dump({"plan": plan}, sort_keys=False)
+
+
+def _eval_episodes(cfg, formatter):
+    """The config's episodes, evaluated with them: its tools / environment, or its agent (each held-out
+    episode driven by the agent through the gateway, greedy)."""
+    if cfg.env.agent or cfg.env.agent_command:
+        from grpo.gateway.runner import build_agent_runner
+
+        return build_agent_runner(cfg, formatter, None)
+    from grpo.rollout.episodes import build_episodes
+
+    return build_episodes(cfg, formatter)
 
 
 def cmd_eval(args) -> int:
@@ -371,7 +401,6 @@ def cmd_eval(args) -> int:
     from grpo.evaluation import EngineSampler, evaluate
     from grpo.model.loading import load_policy, load_tokenizer, resolve_device, resolve_dtype
     from grpo.rollout import build_engine
-    from grpo.rollout.episodes import build_episodes
     from grpo.run.preflight import check_model_paths
 
     for flag, value, high in (
@@ -392,10 +421,9 @@ def cmd_eval(args) -> int:
     overrides = {"model.hf_token": args.hf_token} if args.hf_token else {}
     if args.model:
         overrides["model.name_or_path"] = args.model
-    if args.tools is not None:
-        overrides["env.tools"] = args.tools
-    if args.environment is not None:
-        overrides["env.environment"] = args.environment
+    for name in ("tools", "environment", "agent", "agent_command"):  # in place of the config's
+        if getattr(args, name) is not None:
+            overrides[f"env.{name}"] = getattr(args, name)
     cfg = load_config(args.config, overrides)
     check_model_paths(cfg, model_given=False, tokenizer_given=False)  # a missing directory, not a "repo id"
     device = resolve_device(cfg.model.device)
@@ -409,7 +437,7 @@ def cmd_eval(args) -> int:
     rows = rows[: args.limit] if args.limit else rows
     model = load_policy(cfg, device)
     formatter = PromptFormatter(tokenizer, cfg.data)
-    episodes = build_episodes(cfg, formatter)  # the config's tools / environment: evaluated with them
+    episodes = _eval_episodes(cfg, formatter)
     engine = build_engine(
         cfg.generation.engine, model, tokenizer, compute_dtype=resolve_dtype(cfg.model.dtype, device)
     )
@@ -427,6 +455,8 @@ def cmd_eval(args) -> int:
             stop_strings=cfg.generation.stop_strings,
         )
     finally:
+        if callable(getattr(episodes, "close", None)):
+            episodes.close()  # the agent gateway's server and any agent processes
         engine.close()
     if args.dump:
         from grpo.files import write_text

@@ -9,6 +9,7 @@ The constructor validates the config, joins the process group and assembles the 
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from pathlib import Path
 from grpo import train as loop
 from grpo import trl_compat
 from grpo.config import GRPOConfig
+from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
 from grpo.distributed import init_runtime
 from grpo.distributed.checkpointing import save_policy_dir
@@ -81,8 +83,8 @@ class GRPOTrainer:
             callbacks=callbacks, optimizers=optimizers, reward_processing_classes=reward_processing_classes
         )
         self.cfg = (config or GRPOConfig()).validate()
-        if peft_config is not None:
-            self.cfg.update(trl_compat.lora_from_peft(peft_config)).validate()
+        if peft_config is not None:  # on a copy: the caller's args stay as they were given
+            self.cfg = copy.deepcopy(self.cfg).update(trl_compat.lora_from_peft(peft_config)).validate()
         d = self.cfg.distributed
         self.rt = init_runtime(d.strategy, d.backend, d.timeout_s)  # one process unless torchrun started us
         apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
@@ -102,6 +104,10 @@ class GRPOTrainer:
             environment=environment_factory,
             agent=agent,
         )
+        # What the start decided (run name, threads, rewards, eval set, the completion limit), frozen; the
+        # caller's config is not written to: the run reads the resolved copy.
+        self.settings: RunSettings = self.parts.settings
+        self.cfg = self.settings.config
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
         self.source: RolloutSource | None = (
             None  # while train() runs: where rollouts and evaluations come from
@@ -156,8 +162,12 @@ class GRPOTrainer:
                 source.close()
 
     @holding_run_lock
-    def train(self) -> dict[str, float]:
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> dict[str, float]:
+        """The run, to its last step; returns the last step's metrics. `resume_from_checkpoint` (TRL's):
+        True continues from the newest checkpoint in the output directory, a path from that checkpoint.
+        A stop signal (Ctrl-C) saves a checkpoint, then raises grpo.TrainingStopped (a KeyboardInterrupt)."""
         cfg, p = self.cfg, self.parts
+        lifecycle.plan_train(cfg, p, self.rt, resume_from_checkpoint, first=self.step == 0)
         stream = PromptStream(p.train_rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
         self.total_steps = planned_steps(cfg, len(p.train_rows))
         # The source owns its engine: built here, before the learner shards the policy; closed at the end,

@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from grpo import plugins
 from grpo.config.errors import ConfigError
 from grpo.config.keys import field_of, get_path, set_path
 from grpo.config.root import ConfigTree
@@ -141,7 +142,11 @@ COMPETING_KEYS = (
     ("train.num_epochs", "train.steps"),
     ("train.gradient_accumulation_steps", "train.micro_batch_size"),
     ("algorithm.reward_funcs", "algorithm.reward_weights"),
+    ("env.agent_command", "env.agent"),  # --agent-command on the tiny_tools_agent preset runs the command
 )
+# Pairs of COMPETING_KEYS that compete only with a preset's value: given both, the user's weights are the
+# weights of the user's functions, and both are used.
+_USED_TOGETHER = {("algorithm.reward_funcs", "algorithm.reward_weights")}
 
 
 def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
@@ -149,9 +154,10 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
 
     * Competing keys: `--num-epochs 3` under a preset with `train.steps: 80` would run 80 steps (steps win
       over epochs), so the preset's steps are dropped. When the user gives both, the winner is named.
-    * Task switch: a dataset set to a registered task (`env.dataset=ifeval`) brings that task's rewards,
-      evaluation split and system prompt, except where the user set those too (grpo.data.tasks)."""
-    from grpo.data.tasks import task_settings
+    * Task switch: a dataset set to a registered task (`data.dataset=ifeval`, TorchRL's `env.dataset=ifeval`)
+      brings that task's rewards, evaluation split and system prompt, except where the user set those too
+      (grpo.data.tasks)."""
+    task_settings = plugins.load("grpo.data.tasks:task_settings")  # by path: tasks sit above config
 
     notes = []
     explicit = cfg.explicit_keys
@@ -160,6 +166,8 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
         if given not in explicit or rival_value is None:
             continue
         if rival in explicit:
+            if (given, rival) in _USED_TOGETHER:
+                continue
             notes.append(
                 f"both {given} = {get_path(cfg, given)} and {rival} = {rival_value} were given; "
                 f"{rival} wins, {given} is not used."
@@ -188,7 +196,7 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
 def _holdout_for_new_data(cfg: GRPOConfig, key: str) -> list[str]:
     """Training data the user chose that is not a task keeps no preset's evaluation set: held-out accuracy
     on the preset's problems would say nothing about the user's data. A slice of theirs is held out."""
-    from grpo.data.tasks import find_task
+    find_task = plugins.load("grpo.data.tasks:find_task")
 
     spec, current = get_path(cfg, key), cfg.data.eval_dataset
     if find_task(spec) or "data.eval_dataset" in cfg.explicit_keys or current in (None, EVAL_HOLDOUT):

@@ -92,7 +92,8 @@ def build(cfg, parts, rt: Runtime, feed: PromptFeed, sampling: SamplingParams, c
             parts.tokenizer,
             g.compile_decode,
             parts.compute_dtype,
-            generation=g,
+            # vLLM's max_model_len from the run's one completion limit (config/settings.py)
+            generation=parts.settings.generation if getattr(parts, "settings", None) else g,
             seed=cfg.train.seed,
         )
     return ColocatedRollout(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import GRPOConfig
+from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptStream
 from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
 from grpo.distributed.runtime import Runtime
@@ -34,6 +35,8 @@ from grpo.run.checkpoint import (
     seed_everything,
     set_rng_state,
 )
+from grpo.run.console import resume_hint
+from grpo.run.preflight import plan_resume
 
 log = logging.getLogger("grpo")
 
@@ -43,6 +46,17 @@ SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # train.sa
 class TrainingHalted(RuntimeError):
     """Training stopped itself (after saving a checkpoint) because it could not go on; the message says
     why."""
+
+
+class TrainingStopped(KeyboardInterrupt):
+    """A stop signal (Ctrl-C, SIGTERM) ended train() early, after saving a checkpoint: raised as TRL's
+    trainer lets KeyboardInterrupt through, so the code after `trainer.train()` (save, evaluate, push) does
+    not run as if training had finished. `signal`, `step`, `checkpoint` say where it stopped; `summary` is
+    what train() would have returned."""
+
+    def __init__(self, message: str, signal: int, step: int, checkpoint: Path, summary: dict[str, float]):
+        super().__init__(message)
+        self.signal, self.step, self.checkpoint, self.summary = signal, step, checkpoint, summary
 
 
 class StopRequests:
@@ -106,6 +120,24 @@ def running(
             close()
 
 
+def plan_train(cfg: GRPOConfig, parts: RunParts, rt: Runtime, resume_from_checkpoint, first: bool) -> None:
+    """TRL's `trainer.train(resume_from_checkpoint=True | "path")`: the checkpoint to continue from, chosen
+    (and its settings compared) now. Without it, the first train() of a Python run refuses a directory
+    that already holds a run's checkpoints, saying how to continue it (the CLI refused at start-up)."""
+    if resume_from_checkpoint not in (None, False):
+        cfg.train.resume = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+        found = plan_resume(cfg, parts.run_dir, clean_up=rt.is_main)
+        parts.resume_from = None if found is None else Path(os.path.abspath(found))
+        return
+    existing = list_checkpoints(parts.run_dir)
+    if first and parts.resume_from is None and not cfg.train.resume and existing:
+        raise ConfigError(
+            f"{parts.run_dir} already holds a run ({', '.join(p.name for _, p in existing[-3:])}). "
+            "Continue it with trainer.train(resume_from_checkpoint=True) (or GRPOConfig(..., "
+            "resume_from_checkpoint=True)), or pass another output_dir to start afresh."
+        )
+
+
 def resume(cfg: GRPOConfig, parts: RunParts, rt: Runtime, learner, stream: PromptStream) -> tuple[int, int]:
     """Load the checkpoint preflight chose (weights, learner, data position, RNG), or seed a fresh run.
     Returns (the step to continue after, non-finite steps so far)."""
@@ -117,8 +149,16 @@ def resume(cfg: GRPOConfig, parts: RunParts, rt: Runtime, learner, stream: Promp
         rt.seed(cfg.train.seed)  # several processes: different sampling noise per rank
         return 0, 0
     state = load_training_state(path)
-    load_policy_weights(rt, path, parts.policy, state)
-    learner.load_state_dict(state["learner"])
+    try:
+        load_policy_weights(rt, path, parts.policy, state)
+        learner.load_state_dict(state["learner"])
+    except (RuntimeError, ValueError, KeyError) as err:  # shapes, names or optimizer groups that differ
+        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"{path} holds the weights of a different model than {cfg.model.name_or_path} ({detail}). "
+            "train.allow_config_change lets settings change, not the model's architecture: resume with the "
+            "model it was trained from, or start afresh in another --output-dir."
+        ) from None
     learner.nonfinite_in_a_row = state["nonfinite_in_a_row"]
     stream.load_state_dict(state["data"], strict=not cfg.train.allow_config_change)
     rngs = state["rng"]
@@ -168,23 +208,26 @@ def save_final(cfg: GRPOConfig, parts: RunParts, rt: Runtime, state: Callable[[]
 
 
 def stopped_early(
-    run_dir: Path, step: int, total_steps: int, stop_signal: int | None, where: Path, nonfinite: int
+    run_dir: Path,
+    step: int,
+    total_steps: int,
+    stop_signal: int | None,
+    where: Path,
+    nonfinite: int,
+    summary: dict[str, float] | None = None,
 ):
-    """After the checkpoint of a run that stopped before its last step: raise (non-finite steps) or warn
-    (a signal)."""
-    how = (
-        f"Resume it with: grpo train --resume --output-dir {run_dir} (the run's own config.yaml; add "
-        "overrides to change it)."
-    )
+    """After the checkpoint of a run that stopped before its last step: raise TrainingHalted (non-finite
+    steps) or, after a warning saying how to resume, TrainingStopped (a signal)."""
+    how = f"Resume it with: {resume_hint(run_dir)}."
     if stop_signal is None:
         raise TrainingHalted(
             f"{nonfinite} steps in a row had a non-finite loss or gradient (last: step {step}); stopped with "
             f"checkpoint {where}. Lower optim.learning_rate, check the reward functions for NaN/inf, or "
             f"raise train.stop_after_nonfinite_steps. {how}"
         )
-    log.warning(
-        "Stopped at step %d of %d (signal %d); checkpoint %s. %s", step, total_steps, stop_signal, where, how
-    )
+    message = f"Stopped at step {step} of {total_steps} (signal {stop_signal}); checkpoint {where}. {how}"
+    log.warning("%s", message)
+    raise TrainingStopped(message, stop_signal, step, where, summary or {})
 
 
 def between_steps(
@@ -272,8 +315,7 @@ class Progress:
 def explain_failure(run_dir: Path, rank: int, step: int, error: Exception) -> None:
     found = list_checkpoints(run_dir)
     where = (
-        f"the latest checkpoint is {found[-1][1]}; resume with: grpo train --resume --output-dir {run_dir} "
-        "(the run's own config.yaml)"
+        f"the latest checkpoint is {found[-1][1]}; resume with: {resume_hint(run_dir)}"
         if found
         else "no checkpoint was saved yet"
     )
