@@ -83,7 +83,7 @@ class AgentRunner:
         strict_history: bool = False,
         template_kwargs: dict | None = None,
         model_name: str = "grpo-policy",
-        window_s: float = 0.1,
+        window_s: float = 0.2,
     ):
         self.agent = load_agent(agent)
         self.is_async = inspect.iscoroutinefunction(self.agent)
