@@ -143,7 +143,7 @@ class GRPOTrainer:
     def _sampling(self) -> SamplingParams:
         g = self.cfg.generation
         return SamplingParams(
-            self.cfg.effective_max_new_tokens, g.temperature, g.top_k, g.top_p, stop_strings=g.stop_strings
+            self.settings.turn_limit, g.temperature, g.top_k, g.top_p, stop_strings=g.stop_strings
         )
 
     def evaluate(self, progress: Callable[[int], object] | None = None) -> EvalResult | None:
@@ -152,7 +152,7 @@ class GRPOTrainer:
         p, t, g = self.parts, self.cfg.train, self.cfg.generation
         if not p.eval_rows:
             return None
-        max_new_tokens = t.eval_max_new_tokens or self.cfg.effective_max_new_tokens
+        max_new_tokens = t.eval_max_new_tokens or self.settings.turn_limit
         source = self.source
         if source is None:
             stream = PromptStream(p.eval_rows, seed=t.seed, shuffle=False)
