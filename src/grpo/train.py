@@ -29,10 +29,10 @@ from pathlib import Path
 from grpo import records, trl_compat
 from grpo.algorithm.advantages import group_advantages
 from grpo.algorithm.filters import informative_prompts
+from grpo.checkpoint.policy import save_policy_dir
 from grpo.config import AlgorithmConfig, GRPOConfig
 from grpo.data import PromptStream
 from grpo.distributed import init_runtime
-from grpo.distributed.checkpointing import save_policy_dir
 from grpo.distributed.roles import apply_role_plan
 from grpo.evaluation import EvalResult, evaluate
 from grpo.learner import Learner

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-import grpo.run.checkpoint as ckpt
-from grpo.run.checkpoint import (
+import grpo.checkpoint.store as ckpt
+from grpo.checkpoint.store import (
     CheckpointError,
     find_resume_dir,
     load_training_state,

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from grpo.model import shared_prompt as shared_prompt_module
 from grpo.model import packed as native_logprobs
+from grpo.model import shared_prompt as shared_prompt_module
 from grpo.model.decoder import GroupLayout, NativeDecoder, unsupported_reason
 from grpo.model.forward import token_logprobs
 from grpo.model.packed import ChunkedTokenLogprobs, shared_prompt_logprobs
