@@ -56,6 +56,18 @@ def test_sampler_never_picks_a_removed_token():
     assert (logp <= 0).all()
 
 
+def test_a_draw_that_rounds_up_to_the_total_takes_the_last_token_with_mass(monkeypatch):
+    """u = rand · total can round up to the total (p ≈ 1e-7); u = total exactly stands in for it. Tokens
+    after the last with mass are filtered (−inf): none of them, and no index past the vocabulary, comes
+    out."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.1, 0.2, 3.0, 0.3, 0.4]])  # [2, 5]
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape))
+    tokens, logp = sample_tokens(logits, SamplingParams(max_new_tokens=1, top_k=3))
+    kept = filter_logits(logits, 1.0, 3, 1.0).isfinite()  # [2, 5]
+    last = [max(i for i in range(5) if kept[r, i]) for r in range(2)]
+    assert tokens.tolist() == last and torch.isfinite(logp).all()
+
+
 def test_eos_truncation_logprobs_and_dropped_rows(tiny_model, id_tokenizer):
     # Eleven eos ids end a quarter of the rows each step, so finished rows get dropped many times.
     tiny_model.generation_config.eos_token_id = list(range(1, 12))

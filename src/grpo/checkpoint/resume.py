@@ -15,6 +15,7 @@ import torch
 
 from grpo.checkpoint.policy import load_policy_weights, save_policy_dir
 from grpo.checkpoint.store import (
+    link_model_dir,
     load_training_state,
     prune_checkpoints,
     rng_state,
@@ -76,12 +77,24 @@ def save_checkpoint(cfg: GRPOConfig, parts: RunParts, rt: Runtime, step: int, st
     return path
 
 
-def save_final(cfg: GRPOConfig, parts: RunParts, rt: Runtime, state: Callable[[], dict]) -> None:
+def save_final(
+    cfg: GRPOConfig, parts: RunParts, rt: Runtime, state: Callable[[], dict], same_as: Path | None = None
+) -> None:
     """final_model/ is resumable like checkpoint-{step}/ (the seed's layout), except as merged LoRA weights,
     which no longer hold the adapters the optimizer state belongs to, or as a bf16/fp16 export
-    (train.save_dtype), which no longer holds the float32 masters."""
+    (train.save_dtype), which no longer holds the float32 masters.
+
+    `same_as`: the checkpoint just saved after the last step. Where final_model/ would hold exactly what it
+    holds (not merged, not exported), it becomes a second name for its files (`store.link_model_dir`):
+    the weights and optimizer state are written once at the end of a run, not twice (6 GB each on a
+    0.5B model), and no rank gathers the weights again."""
     merged = cfg.lora.enabled and cfg.lora.save_merged
     export = SAVE_DTYPES.get(cfg.train.save_dtype)
+    if same_as is not None and not (merged or export):
+        if rt.is_main:
+            link_model_dir(same_as, parts.run_dir / "final_model")
+        rt.barrier()
+        return
     save_policy_dir(
         rt,
         parts.run_dir / "final_model",

@@ -128,6 +128,50 @@ def save_model_dir(
     return path
 
 
+def link_model_dir(source: Path, path: Path) -> Path:
+    """`path` as a second name for the verified model directory `source` (final_model/ beside the last
+    checkpoint-N/, which holds the same weights, optimizer state and config): every file hard-linked,
+    so the weights and optimizer state are on disk once and the end of a run writes them once. Atomic
+    like `save_model_dir` (tmp dir, fsync, rename). A file system without hard links gets copies.
+    Nothing rewrites a checkpoint's file in place (saves write new files and rename them), so the two
+    names cannot drift apart."""
+    source, path = Path(source), Path(path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    for p in (path, tmp, old):
+        refuse_link(p)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        for f in sorted(p for p in source.rglob("*") if p.is_file()):
+            target = tmp / f.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(f, target)
+            except OSError:  # no hard links here (some network or FUSE file systems): a copy
+                shutil.copy2(f, target)
+                _fsync(target)
+        _fsync(tmp)
+        for point in ("model", "config", "state", "manifest"):  # save_model_dir's points, all passed now
+            _fault_point(path, point)
+        if path.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+        _fault_point(path, "renamed")
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():
+            os.replace(old, path)
+        if isinstance(e, OSError):
+            raise CheckpointError(_save_failure(path, e)) from e
+        raise
+    return path
+
+
 def _write_model_files(
     where: Path, named: Path, model, tokenizer, config_yaml: str | None, training_state: dict | None
 ) -> None:
