@@ -43,10 +43,28 @@ def test_a_master_is_cast_once_until_it_changes():
     dec = PolicyForward(model, native=True, compute_dtype=torch.bfloat16).decoder
     weight = model.model.layers[0].mlp.up_proj.weight
     first = dec.w(weight)
-    assert first.dtype == torch.bfloat16 and dec.w(weight) is first  # the second micro-batch: no new cast
+    assert first.dtype == torch.bfloat16
+    assert dec.w(weight).data_ptr() == first.data_ptr()  # the second micro-batch: no new cast
     with torch.no_grad():
-        weight.mul_(2)  # an optimizer step
+        weight.mul_(2)  # an in-place write (a weight load)
     again = dec.w(weight)
-    assert again is not first and torch.equal(again, weight.detach().to(torch.bfloat16))
-    tied = model.model.embed_tokens.weight
-    assert dec.lm_head_weight is not dec.w(tied)  # the tied head's gradient meets the embedding's in float32
+    assert again.data_ptr() != first.data_ptr() and torch.equal(again, weight.detach().to(torch.bfloat16))
+    dec.forget_casts()  # after an optimizer step
+    assert dec.w(weight).data_ptr() != again.data_ptr()
+
+
+def test_the_casts_follow_a_fused_adamw_step():
+    """Fused AdamW writes the masters without moving their version counters: the learner's
+    forget_casts() after each step is what makes the next forward see the new weights."""
+    model = tiny_llama().train()
+    forward = PolicyForward(model, native=True, compute_dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    batch = random_batch()
+    logp, _ = forward(batch, 1.0)
+    (logp * batch.completion_mask).sum().backward()
+    optimizer.step()
+    forward.forget_casts()
+    with torch.no_grad():
+        after, _ = forward(batch, 1.0)
+        fresh, _ = PolicyForward(model, native=True, compute_dtype=torch.bfloat16)(batch, 1.0)
+    assert torch.equal(after, fresh) and not torch.equal(after, logp.detach())

@@ -21,8 +21,6 @@ Anything else (another architecture, dynamic RoPE, an active sliding window) is 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -75,8 +73,8 @@ class NativeDecoder:
         # model/linear.py's oneDNN calls. None: compute in the weights' own dtype.
         self.compute_dtype = compute_dtype
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.reuse_casts = True  # False: cast on every read (the tests' reference for `w`)
-        self._casts: dict[tuple[int, str], tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.reuse_casts = False  # see `w`; off where the weights change under the decoder (rollout)
+        self._casts: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     # -- weights, read live -----------------------------------------------------------------------
     @property
@@ -92,30 +90,26 @@ class NativeDecoder:
         """The compute dtype: activations, KV caches and the weights as used."""
         return self.compute_dtype or self.base.embed_tokens.weight.dtype
 
-    def w(self, t: torch.Tensor | None, use: str = "") -> torch.Tensor | None:
+    def w(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A parameter as computed with: cast to the compute dtype (a no-op when it already is).
 
-        Mixed precision: a master parameter's cast is made once per optimizer step, not on every
-        micro-batch, pass and generate call (on a 0.5B model ~3 GB of traffic per micro-batch on a GPU):
-        it is kept until the master changes (its version counter moves on every in-place update:
-        AdamW's step, a weight load). The cast is a leaf of its own; after each backward a hook adds its
-        gradient, in float32, into the master's, which is what the differentiable cast's backward did.
-        `use` keeps one parameter's separate uses apart (the tied embedding as embedding and as LM head),
-        so their gradients still meet in float32, not in the compute dtype."""
+        Mixed precision, with `reuse_casts` (the learner's training forward): a master's cast is made once
+        per optimizer step, not on every micro-batch and pass (on a 0.5B model ~3 GB of traffic per
+        micro-batch on a GPU). It is kept until `forget_casts()` (the learner calls it after each
+        optimizer step: fused AdamW does not move the version counter) or the master's version counter
+        moves (an in-place write: a weight load). Each read still goes through autograd as a cast
+        (`_CachedCast`): the gradient reaches the master in float32, through the master's own hooks."""
         if t is None or t.dtype == self.dtype:
             return t
         if not (self.reuse_casts and isinstance(t, torch.nn.Parameter)):  # a LoRA-folded weight: computed
             return t.to(self.dtype)
-        key = (id(t), use)
-        hit = self._casts.get(key)
-        if hit is not None and hit[0] is t and hit[1] == t._version:
-            return hit[2]
-        cast = t.detach().to(self.dtype)
-        if t.requires_grad:
-            cast.requires_grad_()
-            cast.register_post_accumulate_grad_hook(functools.partial(_into_master, t))
-        self._casts[key] = (t, t._version, cast)
-        return cast
+        hit = self._casts.get(id(t))
+        if hit is None or hit[0] is not t or hit[1] != t._version:
+            hit = self._casts[id(t)] = (t, t._version, t.detach().to(self.dtype))
+        return _CachedCast.apply(t, hit[2])
+
+    def forget_casts(self) -> None:
+        self._casts.clear()
 
     def proj(self, module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A projection's (weight, bias) as computed with: LoRA adapters folded in, in the compute dtype."""
@@ -130,9 +124,7 @@ class NativeDecoder:
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.w(
-            self.hf.get_output_embeddings().weight, "head"
-        )  # [V, d] (the embedding itself when tied)
+        return self.w(self.hf.get_output_embeddings().weight)  # [V, d] (the embedding itself when tied)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return linear(self.final_norm(h), self.lm_head_weight)
@@ -188,10 +180,15 @@ class NativeDecoder:
         return shared_prompt.shared_prompt_hidden(self, packed)
 
 
-def _into_master(master: torch.Tensor, cast: torch.Tensor) -> None:
-    """A cached cast's gradient (NativeDecoder.w) into its float32 master's, then dropped."""
-    grad, cast.grad = cast.grad.to(master.dtype), None
-    if master.grad is None:
-        master.grad = grad
-    else:
-        master.grad.add_(grad)
+class _CachedCast(torch.autograd.Function):
+    """`master.to(dtype)` whose forward returns a cast made earlier (NativeDecoder.w); backward as the
+    cast's: the gradient in the master's dtype."""
+
+    @staticmethod
+    def forward(ctx, master: torch.Tensor, cast: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = master.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None

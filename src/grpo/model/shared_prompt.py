@@ -22,6 +22,20 @@ if TYPE_CHECKING:
 QUERY_CHUNK = 64  # completion queries per attention call in training (see _completion_attention)
 
 
+def attention_route(device: torch.device) -> str:
+    """How the completion attention (boolean mask, grouped-query heads) runs on `device`.
+
+    "gqa" (CPU): SDPA with the mask and `enable_gqa`; the CPU's fused kernel takes both.
+    "expand_kv" (CUDA): K/V repeated to the query heads, then SDPA with the mask. On CUDA no fused
+    kernel takes a mask together with a GQA broadcast (flash takes no mask, memory-efficient attention no
+    GQA), so the first route falls back to the math kernel, which keeps float32 scores [rows, H, 64,
+    Lp + Tc] per chunk and layer for backward (O(T²), uncounted by the micro-batch budget: long
+    completions run out of memory). Expanded K/V go to memory-efficient attention, whose memory is
+    linear in T; the copy costs H/Hkv × the K/V of a layer. (FlexAttention with a block mask over the
+    packed tokens is the fused route past this one.)"""
+    return "expand_kv" if device.type == "cuda" else "gqa"
+
+
 @dataclass
 class SharedPromptPack:
     """A micro-batch laid out for shared-prompt training: every real token once, no padding.
@@ -224,6 +238,10 @@ def _completion_attention(
     Padding rows of a chunk get zeros, which nothing reads.
     """
     tc = q.shape[2]
+    gqa = attention_route(q.device) == "gqa"
+    if not gqa:  # the kernels that take a mask take no GQA broadcast: each query head gets its K/V copy
+        rep = q.shape[1] // keys.shape[1]
+        keys, vals = keys.repeat_interleave(rep, dim=1), vals.repeat_interleave(rep, dim=1)
     outs = []
     for start in range(0, tc, QUERY_CHUNK):
         end = min(start + QUERY_CHUNK, tc)
@@ -233,7 +251,7 @@ def _completion_attention(
             keys[:live, :, : lp + end],
             vals[:live, :, : lp + end],
             attn_mask=mask[:live, :, start:end, : lp + end],
-            enable_gqa=True,
+            enable_gqa=gqa,
             scale=dec.scale,
         )
         if live < q.shape[0]:

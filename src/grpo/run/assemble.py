@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -142,11 +143,15 @@ def _ours(path: Path, held_a_run: bool) -> bool:
 
 
 def setup_logging(run_dir: Path | None = None) -> None:
-    import datasets
     import transformers
 
     # Our own progress bar and log lines say what is happening; the libraries' per-file bars are noise.
-    datasets.disable_progress_bars()
+    # `datasets` is imported only where a dataset is read through it (data/sources.py): a run on bundled
+    # or JSON data needs none installed. It reads this variable when it is imported.
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    else:
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logger = logging.getLogger("grpo")
@@ -352,7 +357,9 @@ def _build_parts(
         ", ".join(getattr(f, "__name__", type(f).__name__) for f in funcs),
     )
     ref_dtype = None if ref is None else next(ref.parameters()).dtype
-    log.info(precision_summary(compute, ref_dtype, cfg.train.save_dtype, cfg.distributed.strategy == "fsdp2"))
+    # What Runtime.sharded will say: one process shards nothing, whatever the strategy.
+    sharded = cfg.distributed.strategy == "fsdp2" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    log.info(precision_summary(compute, ref_dtype, cfg.train.save_dtype, sharded))
     return RunParts(
         run_dir,
         device,
