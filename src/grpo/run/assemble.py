@@ -148,8 +148,8 @@ def setup_logging(run_dir: Path | None = None) -> None:
     # Our own progress bar and log lines say what is happening; the libraries' per-file bars are noise.
     # `datasets` is imported only where a dataset is read through it (data/sources.py): a run on bundled
     # or JSON data needs none installed. It reads this variable when it is imported.
-    if "datasets" in sys.modules:
-        sys.modules["datasets"].disable_progress_bars()
+    if (datasets := sys.modules.get("datasets")) is not None:
+        datasets.disable_progress_bars()
     else:
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     transformers.utils.logging.set_verbosity_error()
