@@ -300,9 +300,20 @@ def _config_source(config: str | None, overrides: list[tuple[str, str]] | dict[s
 
 
 def cmd_train(args) -> int:
+    from grpo.run.console import set_front
+
+    set_front("cli")  # resume hints show the command to type, not the Python call
+    try:
+        return _train_runs(args)
+    finally:
+        set_front("python")  # main() called from Python code: its later trainers are Python's
+
+
+def _train_runs(args) -> int:
     from grpo.files import write_text
     from grpo.run.console import sweep_table
-    from grpo.train import GRPOTrainer
+    from grpo.run.lifecycle import TrainingStopped
+    from grpo.trainer import GRPOTrainer
 
     overrides = _overrides(args)
     args.config = _config_source(args.config, overrides)
@@ -330,7 +341,10 @@ def cmd_train(args) -> int:
             log.info("Sweep run %d/%d: %s", i + 1, len(runs), redact_mapping(dict(run)))
         trainer = GRPOTrainer(config=cfg)
         args.run_dir = trainer.parts.run_dir  # for the resume hint should a second Ctrl-C stop it at once
-        summary = trainer.train()
+        try:
+            summary = trainer.train()
+        except TrainingStopped as stopped:  # the checkpoint is saved and the way to resume was said
+            return 128 + stopped.signal
         if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM: the conventional 128 + signal
             return 128 + trainer.stop_signal
         finished.append((redact_mapping(dict(swept)), summary, trainer.parts.run_dir))
@@ -345,12 +359,14 @@ def dry_run(cfg: GRPOConfig) -> str:
     """The resolved config plus what the run would do, as YAML, from the data alone (no model is loaded)."""
     import yaml
 
+    from grpo.config.settings import RunSettings, is_multi_turn
     from grpo.rewards import reward_name
     from grpo.run.assemble import load_data_and_rewards, planned_steps
     from grpo.run.preflight import check_model_paths
 
     check_model_paths(cfg, model_given=False, tokenizer_given=False)
-    train_rows, eval_rows, funcs = load_data_and_rewards(cfg, token=cfg.hf_token())
+    train_rows, eval_rows, funcs, decided = load_data_and_rewards(cfg, token=cfg.hf_token())
+    resolved = RunSettings.resolve(cfg, decided, is_multi_turn(cfg))  # what config.yaml would hold
     plan = {
         "train_rows": len(train_rows),
         "eval_rows": len(eval_rows),
@@ -363,7 +379,7 @@ def dry_run(cfg: GRPOConfig) -> str:
         "micro_batch_size": cfg.resolved_micro_batch_size or "by tokens (train.micro_batch_tokens)",
         "explicit": sorted(cfg.explicit_keys),
     }
-    return cfg.to_yaml() + yaml.safe_dump({"plan": plan}, sort_keys=False)
+    return resolved.to_yaml() + yaml.safe_dump({"plan": plan}, sort_keys=False)
 
 
 def cmd_eval(args) -> int:

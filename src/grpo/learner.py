@@ -95,9 +95,17 @@ class Learner:
     """AdamW on the policy's trainable parameters, stepped by the GRPO loss of one TrainBatch at a time."""
 
     def __init__(
-        self, policy, ref_model, cfg: GRPOConfig, total_optimizer_steps: int, runtime: Runtime | None = None
+        self,
+        policy,
+        ref_model,
+        cfg: GRPOConfig,
+        total_optimizer_steps: int,
+        runtime: Runtime | None = None,
+        completion_limit: int | None = None,
     ):
         self.policy, self.ref_model, self.cfg = policy, ref_model, cfg
+        # Dr. GRPO's constant normaliser: the run's one completion limit (RunSettings; an episode's, agents)
+        self.completion_limit = completion_limit or cfg.effective_max_new_tokens
         # Several processes: `model` is the DDP/FSDP2-wrapped policy that forward/backward go through,
         # and every count below is made global with the runtime's all-reduces.
         self.rt = runtime or Runtime()
@@ -215,7 +223,7 @@ class Learner:
         norm = LossNorm(
             num_sequences=int(rt.sum(len(batch))),
             num_tokens=int(rt.sum(batch.loss_mask.sum().item())),
-            max_completion_length=self.cfg.effective_max_new_tokens,
+            max_completion_length=self.completion_limit,
         )
         # The first pass fills π_old and, for rollouts of another policy, the importance-weighted
         # advantages; later passes (num_iterations > 1) read them from `work`, a copy of the batch's record.

@@ -81,7 +81,7 @@ def test_start_up_imports_no_datasets():
     code = (
         "import sys; sys.modules['datasets'] = None\n"
         "import grpo.train, grpo.cli\n"
-        "from grpo.run.assemble import setup_logging\n"
+        "from grpo.run.rundir import setup_logging\n"
         "setup_logging()\n"
         "import os; print(os.environ['HF_DATASETS_DISABLE_PROGRESS_BARS'])"
     )

@@ -22,7 +22,7 @@ from grpo.checkpoint.store import (
     seed_everything,
     set_rng_state,
 )
-from grpo.config import GRPOConfig
+from grpo.config import ConfigError, GRPOConfig
 from grpo.distributed.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -45,8 +45,16 @@ def resume(cfg: GRPOConfig, parts: RunParts, rt: Runtime, learner, stream: Promp
         rt.seed(cfg.train.seed)  # several processes: different sampling noise per rank
         return 0, 0
     state = load_training_state(path)
-    load_policy_weights(rt, path, parts.policy, state)
-    learner.load_state_dict(state["learner"])
+    try:
+        load_policy_weights(rt, path, parts.policy, state)
+        learner.load_state_dict(state["learner"])
+    except (RuntimeError, ValueError, KeyError) as err:  # shapes, names or optimizer groups that differ
+        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"{path} holds the weights of a different model than {cfg.model.name_or_path} ({detail}). "
+            "train.allow_config_change lets settings change, not the model's architecture: resume with the "
+            "model it was trained from, or start afresh in another --output-dir."
+        ) from None
     learner.nonfinite_in_a_row = state["nonfinite_in_a_row"]
     stream.load_state_dict(state["data"], strict=not cfg.train.allow_config_change)
     rngs = state["rng"]

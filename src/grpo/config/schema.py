@@ -7,9 +7,10 @@ the constraint is not a choice or a type, one line in validate.py's section vali
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
+
+from grpo import plugins
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -25,10 +26,10 @@ class Registry:
     live with the code they register, which imports torch."""
 
     path: str  # "module:NAME"
+    also: tuple[str, ...] = ()  # choices that are not entries (e.g. "auto", resolved elsewhere)
 
     def keys(self) -> tuple[str, ...]:
-        module, _, name = self.path.partition(":")
-        return tuple(getattr(importlib.import_module(module), name))
+        return (*self.also, *plugins.load(self.path, "registry"))
 
 
 BUNDLED_MODEL = "tiny-math-lm"  # the default policy: a name that resolves to a model in grpo/assets
@@ -185,7 +186,9 @@ class GenerationConfig:
         "inference_model.gpu_memory_utilization).",
     )
     vllm_max_model_len: int | None = _f(
-        None, "vllm: longest prompt + completion; default: max prompt + max_new_tokens."
+        None,
+        "vllm: longest prompt + completion; default: data.max_prompt_length + the run's completion limit "
+        "(a whole episode's for agents), within the model's positions.",
     )
     vllm_tensor_parallel_size: int = _f(
         1, "vllm: GPUs one engine shards the model over (TorchRL inference_model.tensor_parallel_size)."
@@ -570,10 +573,33 @@ class EnvConfig:
         "auto",
         "How tool calls are written: auto (what the tokenizer's chat template declares), hermes "
         "(<tool_call> JSON: Qwen, Hermes), llama3_json or mistral.",
+        choices=Registry("grpo.agents.parsing:PARSERS", also=("auto",)),
     )
     reward_weight: float = _f(
         1.0,
         "Weight of the environment's own reward (step rewards or get_reward()) beside the reward functions.",
+    )
+    agent: str | None = _f(
+        None,
+        "Your own agent as package.module:function or path/to/file.py:function: run(client, row) drives "
+        "each episode through an OpenAI-compatible gateway (client: openai.OpenAI, or AsyncOpenAI for "
+        "async def run) and returns the reward or None (the reward functions score it).",
+    )
+    agent_command: str | None = _f(
+        None,
+        "A command run once per episode with the row as JSON on stdin and OPENAI_BASE_URL / "
+        "OPENAI_API_KEY set for its session; a number on its last stdout line is the reward.",
+    )
+    episode_timeout_s: float = _f(300.0, "Seconds an agent's episode may run; past it the episode fails.")
+    failed_episode: str = _f(
+        "zero",
+        "How a failed agent episode (it raised, timed out, never called the model, sent a malformed "
+        "request) is scored: zero (reward 0) or drop (left out of its group's baseline).",
+        choices=("zero", "drop"),
+    )
+    strict_history: bool = _f(
+        False,
+        "End an agent's episode when a request rewrites its history, instead of starting a new row.",
     )
 
 

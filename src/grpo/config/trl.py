@@ -126,7 +126,6 @@ NO_EFFECT: dict[str, tuple[tuple | None, str]] = {
     "use_adaptive_entropy": ((False,), "the adaptive entropy controller is not implemented"),
     "num_generations_eval": ((None,), "evaluation is greedy, one completion per prompt (grpo eval --k)"),
     "use_liger_kernel": ((False,), "Liger kernels are not used"),
-    "max_tool_calling_iterations": ((None,), "tool calling is not implemented"),
     "cache_implementation": (None, "the native engine keeps its own KV cache"),
     "pad_to_multiple_of": (None, "training packs rows without padding"),
     "disable_tqdm": (None, "see train.progress_bar"),
@@ -150,6 +149,7 @@ TRL_ONLY = {
     "shuffle_dataset",
     "activation_checkpointing",
     "use_cpu",
+    "max_tool_calling_iterations",
     *NO_EFFECT,
     *VLLM,
 } - {"disable_tqdm"}
@@ -192,6 +192,7 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
     _vllm(trl, out)
     if "top_k" in trl:
         out["generation.top_k"] = trl["top_k"] or 0  # TRL: None or 0 = off
+    _tool_calling(trl, out)
     if trl.get("use_cpu"):
         out["model.device"] = "cpu"
     if "disable_tqdm" in trl:
@@ -202,6 +203,21 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
         log.info("TRL settings with no effect here (docs/trl.md says why): %s", ", ".join(sorted(ignored)))
     out.update(rest)
     return out
+
+
+def _tool_calling(trl: dict[str, Any], out: dict[str, Any]) -> None:
+    """max_tool_calling_iterations = N → env.max_turns = N + 1: TRL counts the rounds of tool calls, each
+    followed by one more sampled turn, so N rounds are N + 1 assistant turns. None (TRL: no limit) keeps
+    env.max_turns, as every episode here has a turn cap."""
+    n = trl.get("max_tool_calling_iterations")
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TRLConfigError(
+            f"GRPOConfig(max_tool_calling_iterations={n!r}) must be a whole number ≥ 0 (rounds of tool calls "
+            "per completion), or None."
+        )
+    out["env.max_turns"] = n + 1
 
 
 def _vllm(trl: dict[str, Any], out: dict[str, Any]) -> None:

@@ -2,22 +2,19 @@
 
 Each group's prompt is prefilled once; its G completions decode against that one prompt KV (grouped
 attention, `GroupLayout`), each with its own completion KV. The functions take the `NativeDecoder`
-whose live weights and block pieces they use (model/decoder.py).
+whose live weights and block pieces they use (model/decoder.py; `dec` below, untyped here because
+that module imports this one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from grpo.model.arch import rms_norm, rotate
 from grpo.model.linear import DecodeLinear, decode_onednn
-
-if TYPE_CHECKING:
-    from grpo.model.decoder import NativeDecoder
 
 
 @dataclass
@@ -89,7 +86,7 @@ class GroupLayout:
 
 
 # -- rollout ------------------------------------------------------------------------------------
-def prefill(dec: NativeDecoder, prompts: list[list[int]], pad_id: int) -> tuple[PromptCache, torch.Tensor]:
+def prefill(dec, prompts: list[list[int]], pad_id: int) -> tuple[PromptCache, torch.Tensor]:
     """Run each prompt once (right-padded, causal). Returns its KV and last-token logits [P, V]."""
     p, width = len(prompts), max(len(x) for x in prompts)
     lengths = torch.tensor([len(x) for x in prompts], device=dec.device)
@@ -118,9 +115,7 @@ def prefill(dec: NativeDecoder, prompts: list[list[int]], pad_id: int) -> tuple[
     return PromptCache(keys, values, bias, lengths), dec.logits(last)
 
 
-def decode_weights(
-    dec: NativeDecoder, fuse: bool, onednn: bool | None = None, copy: bool = True
-) -> DecodeWeights:
+def decode_weights(dec, fuse: bool, onednn: bool | None = None, copy: bool = True) -> DecodeWeights:
     """Weights for decoding, prepared once per generate call. fuse=True (the CPU path) concatenates
     q|k|v into one matmul and folds the attention scale into the q rows (RoPE is linear, so scaling
     before it is the same); onednn (default: fuse, for widths `linear.decode_onednn` sends there) puts
@@ -166,7 +161,7 @@ def decode_weights(
 
 
 def decode_step(
-    dec: NativeDecoder,
+    dec,
     tokens: torch.Tensor,
     prompts: PromptCache,
     layout: GroupLayout,
@@ -226,7 +221,7 @@ def decode_step(
 
 
 def _decode_attention(
-    dec: NativeDecoder, q, kc, vc, kp, vp, bias, layout: GroupLayout, scaled: bool, cache_bias=None
+    dec, q, kc, vc, kp, vp, bias, layout: GroupLayout, scaled: bool, cache_bias=None
 ) -> torch.Tensor:
     # q [n, H, D]; kc, vc [n, Hkv, t, D]; kp, vp [P, Hkv, Lp, D] (prompt KV, shared by a group).
     n, hkv, d = q.shape[0], dec.num_kv_heads, dec.head_dim

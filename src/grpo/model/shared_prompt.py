@@ -8,16 +8,12 @@ weights and block pieces they use (model/decoder.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from grpo.model.arch import rms_norm
 from grpo.model.compiled import compiled_block
-
-if TYPE_CHECKING:
-    from grpo.model.decoder import NativeDecoder
 
 QUERY_CHUNK = 64  # completion queries per attention call in training (see _completion_attention)
 
@@ -139,7 +135,7 @@ def _scatter_rows(x: torch.Tensor, slots: torch.Tensor, size: int) -> torch.Tens
 
 
 # -- training -----------------------------------------------------------------------------------
-def shared_prompt_hidden(dec: NativeDecoder, packed: SharedPromptPack) -> torch.Tensor:
+def shared_prompt_hidden(dec, packed: SharedPromptPack) -> torch.Tensor:
     """Final-normed hidden states that predict each real completion token: [M, d], in `target_slot`
     order."""
     h = dec.embed(packed.token_ids)  # [S, d] S = real prompt tokens + real completion inputs
@@ -154,7 +150,7 @@ def shared_prompt_hidden(dec: NativeDecoder, packed: SharedPromptPack) -> torch.
     return dec.final_norm(h.index_select(0, packed.predictor_index))  # [M, d]
 
 
-def _shared_block(dec: NativeDecoder, layer, h, cos, sin, packed: SharedPromptPack) -> torch.Tensor:
+def _shared_block(dec, layer, h, cos, sin, packed: SharedPromptPack) -> torch.Tensor:
     if dec.compile_blocks:
         q, k, v = _compiled_pre_attention(dec, layer, h, cos, sin)
     else:
@@ -193,7 +189,7 @@ def _shared_block(dec: NativeDecoder, layer, h, cos, sin, packed: SharedPromptPa
     return dec.block_tail(layer, h, attn)
 
 
-def _compiled_pre_attention(dec: NativeDecoder, layer, h, cos, sin):
+def _compiled_pre_attention(dec, layer, h, cos, sin):
     a, w = layer.self_attn, dec.w
     norms = (w(a.q_norm.weight), w(a.k_norm.weight)) if dec.qk_norm else (None, None)
     return compiled_block().pre(
@@ -211,7 +207,7 @@ def _compiled_pre_attention(dec: NativeDecoder, layer, h, cos, sin):
     )
 
 
-def _compiled_post_attention(dec: NativeDecoder, layer, h, attn):
+def _compiled_post_attention(dec, layer, h, attn):
     m = layer.mlp
     return compiled_block().post(
         h,
@@ -223,9 +219,7 @@ def _compiled_post_attention(dec: NativeDecoder, layer, h, attn):
     )
 
 
-def _completion_attention(
-    dec: NativeDecoder, q, keys, vals, mask, lp: int, lengths: list[int]
-) -> torch.Tensor:
+def _completion_attention(dec, q, keys, vals, mask, lp: int, lengths: list[int]) -> torch.Tensor:
     """Completion queries q [N, H, Tc, D] over their [prompt | completion] keys [N, Hkv, Lp+Tc, D];
     lengths: real queries per row, non-increasing (rows longest first).
 

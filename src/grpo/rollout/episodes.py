@@ -333,7 +333,7 @@ def refuse_rewriting_template(renderer: ChatRenderer, name: str, opening: list[d
         )
 
 
-def build_episodes(cfg, formatter, tools=None, environment=None) -> EpisodeRunner:
+def build_episodes(cfg, formatter, tools=None, environment=None, max_tokens=None) -> EpisodeRunner:
     """One turn, or multi-turn episodes when tools or an environment are given (objects from
     GRPOTrainer(tools=, environment_factory=), else env.tools / env.environment import paths). Refuses at
     start-up a model whose tool-call format is unknown or whose chat template rewrites earlier turns."""
@@ -348,7 +348,9 @@ def build_episodes(cfg, formatter, tools=None, environment=None) -> EpisodeRunne
     schemas = factory.fixed_schemas or next(iter(factory._schemas.values()), [])
     kwargs = dict(cfg.data.chat_template_kwargs or {})
     refuse_rewriting_template(ChatRenderer(formatter.tokenizer, schemas or None, **kwargs), name)
-    limits = EpisodeLimits(cfg.env.max_turns, cfg.episode_max_tokens, cfg.effective_max_new_tokens)
+    # max_tokens: the run's one completion limit (RunSettings.completion_limit) that the preflights checked
+    max_tokens = max_tokens or cfg.episode_max_tokens
+    limits = EpisodeLimits(cfg.env.max_turns, max_tokens, cfg.effective_max_new_tokens)
     log.info(
         "Episodes: up to %d turns and %d tokens each; tools %s; tool calls parsed as %s.",
         limits.max_turns,

@@ -73,7 +73,11 @@ class NativeEngine:
     ) -> Rollouts:
         return generate_in_chunks(self._generate, prompt_token_ids, n, sampling, chunk_prompts, self.pad_id)
 
-    def continue_rows(self, rows: list[list[int]], sampling: SamplingParams) -> Rollouts:
+    def continue_rows(self, rows: list[list[int]], sampling: SamplingParams, on_step=None) -> Rollouts:
+        """on_step(rows, tokens), when given, receives each decode step's sampled tokens (the gateway
+        streams them as they are sampled)."""
+        if on_step is not None:
+            return self._generate(rows, 1, sampling, on_step)
         return self.generate(rows, 1, sampling)  # each row its own prompt: prefill, then decode
 
     def close(self) -> None:
@@ -105,7 +109,7 @@ class NativeEngine:
             )
         return fits
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, on_step=None) -> Rollouts:
         dec, device = self.decoder, self.decoder.device
         p, t_max = len(prompts), sampling.max_new_tokens
         rows = p * n
@@ -137,6 +141,8 @@ class NativeEngine:
             live = active[alive]
             ids[live, step] = tokens[alive].cpu()
             logprobs[live, step] = lp[alive].float().cpu()
+            if on_step is not None:
+                on_step(live.tolist(), ids[live, step].tolist())
             done = torch.isin(tokens, eos_ids).cpu() & alive
             if stops.active:
                 hit = stops.hits(ids, live, step)  # [n_alive]

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -368,6 +368,8 @@ def build(cfg, parts, rt: Runtime, feed: PromptFeed, sampling: SamplingParams, c
     spec = EngineSpec.of_policy(
         parts.policy, parts.compute_dtype, parts.tokenizer, cfg, rt.rank, getattr(parts, "episodes", None)
     )
+    if getattr(parts, "settings", None):  # vLLM's max_model_len from the run's one completion limit
+        spec = replace(spec, generation=parts.settings.generation)
     g = cfg.generation
     return RayRollout(
         cfg.distributed, spec, placement(cfg, rt), feed, g.num_generations, sampling, rt, chunk_prompts

@@ -1,4 +1,4 @@
-"""Turning a validated config (plus any objects the caller passed) into the parts of a run.
+"""Turning a validated config (plus any objects the caller passed) into the parts of a run: RunParts.
 
 Order matters for the user: everything that can fail without a model (run directory, datasets,
 reward names) is checked before the first model loads.
@@ -6,23 +6,19 @@ reward names) is checked before the first model loads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import shutil
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from grpo.config import EVAL_HOLDOUT, ConfigError, GRPOConfig
-from grpo.data import PromptFormatter, load_rows, rows_from_dataset
-from grpo.data.sources import split_holdout
-from grpo.data.tasks import missing_reward_columns, reserved_column_message, scorer_for_rows, task_of_rows
-from grpo.files import LogFileHandler, open_fd, write_text
+from grpo.config import ConfigError, GRPOConfig
+from grpo.config.settings import RunSettings, is_multi_turn
+from grpo.data import PromptFormatter, rows_from_dataset
 from grpo.model.loading import (
     float32_masters,
     load_causal_lm,
@@ -35,14 +31,36 @@ from grpo.model.loading import (
     resolve_dtype,
     resolve_path,
 )
-from grpo.redact import RedactingFilter
-from grpo.rewards import resolve_rewards
 from grpo.rollout import RolloutEngine
 from grpo.rollout.episodes import EpisodeRunner, SingleTurn, build_episodes
-from grpo.run.console import StderrHandler
+from grpo.run import provenance
+from grpo.run.datasets import describe_eval_set, eval_set_name, load_data_and_rewards, planned_steps
 from grpo.run.preflight import check_model_paths, plan_resume
-from grpo.run.runlock import LOCK_FILE, lock_run_dir
-from grpo.run.sizes import check_context, check_memory
+from grpo.run.rundir import (
+    decide_run_name,
+    holds_a_run,
+    make_run_dir,
+    refuse_users_files,
+    remove_failed_start,
+    run_dir_of,
+    setup_logging,
+    write_run_config,
+)
+from grpo.run.runlock import lock_run_dir
+from grpo.run.sizes import check_context, check_memory, model_context
+
+# Callers import these from here too (the CLI, tests): run/datasets.py and run/rundir.py are their homes.
+__all__ = [
+    "RunParts",
+    "build_run",
+    "cpu_threads",
+    "describe_eval_set",
+    "eval_set_name",
+    "load_data_and_rewards",
+    "planned_steps",
+    "resolve_path",
+    "setup_logging",
+]
 
 log = logging.getLogger("grpo")
 
@@ -66,117 +84,7 @@ class RunParts:
     # An engine the caller made (tests, embedding); None: the rollout source builds and owns its own.
     engine: RolloutEngine | None = None
     eval_name: str = ""  # the evaluation set in words (logs, closing line)
-
-
-def run_dir_of(cfg: GRPOConfig) -> Path:
-    """train.output_dir, else base_output_directory/run_name (run_name: a timestamp unless given)."""
-    t = cfg.train
-    if t.output_dir:
-        return Path(t.output_dir)
-    t.run_name = t.run_name or datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    return Path(t.base_output_directory) / t.run_name
-
-
-def make_run_dir(cfg: GRPOConfig) -> Path:
-    # Absolute from here on: a reward that calls os.chdir must not lose the run directory.
-    run_dir = Path(os.path.abspath(run_dir_of(cfg)))
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"Output directory {run_dir} exists and is a file; pass another --output-dir.")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write_test.{os.getpid()}"  # one per process: torchrun ranks share run_dir
-        os.close(open_fd(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(
-            f"Cannot write to output directory {run_dir}: {e.strerror}. Pass a writable --output-dir."
-        ) from e
-    return run_dir
-
-
-RUN_CONFIG = "config.yaml"
-RUN_CONFIG_HEADER = "# Written by grpo train: the resolved config of this run (secrets redacted)\n"
-
-
-# What a run replaces or truncates in its directory (besides config.yaml, checked on its own): in a
-# directory that held no grpo run before, a file or folder by one of these names is the user's.
-REPLACED_NAMES = ("metrics.jsonl", "samples.jsonl", "report", "final_model", "best_model", "profile")
-
-
-def holds_a_run(run_dir: Path) -> bool:
-    """Whether grpo has run in this directory before (its lock file, or a checkpoint, is there)."""
-    return (run_dir / "run.lock").exists() or any(run_dir.glob("checkpoint-*"))
-
-
-def refuse_users_files(run_dir: Path, held_a_run: bool) -> None:
-    """A start must not replace the user's files with its own (`--config config.yaml --output-dir .` in a
-    project folder): a config.yaml grpo did not write (no header line, and no run there before), and in a
-    directory that held no run, a metrics.jsonl, report/, final_model/ ... are refused by name."""
-    config = run_dir / RUN_CONFIG
-    if config.is_file() and not config.is_symlink() and not _ours(config, held_a_run):
-        raise ConfigError(
-            f"{config} is not a config grpo wrote (your own file?), and grpo train writes the run's resolved "
-            "config there. Pass another --output-dir (e.g. --output-dir runs/exp1), or move the file."
-        )
-    if held_a_run:
-        return
-    theirs = [name for name in REPLACED_NAMES if os.path.lexists(run_dir / name)]
-    if theirs:
-        raise ConfigError(
-            f"{run_dir} holds {', '.join(theirs)}, which grpo did not write (no grpo run was started there), "
-            "and a run would replace them with its own. Pass another --output-dir (e.g. --output-dir "
-            "runs/exp1), or move them."
-        )
-
-
-def write_run_config(run_dir: Path, config_yaml: str) -> None:
-    """RUN_DIR/config.yaml (a user's own config.yaml there was refused by `refuse_users_files`)."""
-    write_text(run_dir / RUN_CONFIG, RUN_CONFIG_HEADER + config_yaml)
-
-
-def _ours(path: Path, held_a_run: bool) -> bool:
-    try:
-        with open(path, "rb") as fh:
-            return fh.readline() == RUN_CONFIG_HEADER.encode() or held_a_run
-    except OSError:
-        return False
-
-
-def setup_logging(run_dir: Path | None = None) -> None:
-    import transformers
-
-    # Our own progress bar and log lines say what is happening; the libraries' per-file bars are noise.
-    # `datasets` is imported only where a dataset is read through it (data/sources.py): a run on bundled
-    # or JSON data needs none installed. It reads this variable when it is imported.
-    if (datasets := sys.modules.get("datasets")) is not None:
-        datasets.disable_progress_bars()
-    else:
-        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    logger = logging.getLogger("grpo")
-    # torchrun starts one process per device; rank 0 speaks for the job, the others only warn.
-    logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
-    logger.propagate = False
-    if not any(
-        isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-        for h in logger.handlers
-    ):
-        console = StderrHandler()
-        console.setFormatter(logging.Formatter("%(message)s"))
-        console.addFilter(RedactingFilter())
-        logger.addHandler(console)
-    if run_dir is not None:
-        path = os.path.abspath(
-            run_dir / "train.log"
-        )  # not resolve(): a planted link is refused, not followed
-        for h in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
-            logger.removeHandler(h)
-            h.close()
-        handler = LogFileHandler(path, encoding="utf-8")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        handler.addFilter(RedactingFilter())
-        logger.addHandler(handler)
+    settings: RunSettings | None = None  # what the start decided (config/settings.py); the run reads it
 
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # what torch itself reads at start-up
@@ -199,6 +107,27 @@ def cpu_threads(cfg: GRPOConfig, environ) -> tuple[int | None, str]:
     return n, "train.num_threads from the config; OMP_NUM_THREADS or train.num_threads=N changes it"
 
 
+def start_decisions(
+    cfg: GRPOConfig, environ, *, model=None, tokenizer=None, ref_model=None
+) -> dict[str, Any]:
+    """What the start decides before the data (RunSettings.decided): the CPU threads, the run name, and
+    config.yaml's record of where passed-in models came from (not the bundled default)."""
+    decided: dict[str, Any] = {}
+    threads, _ = cpu_threads(cfg, environ)
+    if threads:
+        decided["train.num_threads"] = threads  # what ran, in config.yaml and for Ray's workers
+    for key, value in (("tokenizer_path", tokenizer), ("name_or_path", model), ("ref_model_path", ref_model)):
+        if isinstance(value, str):  # a name or path passed in place of an object
+            decided[f"model.{key}"] = value
+        elif value is not None:  # an object: where it came from
+            decided[f"model.{key}"] = (
+                getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>"
+            )
+    if (name := decide_run_name(cfg)) != cfg.train.run_name:
+        decided["train.run_name"] = name
+    return decided
+
+
 def build_run(
     cfg: GRPOConfig,
     *,
@@ -212,29 +141,36 @@ def build_run(
     rt=None,
     tools=None,
     environment=None,
+    agent=None,
 ) -> RunParts:
+    """The parts of a run from the validated `cfg`, which is only read: its start-up decisions are in
+    `RunParts.settings` (config/settings.py)."""
+    given = {"data.dataset": train_dataset, "data.eval_dataset": eval_dataset, "env.tools": tools or None,
+             "algorithm.reward_funcs": reward_funcs, "algorithm.reward_model": reward_model,
+             "env.environment": environment, "model.name_or_path": model}  # fmt: skip
+    provenance.refuse_unrebuildable(cfg, given)  # a CLI --resume of a run built in Python
+    decided = start_decisions(cfg, os.environ, model=model, tokenizer=tokenizer, ref_model=ref_model)
+    skip = cfg.data.skip_invalid_rows
+    decided |= provenance.record_objects(
+        train_rows=None if train_dataset is None else rows_from_dataset(train_dataset, skip),
+        eval_rows=None if eval_dataset is None else rows_from_dataset(eval_dataset, split="test"),
+        reward_funcs=reward_funcs, reward_model=reward_model, tools=tools, environment=environment,
+    )  # fmt: skip
+    early = RunSettings.resolve(cfg, decided, is_multi_turn(cfg, tools, environment, agent))
     threads, why = cpu_threads(cfg, os.environ)
     if threads:
-        cfg.train.num_threads = threads  # what ran, in config.yaml and for Ray's workers
         torch.set_num_threads(threads)
         log.info("CPU threads: %d (%s).", threads, why)
     torch.manual_seed(cfg.train.seed)
-    for key, value in (("tokenizer_path", tokenizer), ("name_or_path", model), ("ref_model_path", ref_model)):
-        if isinstance(value, str):  # a name or path passed in place of an object
-            setattr(cfg.model, key, value)
-        elif value is not None:  # an object: config.yaml records where it came from, not the bundled default
-            setattr(
-                cfg.model, key, getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>"
-            )
-    created = not run_dir_of(cfg).exists()
-    run_dir = make_run_dir(cfg)
+    created = not run_dir_of(early.config).exists()
+    run_dir = make_run_dir(early.config)
     held_a_run = holds_a_run(run_dir)  # looked at before the lock file is created
     refuse_users_files(run_dir, held_a_run)  # before the lock too, which leaves run.lock behind
     # Before anything in run_dir is read or written: a second run on a live directory stops here.
     lock = lock_run_dir(run_dir, rt)
     try:
         parts = _build_parts(
-            cfg,
+            early,
             run_dir,
             model=model,
             ref_model=ref_model,
@@ -246,18 +182,19 @@ def build_run(
             is_main=rt is None or rt.is_main,
             tools=tools,
             environment=environment,
+            agent=agent,
         )
     except BaseException:
         lock.release()
         if created and (rt is None or rt.is_main):
-            _remove_failed_start(run_dir)
+            remove_failed_start(run_dir)
         raise
     parts.lock = lock
     return parts
 
 
 def _build_parts(
-    cfg: GRPOConfig,
+    early: RunSettings,
     run_dir: Path,
     *,
     model,
@@ -270,10 +207,12 @@ def _build_parts(
     is_main: bool,
     tools=None,
     environment=None,
+    agent=None,
 ) -> RunParts:
     setup_logging(run_dir)
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
     # weights are read.
+    cfg = early.config
     resume_from = plan_resume(cfg, run_dir, clean_up=is_main)
     if resume_from is not None:  # absolute, like run_dir: a reward's os.chdir must not move it
         resume_from = Path(os.path.abspath(resume_from))
@@ -282,13 +221,11 @@ def _build_parts(
         model_given=model is not None and not isinstance(model, str),
         tokenizer_given=tokenizer is not None and not isinstance(tokenizer, str),
     )
-    token = cfg.hf_token()
-
-    train_rows, eval_rows, funcs = load_data_and_rewards(
-        cfg, train_dataset, eval_dataset, reward_funcs, reward_model, token
-    )
+    data = load_data_and_rewards(cfg, train_dataset, eval_dataset, reward_funcs, reward_model, cfg.hf_token())
+    settings = early.extend(data.decided)  # resolved: from here on the run reads settings.config
+    cfg, train_rows, eval_rows, funcs = settings.config, data.train_rows, data.eval_rows, data.reward_funcs
     if is_main:  # rank 0 writes for the group; after the data, which may settle the rewards and eval set
-        write_run_config(run_dir, cfg.to_yaml())
+        write_run_config(run_dir, settings.to_yaml())
     source = "train_dataset" if train_dataset is not None else (cfg.data.hf_path or cfg.data.dataset)
     eval_name = "eval_dataset" if eval_dataset is not None else eval_set_name(cfg, source)
     log.info("Evaluation: %s", describe_eval_set(cfg, eval_name, eval_rows, len(train_rows)))
@@ -304,10 +241,11 @@ def _build_parts(
     formatter.check_lengths(train_rows)
     model_config = _model_config(cfg, model)
     if model_config is not None:  # before any weight is read: positions and memory the run needs
-        check_context(cfg, model_config, lambda: formatter.longest(train_rows))
+        settings = dataclasses.replace(settings, model_context=model_context(model_config))
+        check_context(settings, model_config, lambda: formatter.longest(train_rows))
         gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        check_memory(cfg, model_config, torch.finfo(compute).bits // 8, gpu)
-    episodes = build_episodes(cfg, formatter, tools=tools, environment=environment)
+        check_memory(settings, model_config, torch.finfo(compute).bits // 8, gpu)
+    episodes = _episodes(cfg, formatter, tools, environment, agent, settings.completion_limit)
     if episodes.multi_turn:
         episodes.check_prompts(train_rows)
     policy = _policy(cfg, model, device, compute)
@@ -323,7 +261,8 @@ def _build_parts(
                 resolve_device(cfg.algorithm.reward_model_device or cfg.model.device),
             )
         )
-    if not funcs and not (tools or environment or cfg.env.environment):
+    agents = agent or cfg.env.agent or cfg.env.agent_command  # an agent may give its episodes' rewards
+    if not funcs and not (tools or environment or cfg.env.environment or agents):
         raise ConfigError(
             "No reward: pass reward_funcs=[...] or reward_model=..., or set algorithm.reward_funcs."
         )
@@ -331,7 +270,7 @@ def _build_parts(
     if weights is not None and len(weights) != len(funcs):
         raise ConfigError(f"algorithm.reward_weights has {len(weights)} entries for {len(funcs)} rewards.")
 
-    if episodes.multi_turn and (own := episodes.factory.reward_functions()):
+    if episodes.multi_turn and (own := getattr(episodes, "factory", episodes).reward_functions()):
         # Environments that score their episodes add a reward each, named after the class (as TRL logs it).
         if weights is not None or cfg.env.reward_weight != 1.0:
             weights = [*(weights or [1.0] * len(funcs)), *[cfg.env.reward_weight] * len(own)]
@@ -375,23 +314,16 @@ def _build_parts(
         compute,
         episodes=episodes,
         eval_name=eval_name,
+        settings=settings,
     )
 
 
-STARTUP_FILES = frozenset({RUN_CONFIG, "train.log", LOCK_FILE})  # all a start writes before training
+def _episodes(cfg, formatter, tools, environment, agent, completion_limit: int) -> EpisodeRunner:
+    if agent is not None or cfg.env.agent or cfg.env.agent_command:  # the user's own agent (grpo/gateway)
+        from grpo.gateway.runner import build_agent_runner
 
-
-def _remove_failed_start(run_dir: Path) -> None:
-    """A start that failed before training (bad data, a missing model) leaves no run directory behind when
-    it created it: an empty timestamped directory would only be mistaken for a run. Anything else in it
-    (a file another process put there) keeps it."""
-    logger = logging.getLogger("grpo")
-    for handler in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
-        if Path(handler.baseFilename).parent == run_dir.resolve():
-            logger.removeHandler(handler)
-            handler.close()
-    if run_dir.is_dir() and all(p.name in STARTUP_FILES for p in run_dir.iterdir()):
-        shutil.rmtree(run_dir, ignore_errors=True)
+        return build_agent_runner(cfg, formatter, agent)
+    return build_episodes(cfg, formatter, tools=tools, environment=environment, max_tokens=completion_limit)
 
 
 def _model_config(cfg: GRPOConfig, model):
@@ -446,175 +378,6 @@ def _reference(cfg: GRPOConfig, ref_model, model, policy, device: torch.device, 
     from grpo.distributed.roles import place_reference
 
     return place_reference(ref, cfg.distributed.ref_device, device)
-
-
-def load_data_and_rewards(
-    cfg: GRPOConfig, train_dataset=None, eval_dataset=None, reward_funcs=None, reward_model=None, token=None
-) -> tuple[list[dict], list[dict], list[Callable]]:
-    """Training rows, evaluation rows and the reward functions, checked against each other: every column a
-    reward needs is in the data. Needs no model, so a bad combination stops the run before one loads."""
-    source = "train_dataset" if train_dataset is not None else (cfg.data.hf_path or cfg.data.dataset)
-    train_rows = (
-        rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows)
-        if train_dataset is not None
-        else load_rows(cfg.data.hf_path or cfg.data.dataset, cfg.data, token=token)
-    )
-    has_model = reward_model is not None or cfg.algorithm.reward_model is not None
-    chosen = reward_funcs is not None or "algorithm.reward_funcs" in cfg.explicit_keys
-    try:
-        funcs = resolve_rewards(
-            reward_funcs
-            if reward_funcs is not None
-            else ([] if reward_model is not None else cfg.algorithm.reward_funcs)
-        )
-    except (ValueError, ImportError, TypeError) as e:  # an unknown name or a bad import path: say which
-        raise ConfigError(f"algorithm.reward_funcs: {e}") from e
-    columns = set(train_rows[0]) if train_rows else set()
-    clash = reserved_column_message(source, {k for row in train_rows for k in row})
-    if clash:
-        raise ConfigError(clash)
-    missing = missing_reward_columns(funcs, columns)
-    task = task_of_rows(train_rows)
-    if missing and task is not None and not chosen:
-        # A local copy of a task's data (an IFEval .jsonl) is scored the way the task is.
-        log.info(
-            "%s has %s's columns (%s): rewards %s (set algorithm.reward_funcs to choose others).",
-            source,
-            task.name,
-            ", ".join(task.columns),
-            ", ".join(task.reward_funcs),
-        )
-        funcs = resolve_rewards(list(task.reward_funcs))
-        cfg.algorithm.reward_funcs = list(task.reward_funcs)
-        cfg.algorithm.reward_weights = list(task.reward_weights) if task.reward_weights else None
-        if (
-            train_dataset is None
-            and "data.eval_dataset" not in cfg.explicit_keys
-            and cfg.data.eval_dataset not in (None, EVAL_HOLDOUT)
-        ):
-            cfg.data.eval_dataset = source  # as the task's own preset does: IFEval evaluates on its prompts
-        missing = missing_reward_columns(funcs, columns)
-    if missing:
-        raise ConfigError(_missing_columns_message(source, missing, columns, has_model))
-    if _holds_out(cfg, train_dataset, eval_dataset, train_rows):
-        train_rows, held_out = split_holdout(train_rows)
-        return train_rows, _scorable(cfg, held_out, f"the held-out slice of {source}"), funcs
-    return train_rows, _eval_rows(cfg, eval_dataset, token), funcs
-
-
-def _evaluates(cfg: GRPOConfig) -> bool:
-    t = cfg.train
-    return bool(t.eval_before or t.eval_after or t.eval_steps)
-
-
-def _holds_out(cfg: GRPOConfig, train_dataset, eval_dataset, train_rows: list[dict]) -> bool:
-    """Whether evaluation runs on a held-out slice of the training rows: data.eval_dataset = holdout, or a
-    train_dataset object given without an evaluation set while evaluation is on (the built-in default
-    set, tiny_math's problems, would say nothing about it). A slice chosen for the user (not set by them)
-    that cannot be scored (no answer column) turns evaluation off instead, said in the log."""
-    if eval_dataset is not None or not _evaluates(cfg):
-        return False
-    chosen = "data.eval_dataset" in cfg.explicit_keys
-    if train_dataset is not None and not chosen and cfg.data.eval_dataset:
-        cfg.data.eval_dataset = EVAL_HOLDOUT
-    if cfg.data.eval_dataset != EVAL_HOLDOUT:
-        return False
-    try:
-        scorer_for_rows(train_rows)
-    except ValueError as e:
-        if chosen:
-            raise ConfigError(f"data.eval_dataset = holdout: {e}") from e
-        log.warning(
-            "No evaluation: the training data cannot be scored as held-out accuracy (%s) Set "
-            "data.eval_dataset to an evaluation set to have one.",
-            e,
-        )
-        cfg.data.eval_dataset = None
-        return False
-    return True
-
-
-def eval_set_name(cfg: GRPOConfig, train_source: str) -> str:
-    """data.eval_dataset in words: its spec, or which training data a held-out slice comes from."""
-    spec = cfg.data.eval_dataset
-    return f"the held-out slice of {train_source}" if spec == EVAL_HOLDOUT else spec or "eval_dataset"
-
-
-def describe_eval_set(cfg: GRPOConfig, name: str, eval_rows: list[dict], train_rows: int) -> str:
-    """The evaluation set, its size and schedule, for the start-up log ('Evaluation: ...')."""
-    t = cfg.train
-    if not eval_rows:
-        return "none (data.eval_dataset is unset or evaluation is off)"
-    during = 0 < t.eval_steps < planned_steps(cfg, train_rows)
-    when = [w for w, on in (("before", t.eval_before), (f"every {t.eval_steps} steps", during),
-                            ("after training", t.eval_after)) if on]  # fmt: skip
-    size = f"{len(eval_rows)} rows" + (
-        f", not trained on; {train_rows} rows left to train on"
-        if cfg.data.eval_dataset == EVAL_HOLDOUT
-        else ""
-    )
-    return f"{name} ({size}), greedy pass@1, {', '.join(when)}"
-
-
-def _missing_columns_message(
-    source: str, missing: dict[str, list[str]], columns: set[str], has_model: bool
-) -> str:
-    needs = "; ".join(
-        f"the reward {name} needs the column{'s' * (len(cols) > 1)} {', '.join(map(repr, cols))}"
-        for name, cols in missing.items()
-    )
-    first = next(iter(missing.values()))[0]
-    return (
-        f"The dataset ({source}) has no {first!r} column: {needs} (the dataset has "
-        f"{', '.join(sorted(columns))}). Add the column (SimplePromptDataset(prompts, {first}=[...]), or the "
-        f"field {first!r} in every row; "
-        f"data.answer_field names another column as the answer), "
-        + (
-            "or drop the rewards that need it (reward_funcs=[] keeps the reward model alone)."
-            if has_model
-            else "or score with a reward model (reward_model=... / --reward-model PATH) or rewards that need "
-            f"no {first!r} (reward_funcs=[...], --reward-funcs NAME)."
-        )
-    )
-
-
-def planned_steps(cfg: GRPOConfig, num_rows: int) -> int:
-    """Optimizer steps of the run: train.steps, else num_epochs passes over num_rows prompts."""
-    t = cfg.train
-    steps = t.steps or max(1, round(t.num_epochs * -(-num_rows // t.prompts_per_step)))
-    if cfg.distributed.weight_sync_steps > steps:
-        raise ConfigError(
-            f"inference_rollouts (distributed.weight_sync_steps) = {cfg.distributed.weight_sync_steps}"
-            f" is more than the run's {steps} steps, so the rollout weights would never be updated."
-            f" Use a value between 1 and {steps}."
-        )
-    return steps
-
-
-def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
-    spec = cfg.data.eval_dataset
-    if eval_dataset is not None:
-        return _scorable(cfg, rows_from_dataset(eval_dataset, split="test"), "eval_dataset")
-    if not spec or not _evaluates(cfg):
-        return []
-    try:
-        rows = load_rows(spec, cfg.data, split="test", token=token)
-    except ConfigError as e:  # say that it is the evaluation set, not the training data, that failed
-        raise ConfigError(
-            f"Could not load the evaluation set data.eval_dataset = {spec}: {str(e).rstrip('.')}. Set "
-            "data.eval_dataset to "
-            "another set, to 'holdout' (a slice of the training data), or to none (no evaluation)."
-        ) from e
-    return _scorable(cfg, rows, f"data.eval_dataset = {spec}")
-
-
-def _scorable(cfg: GRPOConfig, rows: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
-    try:
-        if rows:
-            scorer_for_rows(rows)  # found out now, not after the first training steps
-    except ValueError as e:
-        raise ConfigError(f"The evaluation set ({what}) cannot be scored: {e}") from e
-    return rows[: cfg.data.eval_max_samples] if cfg.data.eval_max_samples else rows
 
 
 def _frozen_copy(policy, dtype: torch.dtype):

@@ -28,6 +28,33 @@ class StderrHandler(logging.StreamHandler):
         pass
 
 
+# -- how a person resumes: the command line's way, or Python's ------------------------------------------
+_front = {"name": "python"}  # `grpo train` sets "cli": messages then show the command to type
+
+
+def set_front(name: str) -> None:
+    """Which front end is running: "cli" (`grpo train`) or "python" (a GRPOTrainer built in user code)."""
+    _front["name"] = name
+
+
+def from_cli() -> bool:
+    return _front["name"] == "cli"
+
+
+def resume_hint(run_dir: Path | str) -> str:
+    """How to continue the run in `run_dir`, in the words of the front end that started it."""
+    if from_cli():
+        return (
+            f"grpo train --resume --output-dir {run_dir} (the run's own config.yaml; add overrides to "
+            "change it)"
+        )
+    return (
+        "trainer.train(resume_from_checkpoint=True) on a GRPOTrainer built as this one was (the same "
+        f"model, data, rewards and tools; output_dir={str(run_dir)!r}), or GRPOConfig(..., "
+        "resume_from_checkpoint=True)"
+    )
+
+
 # -- what a person reads at the end ---------------------------------------------------------------------
 def duration(seconds: float) -> str:
     """2m14s, 45s, 1h03m."""

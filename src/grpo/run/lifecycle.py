@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,13 +20,15 @@ import torch
 
 from grpo.checkpoint.resume import resume, save_checkpoint, save_final, training_state
 from grpo.checkpoint.store import list_checkpoints, save_model_dir
-from grpo.config import GRPOConfig
+from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptStream
 from grpo.distributed.runtime import Runtime
 from grpo.files import write_text
 from grpo.ranges import check_range
 from grpo.rewards.isolation import clear_stop, request_stop
 from grpo.run.assemble import RunParts
+from grpo.run.console import resume_hint
+from grpo.run.preflight import plan_resume
 
 log = logging.getLogger("grpo")
 
@@ -36,6 +39,17 @@ __all__ = ["resume", "save_checkpoint", "save_final", "training_state"]
 class TrainingHalted(RuntimeError):
     """Training stopped itself (after saving a checkpoint) because it could not go on; the message says
     why."""
+
+
+class TrainingStopped(KeyboardInterrupt):
+    """A stop signal (Ctrl-C, SIGTERM) ended train() early, after saving a checkpoint: raised as TRL's
+    trainer lets KeyboardInterrupt through, so the code after `trainer.train()` (save, evaluate, push) does
+    not run as if training had finished. `signal`, `step`, `checkpoint` say where it stopped; `summary` is
+    what train() would have returned."""
+
+    def __init__(self, message: str, signal: int, step: int, checkpoint: Path, summary: dict[str, float]):
+        super().__init__(message)
+        self.signal, self.step, self.checkpoint, self.summary = signal, step, checkpoint, summary
 
 
 class StopRequests:
@@ -99,24 +113,45 @@ def running(
             close()
 
 
+def plan_train(cfg: GRPOConfig, parts: RunParts, rt: Runtime, resume_from_checkpoint, first: bool) -> None:
+    """TRL's `trainer.train(resume_from_checkpoint=True | "path")`: the checkpoint to continue from, chosen
+    (and its settings compared) now. Without it, the first train() of a Python run refuses a directory
+    that already holds a run's checkpoints, saying how to continue it (the CLI refused at start-up)."""
+    if resume_from_checkpoint not in (None, False):
+        cfg.train.resume = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+        found = plan_resume(cfg, parts.run_dir, clean_up=rt.is_main)
+        parts.resume_from = None if found is None else Path(os.path.abspath(found))
+        return
+    existing = list_checkpoints(parts.run_dir)
+    if first and parts.resume_from is None and not cfg.train.resume and existing:
+        raise ConfigError(
+            f"{parts.run_dir} already holds a run ({', '.join(p.name for _, p in existing[-3:])}). "
+            "Continue it with trainer.train(resume_from_checkpoint=True) (or GRPOConfig(..., "
+            "resume_from_checkpoint=True)), or pass another output_dir to start afresh."
+        )
+
+
 def stopped_early(
-    run_dir: Path, step: int, total_steps: int, stop_signal: int | None, where: Path, nonfinite: int
+    run_dir: Path,
+    step: int,
+    total_steps: int,
+    stop_signal: int | None,
+    where: Path,
+    nonfinite: int,
+    summary: dict[str, float] | None = None,
 ):
-    """After the checkpoint of a run that stopped before its last step: raise (non-finite steps) or warn
-    (a signal)."""
-    how = (
-        f"Resume it with: grpo train --resume --output-dir {run_dir} (the run's own config.yaml; add "
-        "overrides to change it)."
-    )
+    """After the checkpoint of a run that stopped before its last step: raise TrainingHalted (non-finite
+    steps) or, after a warning saying how to resume, TrainingStopped (a signal)."""
+    how = f"Resume it with: {resume_hint(run_dir)}."
     if stop_signal is None:
         raise TrainingHalted(
             f"{nonfinite} steps in a row had a non-finite loss or gradient (last: step {step}); stopped with "
             f"checkpoint {where}. Lower optim.learning_rate, check the reward functions for NaN/inf, or "
             f"raise train.stop_after_nonfinite_steps. {how}"
         )
-    log.warning(
-        "Stopped at step %d of %d (signal %d); checkpoint %s. %s", step, total_steps, stop_signal, where, how
-    )
+    message = f"Stopped at step {step} of {total_steps} (signal {stop_signal}); checkpoint {where}. {how}"
+    log.warning("%s", message)
+    raise TrainingStopped(message, stop_signal, step, where, summary or {})
 
 
 def between_steps(
@@ -204,8 +239,7 @@ class Progress:
 def explain_failure(run_dir: Path, rank: int, step: int, error: Exception) -> None:
     found = list_checkpoints(run_dir)
     where = (
-        f"the latest checkpoint is {found[-1][1]}; resume with: grpo train --resume --output-dir {run_dir} "
-        "(the run's own config.yaml)"
+        f"the latest checkpoint is {found[-1][1]}; resume with: {resume_hint(run_dir)}"
         if found
         else "no checkpoint was saved yet"
     )

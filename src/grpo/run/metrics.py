@@ -153,7 +153,7 @@ def keep_until_step(path: Path, step: int) -> None:
     refuse_link(path)
     if not path.is_file():
         return
-    kept, unreadable = [], 0
+    kept, unreadable, logged_steps = [], 0, 0
     for raw in path.read_bytes().splitlines():
         try:
             line = raw.decode("utf-8")
@@ -165,6 +165,7 @@ def keep_until_step(path: Path, step: int) -> None:
             continue
         if step and logged <= step:
             kept.append(line + "\n")
+        logged_steps += 1
     if unreadable and step:
         log.warning(
             "%s: dropped %d line(s) that were not JSON objects with a step number (cut short by a "
@@ -172,7 +173,27 @@ def keep_until_step(path: Path, step: int) -> None:
             path,
             unreadable,
         )
+    if not step and logged_steps:
+        _set_aside(path, logged_steps)
+        return
     write_text(path, "".join(kept))
+
+
+def _set_aside(path: Path, lines: int) -> None:
+    """A fresh start where a run was killed before its first checkpoint (nothing to resume): its log is
+    kept under a new name, never emptied."""
+    n = 1
+    while (aside := path.with_name(f"{path.stem}.before-{n}{path.suffix}")).exists() or aside.is_symlink():
+        n += 1
+    path.rename(aside)
+    log.warning(
+        "%s held %d line(s) of an earlier run with no checkpoint to resume; kept as %s, and this run "
+        "starts a new %s.",
+        path,
+        lines,
+        aside.name,
+        path.name,
+    )
 
 
 def format_metrics(metrics: dict[str, Any], keys: tuple[str, ...] = CONSOLE_KEYS) -> str:
