@@ -207,3 +207,18 @@ def test_engine_choice_and_fallback(tiny_model, id_tokenizer):
     assert isinstance(build_engine("transformers", tiny_model, id_tokenizer), TransformersEngine)
     tiny_model.config.model_type = "not-a-llama"
     assert isinstance(build_engine("native", tiny_model, id_tokenizer), TransformersEngine)
+
+
+def test_a_decode_step_copies_to_the_host_once(tiny_model, id_tokenizer, monkeypatch):
+    """On a GPU every device-to-host copy is a sync that stalls the next step's kernels: a step brings its
+    tokens, log-probs and eos flags back in one copy (it was three)."""
+    tiny_model.generation_config.eos_token_id = None  # no eos: every row runs to the limit, no compaction
+    engine = NativeEngine(tiny_model, id_tokenizer)
+    engine.eos_ids = torch.tensor([-1])
+    copies = []
+    real = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(1) or real(self, *a, **k))
+    torch.manual_seed(0)
+    out = engine.generate([[3, 4, 5], [6, 7]], 3, SamplingParams(max_new_tokens=10))
+    assert out.completion_mask.sum() == 6 * 10
+    assert len(copies) <= 10 + 2  # one a step, plus set-up
