@@ -12,7 +12,8 @@ In process, grpo calls `run(client, row)` (or `run_responses`) with an `openai.O
 and key address this episode's session. As a command, it reads the row as JSON on stdin and talks to
 OPENAI_BASE_URL with OPENAI_API_KEY: by default over plain HTTP with the standard library, because importing
 the `openai` package costs a process about 1.5 s of CPU, which at 128 episodes a step would outweigh the
-training; `--openai` (chat completions) or `--responses` (the Responses API) use the `openai` client instead.
+training; `--openai` (chat completions) or `--responses` (the Responses API) use the `openai` client instead,
+and `--offline` is the control (the calculator never answers, as in `run_offline`).
 Either way it gives no reward (returns None, prints nothing): the run's reward functions (gsm8k_correctness,
 gsm8k_format) score the conversation it had, as they score the `tools=` episodes of the `tiny_tools` preset.
 
@@ -24,11 +25,12 @@ What the model sees is what those episodes show it: the same calculator schema (
 from __future__ import annotations
 
 import ast
+import http.client
 import json
 import operator
 import os
 import sys
-import urllib.request
+import urllib.parse
 from collections.abc import Callable
 from fractions import Fraction
 
@@ -99,8 +101,10 @@ def calculator(expression: str) -> str:
     return f"{float(result):.10f}".rstrip("0")
 
 
-def use_tool(name: str, arguments: str) -> str:
-    """The tool message for one call: the calculator's value, or what went wrong, for the model to read."""
+def use_tool(name: str, arguments: str, offline: bool = False) -> str:
+    """The tool message for one call: the calculator's value, or what went wrong, for the model to read.
+    `offline`: the demo's control, a calculator that never answers (as grpo.agents.calculator's
+    offline_calculator words it)."""
     if name != "calculator":
         return f"unknown tool '{name}'; the tools are: calculator."
     try:
@@ -109,6 +113,9 @@ def use_tool(name: str, arguments: str) -> str:
         args = None
     if not isinstance(args, dict) or set(args) != {"expression"}:
         return "bad arguments for calculator: call it as calculator(expression: string)."
+    if offline:
+        expression = args["expression"]
+        return f"calculator raised RuntimeError: the calculator is offline; {expression!r} was not evaluated"
     try:
         return calculator(args["expression"])
     except (ValueError, ArithmeticError) as err:
@@ -123,7 +130,7 @@ def opening(row: dict) -> list[dict]:
     return [{"role": "user", "content": str(prompt)}]
 
 
-def episode(ask: Callable[[list[dict]], dict], row: dict) -> list[dict]:
+def episode(ask: Callable[[list[dict]], dict], row: dict, offline: bool = False) -> list[dict]:
     """The agent's loop over chat messages; `ask(messages)` is one model call, the assistant message back."""
     messages = opening(row)
     for _ in range(MAX_TURNS):
@@ -132,19 +139,25 @@ def episode(ask: Callable[[list[dict]], dict], row: dict) -> list[dict]:
         if not message.get("tool_calls"):
             break
         for call in message["tool_calls"]:
-            content = use_tool(call["function"]["name"], call["function"]["arguments"])
+            content = use_tool(call["function"]["name"], call["function"]["arguments"], offline)
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
     return messages
 
 
-def run(client, row: dict) -> None:
+def run(client, row: dict, offline: bool = False) -> None:
     """One episode with an `openai.OpenAI` client (chat completions); the run's reward functions score it."""
 
     def ask(messages: list[dict]) -> dict:
         reply = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
         return reply.choices[0].message.model_dump(exclude_none=True)
 
-    episode(ask, row)
+    episode(ask, row, offline)
+
+
+def run_offline(client, row: dict) -> None:
+    """The control: the same agent and tool schema, but the calculator never answers
+    (`--agent examples/tiny_tools_agent.py:run_offline`). What a model learns with it, it learns without."""
+    run(client, row, offline=True)
 
 
 RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]  # the Responses API's flat tool shape
@@ -166,14 +179,20 @@ def run_responses(client, row: dict) -> None:
 
 
 def http_ask(base_url: str, api_key: str, timeout_s: float = 300.0) -> Callable[[list[dict]], dict]:
-    """`ask` over plain HTTP: POST {base_url}/chat/completions, as any OpenAI-compatible client does."""
+    """`ask` over plain HTTP (http.client: the lightest import): POST {base_url}/chat/completions, as any
+    OpenAI-compatible client does, on one kept-alive connection for the episode."""
+    url = urllib.parse.urlsplit(base_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
 
     def ask(messages: list[dict]) -> dict:
-        body = json.dumps({"model": MODEL, "messages": messages, "tools": TOOLS}).encode()
-        headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
-        request = urllib.request.Request(f"{base_url.rstrip('/')}/chat/completions", body, headers)
-        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-            return json.load(reply)["choices"][0]["message"]
+        body = json.dumps({"model": MODEL, "messages": messages, "tools": TOOLS})
+        connection.request("POST", f"{url.path.rstrip('/')}/chat/completions", body, headers)
+        reply = connection.getresponse()
+        data = json.loads(reply.read())
+        if reply.status != 200:
+            raise RuntimeError(f"the server answered {reply.status}: {data.get('error', data)}")
+        return data["choices"][0]["message"]
 
     return ask
 
@@ -187,7 +206,8 @@ def main(argv: list[str]) -> None:
         with OpenAI(max_retries=0) as client:
             (run_responses if "--responses" in argv else run)(client, row)
     else:
-        episode(http_ask(os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]), row)
+        ask = http_ask(os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"])
+        episode(ask, row, offline="--offline" in argv)
 
 
 if __name__ == "__main__":

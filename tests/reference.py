@@ -119,6 +119,32 @@ def cli_outputs(argvs: list[list[str]], src: Path | None = None) -> list[tuple[i
     return [tuple(x) for x in json.loads(done.stdout.splitlines()[-1])]
 
 
+def without_new_settings(now: str, before: str) -> str:
+    """`now` (a config.yaml, or a dry run's output) less the settings the reference commit did not have yet:
+    a field added since is new text, not a change, and the rest must stay byte for byte. Each section's
+    settings are the lines indented two spaces (a list value continues with `  - ` or deeper lines)."""
+
+    def settings_of(text: str) -> set[tuple[str, str]]:
+        found, section = set(), None
+        for line in text.splitlines():
+            if line and not line.startswith(" "):
+                section = line.split(":")[0]
+            elif line.startswith("  ") and not line.startswith(("   ", "  - ")):
+                found.add((section, line.split(":")[0].strip()))
+        return found
+
+    new = settings_of(now) - settings_of(before)
+    kept, section, dropping = [], None, False
+    for line in now.splitlines(keepends=True):
+        if line.strip() and not line.startswith(" "):
+            section, dropping = line.split(":")[0], False
+        elif line.startswith("  ") and not line.startswith(("   ", "  - ")):
+            dropping = (section, line.split(":")[0].strip()) in new
+        if not dropping:
+            kept.append(line)
+    return "".join(kept)
+
+
 def weights_sha256(model_dir: Path) -> str:
     return hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
 

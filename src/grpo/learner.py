@@ -14,7 +14,7 @@ from dataclasses import astuple, dataclass, field, replace
 import torch
 
 from grpo.algorithm.importance import WeightSums, importance_metrics, weighted_advantages
-from grpo.algorithm.loss import LossNorm, LossOutput, grpo_loss
+from grpo.algorithm.loss import LossNorm, LossOutput, make_policy_loss
 from grpo.algorithm.schedules import lr_lambda
 from grpo.config import GRPOConfig
 from grpo.distributed.runtime import Runtime
@@ -137,6 +137,7 @@ class Learner:
         )
         self.nonfinite_in_a_row = 0
         self._overflowed = False
+        self.loss = make_policy_loss(cfg.algorithm)  # every option bound once; called with tensors only
         # The native forward reads parameters directly, skipping module hooks: DDP and FSDP2 rely on their
         # wrapper's forward, so several processes train through the transformers forward.
         native = cfg.generation.engine != "transformers" and not self.rt.active
@@ -263,27 +264,8 @@ class Learner:
                 else:
                     old = mb.old_logprobs.to(device)
                 mask = mb.loss_mask.to(device)
-                out = grpo_loss(
-                    logp,
-                    old,
-                    None if mb.ref_logprobs is None else mb.ref_logprobs.to(device),
-                    mb_advantages.to(device),
-                    mask,
-                    variant=a.loss_variant,
-                    clip_low=a.epsilon_low,
-                    clip_high=a.epsilon_high,
-                    beta=a.beta,
-                    kl_estimator=a.kl_estimator,
-                    aggregation=a.loss_aggregation,
-                    norm=norm,
-                    entropy=entropy,
-                    entropy_coef=a.entropy_coef,
-                    kl_bias_correction=a.use_bias_correction_kl,
-                    variant_options={
-                        "temperature_pos": a.sapo_temperature_pos,
-                        "temperature_neg": a.sapo_temperature_neg,
-                    },
-                )
+                ref = None if mb.ref_logprobs is None else mb.ref_logprobs.to(device)
+                out = self.loss(logp, old, ref, mb_advantages.to(device), mask, norm=norm, entropy=entropy)
                 scaled = out.loss * rt.loss_scale
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 loss_finite = loss_finite and math.isfinite(out.loss.item())

@@ -75,8 +75,8 @@ def build_train_batch(
     old_logprobs: Tensor | None = None,
     behaviour_logprobs: Tensor | None = None,
 ) -> TrainBatch:
-    """Left-padded prompt | right-padded completion rows, with per-token advantages ([N] → [N, T], discount
-    γ) and the completion mask (truncated completions masked out when mask_truncated, DAPO). old_logprobs /
+    """Left-padded prompt | right-padded completion rows, with per-token advantages (`token_advantages`)
+    and the completion mask (truncated completions masked out when mask_truncated, DAPO). old_logprobs /
     behaviour_logprobs [N, T]: the sampler's log-probs in the role they can play (see TrainBatch)."""
     group = rollouts.group_ids.tolist()  # [N]
     width = max(len(prompts.prompt_token_ids[i]) for i in group)
@@ -99,10 +99,17 @@ def build_train_batch(
         attention_mask=torch.cat([prompt_mask, rollouts.completion_mask.long()], dim=1),
         prompt_width=width,
         completion_mask=mask,
-        # γ credit runs over the sampled tokens: injected ones carry no action to credit
-        advantages=discounted_token_advantages(advantages, loss_mask, gamma),  # [N, T]
+        advantages=token_advantages(advantages, loss_mask, gamma),  # [N, T]
         group_ids=rollouts.group_ids,
         loss_mask=loss_mask,
         old_logprobs=old_logprobs,
         behaviour_logprobs=behaviour_logprobs,
     )
+
+
+def token_advantages(advantages: Tensor, loss_mask: Tensor, gamma: float) -> Tensor:
+    """[N] → [N, T] with γ credit, or a per-token estimator's [N, T] as it is: either way on the sampled
+    tokens only (loss_mask [N, T]), since injected ones carry no action to credit."""
+    if advantages.dim() == 2:
+        return advantages * loss_mask.to(advantages.dtype)  # [N, T]
+    return discounted_token_advantages(advantages, loss_mask, gamma)  # [N, T]

@@ -67,7 +67,10 @@ def drive(policy, agent):
     )
     torch.manual_seed(0)
     try:
-        return runner.run(engine, prompts, EPISODES, SAMPLING)
+        result = runner.run(engine, prompts, EPISODES, SAMPLING)
+        # every request extended its episode's conversation: one token row per episode, no fork
+        assert runner.metrics()["gateway/forks"] == 0
+        return result
     finally:
         runner.close()
 
@@ -236,3 +239,63 @@ def test_the_example_shows_the_model_what_the_tools_episodes_show_it():
     assert example.use_tool("calculator", '{"expression": "x+1"}').startswith("calculator raised ValueError")
     assert example.use_tool("search", "{}") == "unknown tool 'search'; the tools are: calculator."
     assert example.use_tool("calculator", '{"expr": "1"}').startswith("bad arguments for calculator")
+    # the control's tool message is the one grpo's own tools= control (offline_calculator) gives the model
+    from grpo.agents.calculator import offline_calculator
+    from grpo.agents.parsing import ParsedTurn, ToolCall
+    from grpo.agents.tools import ToolBox
+
+    turn = ParsedTurn(content="", calls=[ToolCall("calculator", {"expression": "94*73"})], errors=[])
+    (result,) = ToolBox([offline_calculator]).run([turn])[0]
+    assert example.use_tool("calculator", '{"expression": "94*73"}', offline=True) == result.content
+
+
+def test_grpo_eval_goes_through_the_configs_agent(tmp_path, capsys):
+    """`grpo eval --config tiny_tools_agent --json`: each held-out row is an episode of the example agent
+    (greedy), scored on its final answer; `--agent-command` evaluates through a command the same way."""
+    from grpo.cli import main
+
+    for extra in ([], ["--agent-command", f"{sys.executable} {EXAMPLE_PATH}"]):
+        dump = tmp_path / "dump.jsonl"
+        args = ["eval", "--config", "tiny_tools_agent", "--json", "--limit", "3", "--dump", str(dump), *extra]
+        assert main(args) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["n"] == 3 and 0.0 <= result["accuracy"] <= 1.0 and "tool_call_rate" in result
+        records = [json.loads(line) for line in dump.read_text().splitlines()]
+        assert all(r["messages"][0] and r["messages"][0][0]["role"] == "assistant" for r in records)
+
+
+def test_a_steps_episodes_connect_at_once_without_resets():
+    """The eval batch (256 rows) or a step's episodes open their connections together: the server's listen
+    backlog takes them all (the stdlib default of 5 reset some of them)."""
+    import threading
+
+    import httpx
+
+    from grpo.gateway.server import GatewayServer
+    from grpo.gateway.sessions import Session, SessionTable
+
+    class Models:  # what GET /v1/models reads of a gateway
+        model_name = "policy"
+        sessions = SessionTable()
+
+    session = Models.sessions.add(Session(0, 0, {}))
+    server = GatewayServer(Models())
+    errors: list[str] = []
+
+    def connect() -> None:
+        try:
+            headers = {"Authorization": f"Bearer {session.key}"}
+            reply = httpx.get(f"{server.base_url}/models", headers=headers, timeout=120)
+            reply.raise_for_status()
+        except httpx.HTTPError as err:
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=connect) for _ in range(256)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(150)
+    finally:
+        server.close()
+    assert server.httpd.request_queue_size >= 256 and not errors, errors[:3]

@@ -337,3 +337,13 @@ def test_an_agents_own_reward_replaces_the_reward_functions_total():
     assert scored.scores.total.tolist() == [2.0] * 4  # what the functions said is still logged
     advantages = group_advantages(scored.rewards, rollouts.group_ids)
     assert advantages[3] == 0  # a dropped episode: no advantage, out of its group's baseline
+
+
+def test_a_groups_first_calls_take_the_engines_shared_prompt_path():
+    from grpo.gateway.batching import shared_prompts
+
+    a, b = [1, 2, 3], [1, 2, 4]
+    prompts, n, order = shared_prompts([a, b, b, a])
+    assert (prompts, n) == ([a, b], 2) and [[a, b, b, a][k] for k in order] == [a, a, b, b]
+    assert shared_prompts([a, b, b]) == ([a, b, b], 1, [0, 1, 2])  # unequal groups: row by row
+    assert shared_prompts([a, b]) == ([a, b], 1, [0, 1])

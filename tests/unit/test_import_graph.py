@@ -131,16 +131,21 @@ def test_no_import_cycles_through_type_annotations():
 # The floors, highest first (docs/architecture.md): a module imports from its own floor or lower ones only.
 # Named by the top-level module or package under grpo/; a new one must be placed here to pass.
 FLOORS = (
-    ("cli", "__main__"),
+    ("cli", "cli_eval", "__main__"),
     ("trainer",),
     ("train",),
     ("stages", "run", "evaluation", "checkpoint"),
-    ("learner", "rollout", "episodes", "agents", "trl_compat", "gateway"),
+    ("learner", "rollout", "agents", "gateway", "trl_compat"),
     ("algorithm", "data", "distributed", "model", "rewards"),
     ("records", "config", "plugins", "redact", "files", "ranges", "assets", "configs"),
 )
 # Upward imports still there, each with why it stays for now; an entry that no longer occurs fails too.
-ALLOWED_UPWARD: set[tuple[str, str]] = set()
+ALLOWED_UPWARD = {
+    # Prompts render their text through LiteralText (special-token strings stay text), which lives in
+    # agents/chat.py beside the chat renderer; it is a tokenizer utility that belongs under data/ (or a
+    # tokenizer module both import), a move in a file another change owns (agents/chat.py).
+    ("grpo.data.prompts", "grpo.agents.chat"),
+}
 
 
 def floor_of(module: str) -> int | None:
@@ -186,6 +191,16 @@ def test_imports_point_down_the_floors():
     )
     gone = sorted(ALLOWED_UPWARD - found)
     assert not gone, f"no longer imported, remove from ALLOWED_UPWARD: {gone}"
+
+
+def test_the_floors_are_the_ones_docs_architecture_draws():
+    """docs/architecture.md draws the floors as `7  cli.py  __main__.py` ... `1  records.py  config/ ...`."""
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    drawn = text.split("## The floors", 1)[1].split("```")[1]
+    lines = [line.split() for line in drawn.splitlines() if line[:1].isdigit()]
+    docs = {int(words[0]): {w.removesuffix(".py").removesuffix("/") for w in words[1:]} for words in lines}
+    data_packages = {"assets", "configs"}
+    assert docs == {height: set(names) - data_packages for height, names in enumerate(reversed(FLOORS), 1)}
 
 
 def test_config_imports_no_torch():

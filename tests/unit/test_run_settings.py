@@ -165,3 +165,16 @@ def test_the_colocated_engine_gets_the_settings_generation_section(monkeypatch):
     )
     colocated.build(settings.config, parts, Runtime(), None, None, None)
     assert seen["generation"].vllm_max_model_len == 160 + 4 * 48
+
+
+def test_trls_peft_config_is_applied_to_a_copy_not_the_callers_args(tmp_path):
+    peft = pytest.importorskip("peft")
+    model_dir = tiny_run.make_model_dir(tmp_path / "model")
+    data = tiny_run.write_dataset(tmp_path / "data.jsonl", 4)
+    args = GRPOConfig(**tiny_run.config(model_dir, data, tmp_path / "run"))
+    before = args.to_yaml()
+    trainer = GRPOTrainer(
+        args=args, peft_config=peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear")
+    )
+    assert args.to_yaml() == before and not args.lora.enabled
+    assert trainer.args.lora.enabled and trainer.args.lora.r == 2

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copyreg
 import functools
 import inspect
+import logging
 import os
 import pickle
 import signal
@@ -51,6 +53,8 @@ from grpo.rewards.isolation import (
     read_frame,
     write_frame,
 )
+
+log = logging.getLogger("grpo")
 
 __all__ = ["CallTimedOut", "Worker", "WorkerDied", "can_fork", "remote_class", "remote_tools"]
 
@@ -145,7 +149,15 @@ class Worker:
     def alive(self) -> bool:
         return self.pid is not None
 
-    def call(self, name: str, args: tuple = (), kwargs: dict | None = None, op: str = "call") -> Any:
+    def call(
+        self,
+        name: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        op: str = "call",
+        timeout: float | None = None,
+    ) -> Any:
+        """`name(*args, **kwargs)` on the target, within `timeout` (default: the worker's)."""
         with self._lock:
             if self.pid is None:
                 raise WorkerDied(f"{self.what}'s process has ended")
@@ -155,17 +167,18 @@ class Worker:
                 if isinstance(err, BrokenPipeError):
                     self._died(f"{name}: ")
                 raise TypeError(f"the arguments of {name} cannot be sent to its process ({err})") from None
-            return self._answer(name)
+            return self._answer(name, timeout or self.timeout)
 
-    def _answer(self, name: str) -> Any:
+    def _answer(self, name: str, timeout: float | None = None) -> Any:
+        timeout = timeout or self.timeout
         try:
-            data = read_frame(self._answers, self.timeout, f"{self.what}: {name}")
+            data = read_frame(self._answers, timeout, f"{self.what}: {name}")
         except RewardInterrupted:
             self.close()
             raise
         if data is None:
             self.close()
-            raise CallTimedOut(f"{name} did not finish within {self.timeout:g} s (its process was killed)")
+            raise CallTimedOut(f"{name} did not finish within {timeout:g} s (its process was killed)")
         if not data:
             self._died(f"{name}: ")
         kind, value, _ = pickle.loads(data)
@@ -208,7 +221,17 @@ def _end(pid: int, requests: int, answers: int, kill: bool = True) -> None:
 
 
 # -- environment instances ------------------------------------------------------------------------------
-class _Remote:
+# reset/step/get_reward/close get at least this long (a reset may start a container); tool methods get
+# env.tool_timeout_s.
+LIFECYCLE_TIMEOUT_S = 60.0
+_LIFECYCLE = {"reset", "step", "get_reward", "close", "cleanup"}
+
+
+class _RemoteMeta(type):
+    """The stand-in classes' type: they pickle as the recipe that makes them (Ray actors get factories)."""
+
+
+class _Remote(metaclass=_RemoteMeta):
     """Base of the stand-in classes remote_class makes (see the module docstring)."""
 
     _make: Callable[[], Any]
@@ -226,14 +249,21 @@ class _Remote:
 
     def _call(self, name: str, args: tuple, kwargs: dict, op: str = "call") -> Any:
         if self._worker is None or not self._worker.alive:
+            if name in ("get_reward", "close", "cleanup") and op == "call":
+                # The episode's state went with its process: no reward to give (None: not scored), and
+                # nothing left to close.
+                log.warning("%s.%s(): its process ended earlier (%s).", type(self).__name__, name, self._gone)
+                return None
             if name != "reset":
                 raise WorkerDied(
                     f"{type(self).__name__}'s process ended earlier ({self._gone}); its state is gone "
                     "until the next episode's reset"
                 )
             self._start()
+        # A tool method or an attribute read: the worker's own limit (env.tool_timeout_s).
+        limit = max(LIFECYCLE_TIMEOUT_S, self._timeout or 0) if name in _LIFECYCLE and op == "call" else None
         try:
-            return self._worker.call(name, args, kwargs, op)
+            return self._worker.call(name, args, kwargs, op, timeout=limit)
         except (WorkerDied, CallTimedOut) as err:
             object.__setattr__(self, "_gone", str(err))
             raise
@@ -280,40 +310,53 @@ def remote_class(cls: type, make: Callable[[], Any] | None = None, timeout: floa
         "_timeout": timeout,
         "user_class": cls,
     }
-    return type(cls.__name__, (_Remote,), namespace)
+    return _RemoteMeta(cls.__name__, (_Remote,), namespace)
 
 
 # -- stateless tools ------------------------------------------------------------------------------------
 class _Pool:
-    """Workers holding the tool functions; a call takes an idle one or forks another."""
+    """Workers holding the tool functions. A call takes an idle worker; when none is idle it waits a moment
+    for one (a fast tool is answered by a few workers, as forking one costs ~10-70 ms) before forking
+    another (a slow tool gets one per concurrent call)."""
+
+    WAIT_S = 0.02
 
     def __init__(self, functions: dict[str, Callable], timeout: float | None) -> None:
         self.functions, self.timeout = functions, timeout
         self._idle: list[Worker] = []
-        self._lock = threading.Lock()
+        self._ready = threading.Condition()
 
     def call(self, name: str, kwargs: dict) -> Any:
-        with self._lock:
-            worker = self._idle.pop() if self._idle else None
+        worker = self._take()
         if worker is None:
             worker = Worker(lambda: self.functions, self.timeout, f"tool {name}")
         try:
             value = worker.call(name, (), kwargs)
         except (WorkerDied, CallTimedOut, RewardInterrupted):
-            raise  # that worker is gone; the next call forks another
+            raise  # that worker is gone; a later call forks another
         except BaseException:
             self._give_back(worker)
             raise
         self._give_back(worker)
         return value
 
+    def __reduce__(self) -> tuple:  # a copy sent to a Ray rollout actor forks its own workers there
+        return _Pool, (self.functions, self.timeout)
+
+    def _take(self) -> Worker | None:
+        with self._ready:
+            if not self._idle:
+                self._ready.wait(self.WAIT_S)
+            return self._idle.pop() if self._idle else None
+
     def _give_back(self, worker: Worker) -> None:
         if worker.alive:
-            with self._lock:
+            with self._ready:
                 self._idle.append(worker)
+                self._ready.notify()
 
     def close(self) -> None:
-        with self._lock:
+        with self._ready:
             idle, self._idle = self._idle, []
         for worker in idle:
             worker.close()
@@ -332,3 +375,52 @@ def remote_tools(functions: dict[str, Callable], timeout: float | None) -> dict[
         return forward
 
     return {name: forwarder(name, fn) for name, fn in functions.items()}
+
+
+# -- where the run's user code is chosen ------------------------------------------------------------------
+def _remote_meta_reduce(cls: type) -> tuple | str:
+    if cls is _Remote:
+        return "_Remote"  # the base itself: by name
+    return remote_class, (cls.user_class, cls._make, cls._timeout)
+
+
+def isolate_factory(
+    factory: Any, tool_specs: list, environment_spec: Any, isolation: str, timeout: float
+) -> None:
+    """Move the user code of an EnvironmentFactory into workers, in place, under `isolation` (the rule of
+    rewards/isolation.isolated: `auto` isolates what the config named by import path, `process` all, `thread`
+    none). `tool_specs` / `environment_spec`: what the factory was built from (strings are import paths)."""
+    if not can_fork() or isolation == "thread":
+        return
+    by_path = isolation == "process"
+    chosen = [by_path or isinstance(spec, str) for spec in tool_specs or []]
+    names = list(factory.fixed_tools)
+    tools = {name: factory.fixed_tools[name] for name, pick in zip(names, chosen, strict=False) if pick}
+    if tools:
+        factory.fixed_tools.update(remote_tools(tools, timeout))
+    moved = list(tools)
+    specs = environment_spec if isinstance(environment_spec, dict) else {None: environment_spec}
+    for key, maker in list(factory.factories.items()):
+        if not (by_path or isinstance(specs.get(key), str)):
+            continue
+        cls = getattr(factory, "classes", {}).get(key) or (maker if inspect.isclass(maker) else None)
+        if cls is None:
+            continue  # a factory function whose class is not known: it stays in-process
+        factory.factories[key] = remote_class(cls, make=maker, timeout=timeout)
+        moved.append(cls.__name__)
+        for instance in factory._pool.pop(key, []):  # made in-process to check the form: made again there
+            with contextlib.suppress(Exception):
+                for hook in ("close", "cleanup"):
+                    if callable(getattr(instance, hook, None)):
+                        getattr(instance, hook)()
+                        break
+    if moved:
+        log.info(
+            "User code in worker processes (algorithm.reward_isolation=%s; limit %g s a call): %s.",
+            isolation,
+            timeout,
+            ", ".join(moved),
+        )
+
+
+copyreg.pickle(_RemoteMeta, _remote_meta_reduce)

@@ -365,7 +365,7 @@ def _config_problem(path: Path) -> str | None:
     return None
 
 
-# What checkpoint.resume.training_state writes and checkpoint.resume.resume reads back.
+# What lifecycle.training_state writes and lifecycle.resume reads back.
 STATE_KEYS = ("learner", "rng", "data", "nonfinite_in_a_row", "nonfinite_total")
 
 

@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -101,11 +102,17 @@ class AgentCommand:
         return last_line_reward(stdout)
 
     def close(self) -> None:
-        """Kill every episode's process still running (the run ended or was interrupted)."""
+        """Kill every episode's process group still running (the run ended or was interrupted). Signals
+        only: each episode's own thread, blocked reading its process's output, then reaps it."""
         with self._lock:
-            live, self._live = list(self._live), set()
+            live = [p for p in self._live if p.poll() is None]
         for process in live:
-            _kill_group(process)
+            _signal_group(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for process in live:
+            _signal_group(process.pid, signal.SIGKILL)  # the stragglers, and what the leaders left behind
 
 
 def last_line_reward(stdout: str) -> float | None:

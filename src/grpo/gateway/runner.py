@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
@@ -33,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from grpo import plugins
 from grpo.gateway.server import GatewayServer
 from grpo.gateway.service import Gateway, Limits
 from grpo.gateway.sessions import Session
@@ -46,34 +45,15 @@ FAILURES = ("agent_error", "bad_request", "timeout", "no_calls", "history")
 
 def load_agent(spec):
     """The agent callable: itself, or `package.module:function` / `path/to/file.py:function`."""
-    from grpo.config import ConfigError
-
     if callable(spec):
         return spec
     module_name, _, name = str(spec).rpartition(":")
-    if not module_name or not name:
-        raise ConfigError(
-            f"env.agent = {spec!r}: write it as package.module:function or path/to/file.py:function."
-        )
-    try:
-        if module_name.endswith(".py") or "/" in module_name:
-            path = Path(module_name)
-            # a relative path not found here may be one of grpo's own examples (the tiny_tools_agent preset)
-            checkout = Path(__file__).resolve().parents[3] / path
-            path = checkout if not path.is_file() and not path.is_absolute() and checkout.is_file() else path
-            if not path.is_file():
-                raise ConfigError(f"env.agent = {spec!r}: no file {path}.")
-            module_spec = importlib.util.spec_from_file_location(f"grpo_agent_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"env.agent = {spec!r}: cannot import {module_name} ({err}).") from None
-    agent = getattr(module, name, None)
-    if not callable(agent):
-        raise ConfigError(f"env.agent = {spec!r}: {module_name} has no function {name}.")
-    return agent
+    path = Path(module_name)
+    if (module_name.endswith(".py") or "/" in module_name) and not path.is_absolute() and not path.is_file():
+        # a relative path not found here may be one of grpo's own examples (the tiny_tools_agent preset)
+        checkout = Path(__file__).resolve().parents[3] / path
+        spec = f"{checkout}:{name}" if checkout.is_file() else spec
+    return plugins.load(str(spec), "env.agent", call=True)
 
 
 def agent_reward(prompts, completions, env_reward=None, **kwargs) -> list[float | None]:
@@ -103,7 +83,7 @@ class AgentRunner:
         strict_history: bool = False,
         template_kwargs: dict | None = None,
         model_name: str = "grpo-policy",
-        window_s: float = 0.1,
+        window_s: float = 0.2,
     ):
         self.agent = load_agent(agent)
         self.is_async = inspect.iscoroutinefunction(self.agent)

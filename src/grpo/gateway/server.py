@@ -71,13 +71,18 @@ ROUTES: dict[str, Callable] = {
 }
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    # The listen backlog: a step's episodes connect at once, and the default (5) resets connections.
+    request_queue_size = 1024
+
+
 class GatewayServer:
     """Serves `gateway` on host:port (port 0: a free one) from a daemon thread until close()."""
 
     def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, max_body: int = MAX_BODY):
         self.gateway = gateway
         handler = type("Handler", (_Handler,), {"gateway": gateway, "max_body": max_body})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd = _HTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
         self.host, self.port = self.httpd.server_address[:2]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="grpo-gateway", daemon=True)

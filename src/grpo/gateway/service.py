@@ -49,7 +49,7 @@ class Gateway:
         strict_history: bool = False,
         template_kwargs: dict | None = None,
         model_name: str = "grpo-policy",
-        window_s: float = 0.1,
+        window_s: float = 0.2,
     ):
         self.tokenizer, self.parser, self.limits = tokenizer, parser, limits
         self.strict_history, self.model_name = strict_history, model_name
@@ -158,7 +158,7 @@ class Gateway:
             cap = min(self.limits.turn_tokens, left, req.max_tokens or left)
             row.busy = True
             session.calls += 1
-            job = Job(list(row.ids), cap)
+            job = Job(list(row.ids), cap, stream=req.stream)
         self.batcher.submit(job)
         return job, row, cap
 

@@ -26,7 +26,7 @@ import torch
 from grpo.agents.chat import ChatRenderer
 from grpo.agents.environments import EnvironmentFactory, StepEnvironment
 from grpo.agents.messages import assistant_message, tool_messages
-from grpo.agents.parsing import ParsedTurn, ToolCallParser
+from grpo.agents.parsing import ParsedTurn, ToolCallParser, parse_turn
 from grpo.agents.tools import ToolBox
 from grpo.records import Episode, PromptBatch, Rollouts, SamplingParams
 
@@ -180,7 +180,7 @@ class MultiTurn:
         # Special tokens stay: some formats mark calls with them (Mistral's [TOOL_CALLS]); the end-of-turn
         # token is not content.
         body = new[:-1] if new and new[-1] in self.special_ids else new
-        parsed = self.parser.parse(self.tokenizer.decode(body, skip_special_tokens=False))
+        parsed = parse_turn(self.parser, self.tokenizer.decode(body, skip_special_tokens=False))
         e.messages.append(assistant_message(parsed, turn))
         if cut < length or (bool(out.truncated[r]) and cut >= budget):
             e.end("max_tokens")
@@ -339,10 +339,15 @@ def build_episodes(cfg, formatter, tools=None, environment=None, max_tokens=None
     start-up a model whose tool-call format is unknown or whose chat template rewrites earlier turns."""
     from grpo.agents.environments import build_factory
     from grpo.agents.parsing import detect_parser
+    from grpo.agents.workers import isolate_factory
 
-    factory = build_factory(tools or cfg.env.tools, environment or cfg.env.environment)
+    tool_specs, environment_spec = tools or cfg.env.tools, environment or cfg.env.environment
+    factory = build_factory(tool_specs, environment_spec)
     if factory is None:
         return SingleTurn()
+    isolate_factory(
+        factory, tool_specs, environment_spec, cfg.algorithm.reward_isolation, cfg.env.tool_timeout_s
+    )
     name = cfg.model.name_or_path
     parser = detect_parser(formatter.tokenizer, name, cfg.env.tool_parser)
     schemas = factory.fixed_schemas or next(iter(factory._schemas.values()), [])

@@ -70,14 +70,19 @@ class NativeEngine:
         n: int,
         sampling: SamplingParams,
         chunk_prompts: int | None = None,
+        on_step=None,
     ) -> Rollouts:
+        if on_step is not None:  # the gateway: one call, each step's tokens reported (see continue_rows)
+            with torch.no_grad():
+                return self._generate(prompt_token_ids, n, sampling, on_step)
         return generate_in_chunks(self._generate, prompt_token_ids, n, sampling, chunk_prompts, self.pad_id)
 
     def continue_rows(self, rows: list[list[int]], sampling: SamplingParams, on_step=None) -> Rollouts:
         """on_step(rows, tokens), when given, receives each decode step's sampled tokens (the gateway
         streams them as they are sampled)."""
         if on_step is not None:
-            return self._generate(rows, 1, sampling, on_step)
+            with torch.no_grad():
+                return self._generate(rows, 1, sampling, on_step)
         return self.generate(rows, 1, sampling)  # each row its own prompt: prefill, then decode
 
     def close(self) -> None:

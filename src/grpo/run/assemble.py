@@ -21,7 +21,6 @@ from grpo.config.settings import RunSettings, is_multi_turn
 from grpo.data import PromptFormatter, rows_from_dataset
 from grpo.model.loading import (
     float32_masters,
-    load_causal_lm,
     load_policy,
     load_reference,
     load_tokenizer,
@@ -35,9 +34,9 @@ from grpo.rollout import RolloutEngine
 from grpo.rollout.episodes import EpisodeRunner, SingleTurn, build_episodes
 from grpo.run import provenance
 from grpo.run.datasets import describe_eval_set, eval_set_name, load_data_and_rewards, planned_steps
+from grpo.run.models import frozen_copy, model_config_of, model_reward
 from grpo.run.preflight import check_model_paths, plan_resume
 from grpo.run.rundir import (
-    decide_run_name,
     holds_a_run,
     make_run_dir,
     refuse_users_files,
@@ -48,6 +47,7 @@ from grpo.run.rundir import (
 )
 from grpo.run.runlock import lock_run_dir
 from grpo.run.sizes import check_context, check_memory, model_context
+from grpo.run.startup import cpu_threads, start_decisions
 
 # Callers import these from here too (the CLI, tests): run/datasets.py and run/rundir.py are their homes.
 __all__ = [
@@ -85,47 +85,6 @@ class RunParts:
     engine: RolloutEngine | None = None
     eval_name: str = ""  # the evaluation set in words (logs, closing line)
     settings: RunSettings | None = None  # what the start decided (config/settings.py); the run reads it
-
-
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # what torch itself reads at start-up
-
-
-def cpu_threads(cfg: GRPOConfig, environ) -> tuple[int | None, str]:
-    """torch's CPU thread count for the run and where it comes from: train.num_threads when the user set
-    it; else the environment's OMP_NUM_THREADS / MKL_NUM_THREADS, which a preset's value must not silently
-    override (the tiny_math preset's 2 assumes an idle 2-core machine); else the preset's; else torch's
-    own choice (None)."""
-    n = cfg.train.num_threads
-    if n and "train.num_threads" in cfg.explicit_keys:
-        return n, "train.num_threads"
-    for name in THREAD_ENV:
-        value = environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value), f"{name}={value}" + (
-                f"; the preset's train.num_threads = {n} is not used" if n and n != int(value) else ""
-            )
-    return n, "train.num_threads from the config; OMP_NUM_THREADS or train.num_threads=N changes it"
-
-
-def start_decisions(
-    cfg: GRPOConfig, environ, *, model=None, tokenizer=None, ref_model=None
-) -> dict[str, Any]:
-    """What the start decides before the data (RunSettings.decided): the CPU threads, the run name, and
-    config.yaml's record of where passed-in models came from (not the bundled default)."""
-    decided: dict[str, Any] = {}
-    threads, _ = cpu_threads(cfg, environ)
-    if threads:
-        decided["train.num_threads"] = threads  # what ran, in config.yaml and for Ray's workers
-    for key, value in (("tokenizer_path", tokenizer), ("name_or_path", model), ("ref_model_path", ref_model)):
-        if isinstance(value, str):  # a name or path passed in place of an object
-            decided[f"model.{key}"] = value
-        elif value is not None:  # an object: where it came from
-            decided[f"model.{key}"] = (
-                getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>"
-            )
-    if (name := decide_run_name(cfg)) != cfg.train.run_name:
-        decided["train.run_name"] = name
-    return decided
 
 
 def build_run(
@@ -239,7 +198,7 @@ def _build_parts(
     # Prompts and episodes are checked before any weights are read.
     formatter = PromptFormatter(tokenizer, cfg.data)
     formatter.check_lengths(train_rows)
-    model_config = _model_config(cfg, model)
+    model_config = model_config_of(cfg, model)
     if model_config is not None:  # before any weight is read: positions and memory the run needs
         settings = dataclasses.replace(settings, model_context=model_context(model_config))
         check_context(settings, model_config, lambda: formatter.longest(train_rows))
@@ -254,7 +213,7 @@ def _build_parts(
     reward_spec = reward_model if reward_model is not None else cfg.algorithm.reward_model
     if reward_spec is not None:
         funcs.append(
-            _model_reward(
+            model_reward(
                 reward_spec,
                 tokenizer,
                 cfg,
@@ -326,23 +285,6 @@ def _episodes(cfg, formatter, tools, environment, agent, completion_limit: int) 
     return build_episodes(cfg, formatter, tools=tools, environment=environment, max_tokens=completion_limit)
 
 
-def _model_config(cfg: GRPOConfig, model):
-    """The policy's config without its weights: a given model's own, else config.json (local or hub);
-    None when it cannot be read (loading the model then says why)."""
-    if model is not None and not isinstance(model, str):
-        return getattr(model, "config", None)
-    from transformers import AutoConfig
-
-    from grpo.model.loading import hub_kwargs, resolve_path
-
-    try:
-        return AutoConfig.from_pretrained(
-            resolve_path(cfg.model.load_parameters_path or cfg.model.name_or_path), **hub_kwargs(cfg)
-        )
-    except Exception:  # noqa: BLE001 (offline, gated, unknown architecture: the model load reports it)
-        return None
-
-
 def _policy(cfg: GRPOConfig, model, device: torch.device, compute: torch.dtype):
     """The trained model, float32 masters (loaded from cfg.model unless a module is given), with LoRA
     adapters when enabled."""
@@ -372,36 +314,12 @@ def _reference(cfg: GRPOConfig, ref_model, model, policy, device: torch.device, 
 
         return ReferenceWithoutAdapters(policy)
     if ref_model is None or isinstance(ref_model, str):
-        ref = load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy, compute)
+        ref = load_reference(cfg, device) if (ref_model or model is None) else frozen_copy(policy, compute)
     else:
         ref = ref_model.to(device=device, dtype=compute).eval().requires_grad_(False)
     from grpo.distributed.roles import place_reference
 
     return place_reference(ref, cfg.distributed.ref_device, device)
-
-
-def _frozen_copy(policy, dtype: torch.dtype):
-    import copy
-
-    return copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
-
-
-def _model_reward(spec, tokenizer, cfg: GRPOConfig, device):
-    from grpo.rewards.model import reward_from_model
-
-    if not isinstance(spec, str):
-        return reward_from_model(spec, tokenizer)
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    path = resolve_path(spec)
-    kw = {"token": cfg.hf_token(), "trust_remote_code": cfg.model.trust_remote_code}
-    arch = (AutoConfig.from_pretrained(path, **kw).architectures or [""])[0]
-    if arch.endswith("ForSequenceClassification"):
-        model = AutoModelForSequenceClassification.from_pretrained(path, use_safetensors=True, **kw)
-    else:
-        model = load_causal_lm(spec, cfg, device, trainable=False)
-    model.to(device).eval().requires_grad_(False)
-    return reward_from_model(model, prepare_tokenizer(AutoTokenizer.from_pretrained(path, **kw)))
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers' fork warning in DataLoader-free runs
