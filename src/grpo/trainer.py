@@ -17,11 +17,11 @@ from pathlib import Path
 
 from grpo import train as loop
 from grpo import trl_compat
+from grpo.checkpoint.policy import save_policy_dir
 from grpo.config import GRPOConfig
 from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
 from grpo.distributed import init_runtime
-from grpo.distributed.checkpointing import save_policy_dir
 from grpo.distributed.roles import apply_role_plan
 from grpo.evaluation import EvalResult, evaluate
 from grpo.records import SamplingParams
