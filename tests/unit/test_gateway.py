@@ -377,3 +377,25 @@ def test_an_agent_with_ray_rollout_is_refused_in_one_line():
     cfg.distributed.rollout_mode = "sync"
     with pytest.raises(ConfigError, match=r"rollout\.mode=colocated only"):
         build_agent_runner(cfg, None, agents.calculator_agent)
+
+
+def test_a_client_that_leaves_mid_stream_leaves_its_turn_recorded(qwen):
+    import time
+
+    engine = SlowStepsEngine(qwen, lambda text: "The answer is 408, since twelve times thirty-four is that.")
+    gateway = Gateway(qwen, HermesParser(), LIMITS, engine, SAMPLING)
+    server = GatewayServer(gateway)
+    s = gateway.sessions.add(Session(0, 0, {}))
+    body = {"model": "m", "messages": [{"role": "user", "content": "What is 12 * 34?"}], "stream": True}
+    headers = {"Authorization": f"Bearer {s.key}"}
+    try:
+        with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body, headers=headers) as reply:
+            next(reply.iter_lines())  # the first chunk, then hang up
+        deadline = time.monotonic() + 10
+        while (not s.rows or s.rows[0].busy or s.turns == 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        server.close()
+        gateway.batcher.close()
+    assert s.turns == 1 and not s.rows[0].busy
+    assert s.rows[0].messages[-1] == {"role": "assistant", "content": engine.script("")}
