@@ -76,7 +76,7 @@ def test_a_tool_stuck_in_c_holding_the_gil_is_killed_at_its_limit():
     started = time.monotonic()
     with pytest.raises(CallTimedOut, match="grep did not finish within 1 s"):
         env.grep("a" * 40 + "b")
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 10  # the limit is 1 s; a loaded machine is slow to fork
     with pytest.raises(WorkerDied, match="state is gone until the next episode's reset"):
         env.add(1)
     assert env.reset(start=1) == " Start at 1." and env.add(1) == "2"  # a fresh process and instance
@@ -99,7 +99,7 @@ def test_a_stop_signal_ends_a_long_call_within_the_grace(monkeypatch):
         started = time.monotonic()
         with pytest.raises(RewardInterrupted):
             env.grep("a" * 60 + "b")
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 10  # the grace is 0.3 s, the limit 600 s
     finally:
         isolation.clear_stop()
 
@@ -152,7 +152,7 @@ def test_a_reward_answer_is_read_as_soon_as_it_is_complete():
     started = time.monotonic()
     args = {"prompts": ["p"], "completions": ["c"]}
     kind, value = call_in_child(quick_reward_leaving_a_grandchild, args, 20)
-    assert (kind, value) == ("value", [1.0]) and time.monotonic() - started < 5
+    assert (kind, value) == ("value", [1.0]) and time.monotonic() - started < 10
 
 
 # -- through the episode loop ----------------------------------------------------------------------------
@@ -209,7 +209,7 @@ def test_a_hanging_or_exiting_tool_is_a_message_and_the_episode_goes_on(tool, sa
     isolate_factory(factory, ["by.path:tool"], None, "auto", 1.0)
     started = time.monotonic()
     r = episodes(factory, call_once(tool.__name__, {"text": "x"}), ["Go."], n=2)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 20
     assert all(e.ended_by == "answer" for e in r.episodes)
     assert says in r.episodes[0].messages[1]["content"]
 
@@ -239,3 +239,23 @@ def test_python_objects_stay_in_process_under_auto():
     factory = EnvironmentFactory([calculator])
     isolate_factory(factory, [calculator], None, "auto", 1.0)
     assert factory.fixed_tools["calculator"] is calculator
+
+
+def test_an_isolated_factory_travels_to_a_ray_actor_and_forks_its_own_workers_there():
+    cloudpickle = pytest.importorskip("cloudpickle")
+    from grpo.agents.calculator import calculator as calc
+    from grpo.agents.environments import EnvironmentFactory
+    from grpo.agents.workers import isolate_factory
+    from tests.unit.test_episodes import Counter as TrlCounter
+
+    factory = EnvironmentFactory([calc], TrlCounter)
+    isolate_factory(
+        factory, ["grpo.agents.calculator:calculator"], "tests.unit.test_episodes:Counter", "auto", 5
+    )
+    assert factory.fixed_tools["calculator"](expression="2*3") == "6"
+    copy = cloudpickle.loads(cloudpickle.dumps(factory))
+    assert copy.fixed_tools["calculator"](expression="2*4") == "8"
+    env = copy.make({"prompt": "Count.", "target": 3}, 0)
+    assert env.start([{"role": "user", "content": "Count."}], {"prompt": "Count.", "target": 3})[-1][
+        "content"
+    ].endswith("Reach 3.")

@@ -315,35 +315,48 @@ def remote_class(cls: type, make: Callable[[], Any] | None = None, timeout: floa
 
 # -- stateless tools ------------------------------------------------------------------------------------
 class _Pool:
-    """Workers holding the tool functions; a call takes an idle one or forks another."""
+    """Workers holding the tool functions. A call takes an idle worker; when none is idle it waits a moment
+    for one (a fast tool is answered by a few workers, as forking one costs ~10-70 ms) before forking
+    another (a slow tool gets one per concurrent call)."""
+
+    WAIT_S = 0.02
 
     def __init__(self, functions: dict[str, Callable], timeout: float | None) -> None:
         self.functions, self.timeout = functions, timeout
         self._idle: list[Worker] = []
-        self._lock = threading.Lock()
+        self._ready = threading.Condition()
 
     def call(self, name: str, kwargs: dict) -> Any:
-        with self._lock:
-            worker = self._idle.pop() if self._idle else None
+        worker = self._take()
         if worker is None:
             worker = Worker(lambda: self.functions, self.timeout, f"tool {name}")
         try:
             value = worker.call(name, (), kwargs)
         except (WorkerDied, CallTimedOut, RewardInterrupted):
-            raise  # that worker is gone; the next call forks another
+            raise  # that worker is gone; a later call forks another
         except BaseException:
             self._give_back(worker)
             raise
         self._give_back(worker)
         return value
 
+    def __reduce__(self) -> tuple:  # a copy sent to a Ray rollout actor forks its own workers there
+        return _Pool, (self.functions, self.timeout)
+
+    def _take(self) -> Worker | None:
+        with self._ready:
+            if not self._idle:
+                self._ready.wait(self.WAIT_S)
+            return self._idle.pop() if self._idle else None
+
     def _give_back(self, worker: Worker) -> None:
         if worker.alive:
-            with self._lock:
+            with self._ready:
                 self._idle.append(worker)
+                self._ready.notify()
 
     def close(self) -> None:
-        with self._lock:
+        with self._ready:
             idle, self._idle = self._idle, []
         for worker in idle:
             worker.close()
@@ -365,7 +378,9 @@ def remote_tools(functions: dict[str, Callable], timeout: float | None) -> dict[
 
 
 # -- where the run's user code is chosen ------------------------------------------------------------------
-def _remote_meta_reduce(cls: type) -> tuple:
+def _remote_meta_reduce(cls: type) -> tuple | str:
+    if cls is _Remote:
+        return "_Remote"  # the base itself: by name
     return remote_class, (cls.user_class, cls._make, cls._timeout)
 
 
@@ -383,6 +398,7 @@ def isolate_factory(
     tools = {name: factory.fixed_tools[name] for name, pick in zip(names, chosen, strict=False) if pick}
     if tools:
         factory.fixed_tools.update(remote_tools(tools, timeout))
+    moved = list(tools)
     specs = environment_spec if isinstance(environment_spec, dict) else {None: environment_spec}
     for key, maker in list(factory.factories.items()):
         if not (by_path or isinstance(specs.get(key), str)):
@@ -391,12 +407,20 @@ def isolate_factory(
         if cls is None:
             continue  # a factory function whose class is not known: it stays in-process
         factory.factories[key] = remote_class(cls, make=maker, timeout=timeout)
+        moved.append(cls.__name__)
         for instance in factory._pool.pop(key, []):  # made in-process to check the form: made again there
             with contextlib.suppress(Exception):
                 for hook in ("close", "cleanup"):
                     if callable(getattr(instance, hook, None)):
                         getattr(instance, hook)()
                         break
+    if moved:
+        log.info(
+            "User code in worker processes (algorithm.reward_isolation=%s; limit %g s a call): %s.",
+            isolation,
+            timeout,
+            ", ".join(moved),
+        )
 
 
 copyreg.pickle(_RemoteMeta, _remote_meta_reduce)

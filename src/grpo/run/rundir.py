@@ -12,7 +12,7 @@ from pathlib import Path
 from grpo.config import ConfigError, GRPOConfig
 from grpo.files import LogFileHandler, open_fd, write_text
 from grpo.redact import RedactingFilter
-from grpo.run.console import StderrHandler
+from grpo.run.console import StderrHandler, take_startup_log
 from grpo.run.runlock import LOCK_FILE
 
 
@@ -126,6 +126,8 @@ def setup_logging(run_dir: Path | None = None) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         handler.addFilter(RedactingFilter())
         logger.addHandler(handler)
+        for record in take_startup_log():  # what the console showed before the run directory was known
+            handler.handle(record)
 
 
 STARTUP_FILES = frozenset({RUN_CONFIG, "train.log", LOCK_FILE})  # all a start writes before training
