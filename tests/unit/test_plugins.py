@@ -130,3 +130,14 @@ def test_a_file_path_works_as_the_module_part_and_is_loaded_once(tmp_path):
     assert load(f"{agent}:run") is run and load(f"{agent}:CALLS") == [1]  # executed once
     with pytest.raises(ImportError, match="there is no file"):
         load(f"{tmp_path / 'missing.py'}:run", "env.agent")
+
+
+def test_config_checks_a_choice_against_a_registry_it_names_by_path():
+    """env.tool_parser's choices are agents.parsing.PARSERS plus "auto", read when the config is validated
+    (config names no module above it: tests/unit/test_import_graph.py)."""
+    from grpo.config import load_config
+
+    assert load_config("tiny_tools", {"env.tool_parser": "auto"}).env.tool_parser == "auto"
+    assert load_config("tiny_tools", {"env.tool_parser": "hermes"}).env.tool_parser == "hermes"
+    with pytest.raises(ConfigError, match=r"env\.tool_parser = 'xml' is not one of auto, hermes"):
+        load_config("tiny_tools", {"env.tool_parser": "xml"})
