@@ -259,3 +259,19 @@ def test_an_isolated_factory_travels_to_a_ray_actor_and_forks_its_own_workers_th
     assert env.start([{"role": "user", "content": "Count."}], {"prompt": "Count.", "target": 3})[-1][
         "content"
     ].endswith("Reach 3.")
+
+
+def test_a_pool_worker_outlives_the_thread_whose_call_forked_it():
+    import threading
+
+    calc = remote_tools({"calculator": calculator}, timeout=5.0)["calculator"]
+    answers = []
+    first = threading.Thread(target=lambda: answers.append(calc(expression="1+1")))
+    first.start()
+    first.join()
+    time.sleep(0.3)  # a parent-death signal tied to that thread would have killed the worker by now
+    second = threading.Thread(target=lambda: answers.append(calc(expression="2+2")))
+    second.start()
+    second.join()
+    assert [a.split(":")[0] for a in answers] == ["2", "4"]
+    assert answers[0].split(":")[1] == answers[1].split(":")[1]  # the same worker answered both
