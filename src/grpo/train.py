@@ -39,7 +39,6 @@ from grpo.rewards.isolation import RewardInterrupted
 from grpo.rollout.source import RolloutSource
 from grpo.run import lifecycle
 from grpo.run.assemble import RunParts
-from grpo.run.console import result_line
 from grpo.run.lifecycle import TrainingHalted
 from grpo.run.metrics import StageTimer, StepReport, reduce_metrics, sampler_metrics, step_metrics
 from grpo.run.profiling import StepProfiler
@@ -72,7 +71,6 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
     """The steps of `trainer`'s run, from its resume point to the final save, evaluation and report."""
     cfg, p, rt = trainer.cfg, trainer.parts, trainer.rt
     t, a, total_steps = cfg.train, cfg.algorithm, trainer.total_steps
-    started = time.perf_counter()
     length_limit = trainer.settings.completion_limit  # the episode's for agents (config/settings.py)
     learner = Learner(
         p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt, completion_limit=length_limit
@@ -163,8 +161,8 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
         )
         return summary
     with trainer.stops.watching():  # a signal now lets the final saves finish; a second one: exit 130
-        lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step))
-        lifecycle.save_final(cfg, p, rt, lambda: checkpoint_state(step))
+        last = lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step))
+        lifecycle.save_final(cfg, p, rt, lambda: checkpoint_state(step), same_as=last)
     last_eval = t.eval_after or (t.eval_steps and step % t.eval_steps == 0)  # the last step's, as TRL
     if last_eval and trainer.stop_signal is None:
         summary.update(trainer.log_eval(report, best, step, "after"))
@@ -175,9 +173,8 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
     page = None
     if t.report and rt.is_main and trainer.stop_signal is None:
         page = lifecycle.write_report(p.run_dir)
-    if trained:
-        final = p.run_dir / "final_model"
-        log.info(result_line(summary, report.first_reward, time.perf_counter() - started, final, page))
+    if trained:  # the whole run's: "before →" and the time of every piece a resume joined
+        log.info(lifecycle.closing_line(p, summary, report.first_reward, page))
     return summary
 
 

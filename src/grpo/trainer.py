@@ -17,17 +17,17 @@ from pathlib import Path
 
 from grpo import train as loop
 from grpo import trl_compat
+from grpo.checkpoint.policy import save_policy_dir
 from grpo.config import GRPOConfig
 from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
 from grpo.distributed import init_runtime
-from grpo.distributed.checkpointing import save_policy_dir
 from grpo.distributed.roles import apply_role_plan
 from grpo.evaluation import EvalResult, evaluate
 from grpo.records import SamplingParams
 from grpo.rollout.source import RolloutSource, build_source
-from grpo.run import lifecycle
-from grpo.run.assemble import RunParts, build_run, planned_steps
+from grpo.run import console, lifecycle
+from grpo.run.assemble import RunParts, build_run, planned_steps, setup_logging
 from grpo.run.metrics import StepReport, eval_metrics
 from grpo.run.runlock import holding_run_lock
 
@@ -70,7 +70,10 @@ class GRPOTrainer:
         tools=None,
         environment_factory=None,
         agent=None,
+        **trl_only,  # TRL arguments with no counterpart: refused with the reason (trl_compat)
     ):
+        setup_logging()  # the console from the first line on, as the CLI's (device roles, threads) ...
+        console.begin_startup_log()  # ... and those lines in train.log too, once the run directory is known
         # TRL's positional order: (model, reward_funcs, args, ...)
         if trl_compat.looks_like_rewards(ref_model):
             ref_model, reward_funcs = None, ref_model if reward_funcs is None else reward_funcs
@@ -80,7 +83,10 @@ class GRPOTrainer:
         tokenizer = trl_compat.one_of("tokenizer", tokenizer, "processing_class", processing_class)
         reward_funcs, reward_model = trl_compat.split_reward_models(reward_funcs, reward_model)
         trl_compat.refuse_trainer_args(
-            callbacks=callbacks, optimizers=optimizers, reward_processing_classes=reward_processing_classes
+            callbacks=callbacks,
+            optimizers=optimizers,
+            reward_processing_classes=reward_processing_classes,
+            **trl_only,
         )
         self.cfg = (config or GRPOConfig()).validate()
         if peft_config is not None:  # on a copy: the caller's args stay as they were given
@@ -137,7 +143,7 @@ class GRPOTrainer:
     def _sampling(self) -> SamplingParams:
         g = self.cfg.generation
         return SamplingParams(
-            self.cfg.effective_max_new_tokens, g.temperature, g.top_k, g.top_p, stop_strings=g.stop_strings
+            self.settings.turn_limit, g.temperature, g.top_k, g.top_p, stop_strings=g.stop_strings
         )
 
     def evaluate(self, progress: Callable[[int], object] | None = None) -> EvalResult | None:
@@ -146,7 +152,7 @@ class GRPOTrainer:
         p, t, g = self.parts, self.cfg.train, self.cfg.generation
         if not p.eval_rows:
             return None
-        max_new_tokens = t.eval_max_new_tokens or self.cfg.effective_max_new_tokens
+        max_new_tokens = t.eval_max_new_tokens or self.settings.turn_limit
         source = self.source
         if source is None:
             stream = PromptStream(p.eval_rows, seed=t.seed, shuffle=False)

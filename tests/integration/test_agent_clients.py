@@ -67,7 +67,10 @@ def drive(policy, agent):
     )
     torch.manual_seed(0)
     try:
-        return runner.run(engine, prompts, EPISODES, SAMPLING)
+        result = runner.run(engine, prompts, EPISODES, SAMPLING)
+        # every request extended its episode's conversation: one token row per episode, no fork
+        assert runner.metrics()["gateway/forks"] == 0
+        return result
     finally:
         runner.close()
 

@@ -3,13 +3,17 @@ and a CLI resume of one either reproduces it or refuses, saying how to resume fr
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo import GRPOConfig, GRPOTrainer, TrainingStopped
 from grpo.cli import main
@@ -47,7 +51,7 @@ def test_a_python_run_records_its_data_rewards_and_tools_and_a_cli_resume_refuse
     out = tmp_path / "run"
     trainer = GRPOTrainer(
         model="tiny-tools-lm",
-        args=_args("tiny-tools-lm", out),
+        args=_args("tiny-tools-lm", out, max_prompt_length=256),
         train_dataset=_rows(),
         reward_funcs=[in_script, gsm8k_correctness, "gsm8k_format"],
         tools=[calculator],
@@ -68,7 +72,14 @@ def test_a_python_run_records_its_data_rewards_and_tools_and_a_cli_resume_refuse
     assert "in-memory train_dataset: 6 rows" in page and "grpo.rewards.math:gsm8k_correctness" in page
     assert "grpo.agents.calculator:calculator" in page
 
+    # grpo eval of the tool-trained model reads its run's config (the tools) and names what it evaluated
     capsys.readouterr()
+    assert main(["eval", "--model", str(out / "final_model"), "--limit", "2", "--json"]) == 0
+    printed = capsys.readouterr()
+    result = json.loads(printed.out.strip().splitlines()[-1])
+    assert result["tools"] == ["grpo.agents.calculator:calculator"] and result["dataset"] == "tiny_math:test"
+    assert "on tiny_math:test (2 rows), with tools: grpo.agents.calculator:calculator" in printed.err
+
     code = main(["train", "--resume", "--output-dir", str(out), "train.steps=2"])
     err = capsys.readouterr().err
     assert code == 2
@@ -158,3 +169,101 @@ def test_a_new_trainer_in_the_same_process_takes_the_run_directory_over(tmp_path
     message = str(refused.value)
     assert f"kill {os.getpid()}" not in message and "in use by another grpo run" in message
     other.release()
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers (TRL's documentation example tool).
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+def _trl_args(out: Path, **kwargs) -> GRPOConfig:
+    return GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=2, num_generations=2, max_completion_length=8,
+        max_steps=1, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+        eval_before=False, eval_after=False, report=False, num_threads=1, **kwargs,
+    )  # fmt: skip
+
+
+def test_a_trl_style_agent_run_with_the_bundled_tool_model_says_what_it_can_call(tmp_path):
+    out = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer = GRPOTrainer(
+            model="tiny-tools-lm", args=_trl_args(out), train_dataset=_rows(4), tools=[multiply],
+            reward_funcs=["gsm8k_format"],
+        )  # fmt: skip
+    assert not [w for w in seen if "gradient_checkpointing_enable" in str(w.message)]
+    trainer.train()
+    log = (out / "train.log").read_text()
+    # max_completion_length is per turn here, and said in the user's (TRL's) words
+    assert "max_completion_length = 8 tokens per assistant turn (in TRL it caps the whole episode" in log
+    assert "holds up to 32 tokens after its prompt (env.max_turns 4 × max_completion_length)" in log
+    # the bundled model calls only calculator(expression): said before the first step, with the way out
+    assert "only ever shown calling calculator(expression)" in log and "multiply(a, b)" in log
+    assert "def calculator(expression: str) -> str" in log
+    assert (out / "config.yaml").read_text().count("tests.integration.test_python_runs:multiply") == 1
+
+
+def test_trl_defaults_the_user_never_set_are_not_given_and_messages_use_trl_names(tmp_path):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("grpo").addHandler(handler)
+    try:
+        args = GRPOConfig(max_steps=5, per_device_train_batch_size=4, num_generations=4)
+        assert "were given" not in " ".join(r.getMessage() for r in records)  # num_train_epochs=3 is TRL's
+        assert {"train.num_epochs", "train.gradient_accumulation_steps"}.isdisjoint(args.explicit_keys)
+        assert args.train.steps == 5 and args.train.num_epochs == 3.0  # TRL's default still recorded
+        GRPOConfig(max_steps=5, num_train_epochs=2, per_device_train_batch_size=4, num_generations=4)
+        said = " ".join(r.getMessage() for r in records)
+        assert "both num_train_epochs = 2.0 and max_steps = 5 were given; max_steps wins" in said
+    finally:
+        logging.getLogger("grpo").removeHandler(handler)
+
+
+def test_trl_trainer_arguments_without_a_counterpart_say_why_and_what_is_nearest():
+    with pytest.raises(ConfigError, match=r"rollout_func=\.\.\.\) is not supported: .*environment_factory="):
+        GRPOTrainer(rollout_func=lambda prompts, trainer: {})
+    with pytest.raises(ConfigError, match=r"quantization_config=\.\.\.\) is not supported: .*peft_config="):
+        GRPOTrainer(quantization_config=object())
+    with pytest.raises(TypeError, match="did you mean 'environment_factory'"):
+        GRPOTrainer(environmnet_factory=object)
+
+
+def test_train_log_has_the_console_lines_and_a_resumed_result_line_is_the_whole_run(tmp_path, capsys):
+    model = tiny_run.make_model_dir(tmp_path / "model")
+    data = str(tiny_run.write_dataset(tmp_path / "data.jsonl", 6))
+    out = tmp_path / "run"
+    settings = {"dataset": data, "progress_bar": True, "eval_before": True, "eval_after": True,
+                "eval_dataset": data, "eval_max_samples": 2}  # fmt: skip
+    GRPOTrainer(model=str(model), args=_args(model, out, steps=1, **settings)).train()
+    log = (out / "train.log").read_text()
+    assert "CPU threads: 1" in log and "Device roles:" in log  # said before the run directory was known
+    assert "step 1 | reward" in log  # the progress bar's step, in full
+    first = [line for line in log.splitlines() if "held-out accuracy" in line and "→" in line]
+    assert first and " in " in first[0]
+    GRPOTrainer(model=str(model), args=_args(model, out, steps=2, **settings)).train(
+        resume_from_checkpoint=True
+    )
+    last = (out / "train.log").read_text().splitlines()[-1]
+    before = first[0].split("held-out accuracy ")[1].split(" → ")[0]
+    assert f"held-out accuracy {before} → " in last  # "before →" from the first piece
+    state = torch.load(out / "final_model" / "training_state.pt", weights_only=True)
+    first_piece = torch.load(out / "checkpoint-1" / "training_state.pt", weights_only=True)
+    assert state["elapsed_s"] > first_piece["elapsed_s"] > 0  # the whole run's time, carried on
+
+
+def test_a_context_overflow_of_a_trl_style_config_names_max_completion_length(tmp_path):
+    model = tiny_run.make_model_dir(tmp_path / "model")  # 256 positions
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=300, max_prompt_length=96, max_steps=1, use_cpu=True,
+    )  # fmt: skip
+    named = r"plus max_completion_length \(300\) is .*Lower max_completion_length"
+    with pytest.raises(ConfigError, match=named):
+        GRPOTrainer(model=str(model), args=args, train_dataset=_rows(), reward_funcs=["gsm8k_format"])

@@ -79,7 +79,8 @@ def test_stop_and_resume_equals_an_uninterrupted_run(assets, tmp_path, rows, len
     assert f"Stopped at step {stop_at} of" in log and "trainer.train(resume_from_checkpoint=True)" in log
     state = torch.load(split / f"checkpoint-{stop_at}" / "training_state.pt", weights_only=True)
     assert {k: state["data"][k] for k in ("epoch", "position")} == position
-    train(assets, rows, split, resume="latest", **length)
+    # the same reward object as the stopped run (config.yaml records it: issue 33), signalling no more
+    train(assets, rows, split, reward=SignalAt(0), resume="latest", **length)
     assert same_weights(straight / "final_model", split / "final_model")  # bitwise
     assert metrics(split) == metrics(straight)  # every logged value, steps appended once each
     total = length.get("steps") or 6
@@ -94,7 +95,7 @@ def test_a_second_signal_stops_at_once_without_saving(assets, tmp_path):
         train(assets, 6, out, steps=4, reward=SignalAt(2, signal.SIGINT, signal.SIGINT))
     assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-1"]
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
-    train(assets, 6, out, steps=4, resume="latest")
+    train(assets, 6, out, steps=4, reward=SignalAt(0), resume="latest")
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
 
 
@@ -135,19 +136,19 @@ def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(
 ):
     import yaml
 
-    import grpo.run.checkpoint
+    import grpo.checkpoint.store
     from grpo import cli
 
     out, data = tmp_path / "run", tiny_run.write_dataset(tmp_path / "data.jsonl", 6)
     monkeypatch.setattr(__import__(__name__, fromlist=["_"]), "TERM_AT", SignalAt(3, signal.SIGTERM))
-    real_point = grpo.run.checkpoint._fault_point
+    real_point = grpo.checkpoint.store._fault_point
 
     def second_signal_inside_the_stop_save(path, point):
         if path.name == "checkpoint-3" and point == "state":  # weights and state written, no manifest yet
             signal.raise_signal(signal.SIGTERM)
         real_point(path, point)
 
-    monkeypatch.setattr(grpo.run.checkpoint, "_fault_point", second_signal_inside_the_stop_save)
+    monkeypatch.setattr(grpo.checkpoint.store, "_fault_point", second_signal_inside_the_stop_save)
     settings = tiny_run.config(
         assets["model"],
         data,
@@ -174,4 +175,4 @@ def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(
         "run from its last checkpoint."
     )
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # no .tmp left behind
-    assert grpo.run.checkpoint.verify_checkpoint(out / "checkpoint-2") is None
+    assert grpo.checkpoint.store.verify_checkpoint(out / "checkpoint-2") is None

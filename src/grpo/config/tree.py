@@ -22,7 +22,7 @@ from grpo.config.schema import (
     EVAL_HOLDOUT,
     SECTIONS,
 )
-from grpo.config.trl import is_trl_style, translate
+from grpo.config.trl import is_trl_style, trl_settings
 from grpo.config.validate import validate
 from grpo.config.yaml_limits import load_yaml
 from grpo.redact import REDACTED
@@ -39,7 +39,9 @@ class GRPOConfig(ConfigTree):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
         if is_trl_style(kwargs):  # TRL's field names and defaults (docs/trl.md)
-            kwargs = translate(kwargs)
+            implied, kwargs, names = trl_settings(kwargs)
+            self.update(implied, explicit=False, origin="TRL's defaults")  # not "given" by the user
+            object.__setattr__(self, "_trl_names", names)  # messages name settings as the user did
         flat: list[tuple[str, Any]] = []
         for key, value in kwargs.items():
             if key in SECTIONS and isinstance(value, (dict, SECTIONS[key])):
@@ -50,6 +52,10 @@ class GRPOConfig(ConfigTree):
         self.update(flat, origin="the keyword arguments")
         if flat:
             apply_user_precedence(self)
+
+    def name_of(self, path: str) -> str:
+        """What the user calls `path`: the TRL name they wrote in a TRL-style config, else the path."""
+        return getattr(self, "_trl_names", {}).get(path, path)
 
     def validate(self) -> GRPOConfig:
         """Check every constraint that needs no model (config/validate.py); raise ConfigError naming the
@@ -168,9 +174,10 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
         if rival in explicit:
             if (given, rival) in _USED_TOGETHER:
                 continue
+            mine, theirs = cfg.name_of(given), cfg.name_of(rival)  # as the user wrote them
             notes.append(
-                f"both {given} = {get_path(cfg, given)} and {rival} = {rival_value} were given; "
-                f"{rival} wins, {given} is not used."
+                f"both {mine} = {get_path(cfg, given)} and {theirs} = {rival_value} were given; "
+                f"{theirs} wins, {mine} is not used."
             )
             continue
         set_path(cfg, rival, field_of(rival).default)

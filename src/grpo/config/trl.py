@@ -163,6 +163,69 @@ TRL_NAMES = (
 _NO_COUNTERPART = "a vLLM setting with no counterpart here, or one of loss_type='vespo' (not implemented)"
 
 
+# TRL names that set more than a renamed key (see _loss, _batch, _schedule, _vllm): name -> our keys.
+DERIVED: dict[str, tuple[str, ...]] = {
+    "per_device_train_batch_size": ("train.prompts_per_step", "train.micro_batch_size"),
+    "gradient_accumulation_steps": ("train.prompts_per_step",),
+    "steps_per_generation": ("train.prompts_per_step",),
+    "generation_batch_size": ("train.prompts_per_step",),
+    "num_generations": ("train.prompts_per_step",),
+    "loss_type": ("algorithm.loss_variant", "algorithm.loss_aggregation", "algorithm.epsilon_high"),
+    "importance_sampling_level": ("algorithm.loss_variant",),
+    "epsilon": ("algorithm.epsilon_low", "algorithm.epsilon_high"),
+    "epsilon_high": ("algorithm.epsilon_high",),
+    "scale_rewards": ("algorithm.advantage_scale",),
+    "lr_scheduler_type": ("optim.lr_scheduler",),
+    "max_steps": ("train.steps",),
+    "report_to": ("train.use_wandb",),
+    "top_k": ("generation.top_k",),
+    "use_cpu": ("model.device",),
+    "disable_tqdm": ("train.progress_bar",),
+    "save_strategy": ("train.save_steps",),
+    "use_vllm": ("generation.engine", "distributed.importance_cap"),
+    "vllm_mode": ("generation.vllm_server_url",),
+    "vllm_server_base_url": ("generation.vllm_server_url",),
+    "vllm_server_host": ("generation.vllm_server_url",),
+    "vllm_server_port": ("generation.vllm_server_url",),
+    "vllm_importance_sampling_correction": ("distributed.importance_correction",),
+    "vllm_importance_sampling_mode": ("distributed.importance_correction",),
+    "max_tool_calling_iterations": ("env.max_turns",),  # N rounds of tool calls: N + 1 turns
+}
+
+
+# Settings messages name the user's TRL way (beside TRL_ALIASES): our key -> TRL's name.
+SPELLED = {
+    "train.steps": "max_steps",
+    "train.micro_batch_size": "per_device_train_batch_size",
+    "train.gradient_accumulation_steps": "gradient_accumulation_steps",
+    "optim.lr_scheduler": "lr_scheduler_type",
+    "algorithm.advantage_scale": "scale_rewards",
+    "generation.top_k": "top_k",
+}
+
+
+def trl_settings(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """A TRL-style config's settings as (TRL's defaults the user did not set, what the user set, {our key:
+    the TRL name the user wrote}). The defaults count as a preset's (not "given": `num_train_epochs=3`
+    beside the user's `max_steps` is not "both were given"), and messages name settings the user's way.
+    TRL's gradient_accumulation_steps is in prompts_per_step already; our key of that name, which
+    micro_batch_size overrides, is never reported as given."""
+    out = translate(kwargs)
+    touched = {key for name in kwargs for key in DERIVED.get(name, ())}
+    names = {key: name for key, name in SPELLED.items() if name in kwargs}
+    for name in kwargs:
+        if name in TRL_ALIASES:
+            touched.add(resolve_key(name, trl=True)[0])
+            names.setdefault(resolve_key(name, trl=True)[0], name)
+    own = {k for k in kwargs if k not in TRL_NAMES and not k.startswith(("vllm_", "vespo_"))}
+    given = {k for k in out if k in touched or k in own} - {"train.gradient_accumulation_steps"}
+    return (
+        {k: v for k, v in out.items() if k not in given},
+        {k: v for k, v in out.items() if k in given},
+        names,
+    )
+
+
 def is_trl_style(kwargs: dict[str, Any]) -> bool:
     return any(k in TRL_ONLY or k.startswith(("vllm_", "vespo_")) for k in kwargs)
 

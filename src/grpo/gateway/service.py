@@ -49,7 +49,7 @@ class Gateway:
         strict_history: bool = False,
         template_kwargs: dict | None = None,
         model_name: str = "grpo-policy",
-        window_s: float = 0.1,
+        window_s: float = 0.2,
     ):
         self.tokenizer, self.parser, self.limits = tokenizer, parser, limits
         self.strict_history, self.model_name = strict_history, model_name
@@ -100,21 +100,27 @@ class Gateway:
             return
         stream = _TextStream(self.tokenizer, self.special_ids, _CALL_MARKERS.get(self.parser.name, ()))
         sampled: list[int] = []
-        while True:
-            event = job.events.get()
-            if event[0] == "token":
+        event = None
+        try:
+            while (event := job.events.get())[0] == "token":
                 if len(sampled) < cap:
                     sampled.append(event[1])
                     if text := stream.feed(sampled):
                         yield TextDelta(text)
-            elif event[0] == "error":
-                with session.lock:
-                    row.busy = False
-                raise GatewayError(500, f"The engine failed: {event[1]}", "server_error")
-            else:
-                break
-        _, ids, logprobs, truncated = event
-        done = self._finish(session, row, req, ids, logprobs, truncated, cap)
+        finally:
+            if event is not None and event[0] == "token":  # the client left mid-stream: the turn counts
+                while (event := job.events.get())[0] == "token":
+                    pass
+                if event[0] == "done":
+                    self._finish(session, row, req, *event[1:], cap)
+                else:
+                    with session.lock:
+                        row.busy = False
+        if event[0] == "error":
+            with session.lock:
+                row.busy = False
+            raise GatewayError(500, f"The engine failed: {event[1]}", "server_error")
+        done = self._finish(session, row, req, *event[1:], cap)
         rest = done.message.get("content") or ""
         if rest.startswith(stream.sent):
             if rest[len(stream.sent) :]:
@@ -158,7 +164,7 @@ class Gateway:
             cap = min(self.limits.turn_tokens, left, req.max_tokens or left)
             row.busy = True
             session.calls += 1
-            job = Job(list(row.ids), cap)
+            job = Job(list(row.ids), cap, stream=req.stream)
         self.batcher.submit(job)
         return job, row, cap
 

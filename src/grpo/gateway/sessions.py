@@ -137,6 +137,8 @@ class SessionTable:
             for s in sessions:
                 self._by_key.pop(s.key, None)
 
-    def live(self) -> int:
+    def live(self) -> tuple[int, int]:
+        """Sessions not ended, and how many of them have not called the model yet."""
         with self._lock:
-            return sum(s.ended is None for s in self._by_key.values())
+            live = [s for s in self._by_key.values() if s.ended is None]
+            return len(live), sum(s.calls == 0 for s in live)

@@ -22,12 +22,13 @@ from tqdm.auto import tqdm
 
 from grpo.algorithm.advantages import group_reward_stats
 from grpo.algorithm.importance import mismatch_metrics, sampler_ess
+from grpo.checkpoint.store import CheckpointError
 from grpo.config import ConfigError
 from grpo.distributed.runtime import Runtime
 from grpo.files import append_text, open_append, own_dir, refuse_link, write_text
 from grpo.records import Rollouts, ScoredRollouts
 from grpo.redact import argv_redacted
-from grpo.run.checkpoint import CheckpointError
+from grpo.run.console import FILE_ONLY
 
 log = logging.getLogger("grpo")
 
@@ -127,8 +128,8 @@ class MetricsLogger:
                     self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
-        if console:
-            log.info("step %d | %s", step, format_metrics(clean))
+        # train.log always has the step's line; the console has it unless a progress bar stands for it
+        log.info("step %d | %s", step, format_metrics(clean), extra=None if console else FILE_ONLY)
 
     def log_samples(self, step: int, records: list[dict[str, Any]]) -> None:
         """Append sample completions (with rewards and advantages) to samples.jsonl, for the report."""

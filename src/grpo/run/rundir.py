@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from datetime import datetime
 from pathlib import Path
 
 from grpo.config import ConfigError, GRPOConfig
 from grpo.files import LogFileHandler, open_fd, write_text
 from grpo.redact import RedactingFilter
-from grpo.run.console import StderrHandler
+from grpo.run.console import StderrHandler, take_startup_log
 from grpo.run.runlock import LOCK_FILE
 
 
@@ -96,11 +97,15 @@ def _ours(path: Path, held_a_run: bool) -> bool:
 
 
 def setup_logging(run_dir: Path | None = None) -> None:
-    import datasets
     import transformers
 
     # Our own progress bar and log lines say what is happening; the libraries' per-file bars are noise.
-    datasets.disable_progress_bars()
+    # `datasets` is imported only where a dataset is read through it (data/sources.py): a run on bundled
+    # or JSON data needs none installed. It reads this variable when it is imported.
+    if (datasets := sys.modules.get("datasets")) is not None:
+        datasets.disable_progress_bars()
+    else:
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logger = logging.getLogger("grpo")
@@ -126,6 +131,8 @@ def setup_logging(run_dir: Path | None = None) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         handler.addFilter(RedactingFilter())
         logger.addHandler(handler)
+        for record in take_startup_log():  # what the console showed before the run directory was known
+            handler.handle(record)
 
 
 STARTUP_FILES = frozenset({RUN_CONFIG, "train.log", LOCK_FILE})  # all a start writes before training

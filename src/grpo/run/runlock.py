@@ -121,7 +121,8 @@ class RunLock:
         if self._fd is not None:
             if _holders is not None and _holders.get(self._key) is self:  # None: interpreter shutdown
                 del _holders[self._key]
-            _held_fds.discard(self._fd)
+            if _held_fds is not None:
+                _held_fds.discard(self._fd)
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 

@@ -51,20 +51,22 @@ def model_context(model_config: Any) -> int | None:
 def _completion_words(settings: RunSettings) -> str:
     """The completion limit and where it comes from, for messages."""
     cfg, n = settings.config, settings.completion_limit
+    cap = cfg.name_of("generation.max_new_tokens")  # max_completion_length in a TRL-style config
     if not settings.multi_turn:
-        return f"generation.max_new_tokens ({n})"
+        return f"{cap} ({n})"
     if cfg.env.max_tokens:
         return f"the episode's env.max_tokens ({n})"
     turns = f"{cfg.env.max_turns} × {settings.turn_limit} = {n}"
-    return f"the episode's env.max_turns × generation.max_new_tokens ({turns})"
+    return f"the episode's env.max_turns × {cap} ({turns})"
 
 
 def _shorter_completions(settings: RunSettings, room: int) -> str:
     """How to bring the completion limit down to `room` tokens."""
-    if not settings.multi_turn:
-        return f"Lower generation.max_new_tokens to {room} or less"
     cfg = settings.config
-    fewer = f"env.max_turns × generation.max_new_tokens (now {cfg.env.max_turns} × {settings.turn_limit})"
+    cap = cfg.name_of("generation.max_new_tokens")
+    if not settings.multi_turn:
+        return f"Lower {cap} to {room} or less"
+    fewer = f"env.max_turns × {cap} (now {cfg.env.max_turns} × {settings.turn_limit})"
     return (
         f"Set env.max_tokens to {room} or less (an episode's sampled and injected tokens), or lower {fewer}"
     )
