@@ -140,12 +140,7 @@ FLOORS = (
     ("records", "config", "plugins", "redact", "files", "ranges", "assets", "configs"),
 )
 # Upward imports still there, each with why it stays for now; an entry that no longer occurs fails too.
-ALLOWED_UPWARD = {
-    # Prompts render their text through LiteralText (special-token strings stay text), which lives in
-    # agents/chat.py beside the chat renderer; it is a tokenizer utility that belongs under data/ (or a
-    # tokenizer module both import), a move in a file another change owns (agents/chat.py).
-    ("grpo.data.prompts", "grpo.agents.chat"),
-}
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
 
 
 def floor_of(module: str) -> int | None:

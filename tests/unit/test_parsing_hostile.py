@@ -128,3 +128,19 @@ def test_a_parser_that_raises_gives_the_model_a_message():
     turn = parse_turn(Broken(), " hello ")
     assert turn.calls == [] and turn.content == "hello"
     assert turn.errors == ["the tool calls could not be read (KeyError: 'surprise'); write <call>...</call>"]
+
+
+def test_the_gateway_answers_arguments_nested_100000_deep_with_a_400():
+    from grpo.gateway import ChatRequest, GatewayError
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": ' + DEEP + "}"}}
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ],
+    }
+    with pytest.raises(GatewayError, match="not JSON"):
+        ChatRequest.parse(body)

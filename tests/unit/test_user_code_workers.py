@@ -178,9 +178,8 @@ def episodes(factory, script, questions, n=1, **columns):
     from grpo.agents import HermesParser
     from grpo.config import DataConfig
     from grpo.data import PromptFormatter
-    from grpo.rollout.episodes import EpisodeLimits, MultiTurn
     from tests.chat_templates import family_tokenizer
-    from tests.unit.test_episodes import SAMPLING, ScriptedEngine, batch
+    from tests.unit.test_episodes import SAMPLING, EpisodeLimits, MultiTurn, ScriptedEngine, batch
 
     qwen = family_tokenizer("qwen2.5")
     formatter = PromptFormatter(qwen, DataConfig(max_prompt_length=4096))
@@ -202,8 +201,8 @@ def call_once(name, arguments):
     ],
 )
 def test_a_hanging_or_exiting_tool_is_a_message_and_the_episode_goes_on(tool, says):
-    from grpo.agents.environments import EnvironmentFactory
     from grpo.agents.workers import isolate_factory
+    from tests.unit.test_episodes import EnvironmentFactory
 
     factory = EnvironmentFactory([tool])
     isolate_factory(factory, ["by.path:tool"], None, "auto", 1.0)
@@ -215,10 +214,9 @@ def test_a_hanging_or_exiting_tool_is_a_message_and_the_episode_goes_on(tool, sa
 
 
 def test_an_isolated_environment_gives_the_rewards_the_in_process_one_gives():
-    from grpo.agents.environments import EnvironmentFactory
     from grpo.agents.workers import isolate_factory
     from tests.unit.test_episodes import Counter as TrlCounter
-    from tests.unit.test_episodes import call_text
+    from tests.unit.test_episodes import EnvironmentFactory, call_text
 
     def script(seen):
         return call_text("add", {"amount": 5}) if "<tool_response>" not in seen else "Done."
@@ -233,8 +231,8 @@ def test_an_isolated_environment_gives_the_rewards_the_in_process_one_gives():
 
 
 def test_python_objects_stay_in_process_under_auto():
-    from grpo.agents.environments import EnvironmentFactory
     from grpo.agents.workers import isolate_factory
+    from tests.unit.test_episodes import EnvironmentFactory
 
     factory = EnvironmentFactory([calculator])
     isolate_factory(factory, [calculator], None, "auto", 1.0)
@@ -244,9 +242,9 @@ def test_python_objects_stay_in_process_under_auto():
 def test_an_isolated_factory_travels_to_a_ray_actor_and_forks_its_own_workers_there():
     cloudpickle = pytest.importorskip("cloudpickle")
     from grpo.agents.calculator import calculator as calc
-    from grpo.agents.environments import EnvironmentFactory
     from grpo.agents.workers import isolate_factory
     from tests.unit.test_episodes import Counter as TrlCounter
+    from tests.unit.test_episodes import EnvironmentFactory
 
     factory = EnvironmentFactory([calc], TrlCounter)
     isolate_factory(
@@ -259,3 +257,19 @@ def test_an_isolated_factory_travels_to_a_ray_actor_and_forks_its_own_workers_th
     assert env.start([{"role": "user", "content": "Count."}], {"prompt": "Count.", "target": 3})[-1][
         "content"
     ].endswith("Reach 3.")
+
+
+def test_a_pool_worker_outlives_the_thread_whose_call_forked_it():
+    import threading
+
+    calc = remote_tools({"calculator": calculator}, timeout=5.0)["calculator"]
+    answers = []
+    first = threading.Thread(target=lambda: answers.append(calc(expression="1+1")))
+    first.start()
+    first.join()
+    time.sleep(0.3)  # a parent-death signal tied to that thread would have killed the worker by now
+    second = threading.Thread(target=lambda: answers.append(calc(expression="2+2")))
+    second.start()
+    second.join()
+    assert [a.split(":")[0] for a in answers] == ["2", "4"]
+    assert answers[0].split(":")[1] == answers[1].split(":")[1]  # the same worker answered both

@@ -10,8 +10,8 @@ import logging
 import random
 from typing import Any
 
-from grpo.agents.chat import LiteralText
 from grpo.config import ConfigError, DataConfig
+from grpo.data.literal_text import LiteralText
 from grpo.data.sources import row_numbers
 from grpo.records import PromptBatch
 

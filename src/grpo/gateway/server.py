@@ -180,7 +180,7 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length)
         try:
             return json.loads(raw or b"null")
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:  # RecursionError: a body nested past the limit
             raise GatewayError(400, f"The request body is not valid JSON ({err}).") from None
 
     def _json(self, status: int, obj: dict) -> None:

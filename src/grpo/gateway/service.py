@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 from grpo.agents.chat import ChatRenderer, ChatTemplateError
 from grpo.agents.messages import call_id
-from grpo.agents.parsing import ParsedTurn, ToolCallParser
+from grpo.agents.parsing import ParsedTurn, ToolCallParser, parse_turn
 from grpo.gateway.batching import Batcher, Job
 from grpo.gateway.sessions import Session, SessionTable
 from grpo.gateway.wire import ChatRequest, GatewayError, TextDelta, ToolCallDelta, TurnDone
@@ -179,7 +179,7 @@ class Gateway:
         ):  # the request's own stop strings: the turn ends at the first (the run's stop in the engine)
             text, new, lps, stopped = self._cut_at_stop(text, new, lps, req.stop)
             length = length and not stopped
-        parsed = self.parser.parse(text)
+        parsed = parse_turn(self.parser, text)  # nothing a model writes raises (agents/parsing.py)
         with session.lock:
             session.turns += 1
             turn = session.turns

@@ -76,7 +76,7 @@ def _arguments(raw: Any, where: str) -> dict:
         return raw
     try:
         value = json.loads(raw or "{}")
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, RecursionError) as err:  # RecursionError: nested past the limit
         raise bad(f"{where}: function.arguments is not JSON ({err}).", "messages") from None
     if not isinstance(value, dict):
         raise bad(f"{where}: function.arguments must be a JSON object.", "messages")
