@@ -140,7 +140,7 @@ def without_new_settings(now: str, before: str) -> str:
             section, dropping = line.split(":")[0], False
         elif line.startswith("  ") and not line.startswith(("   ", "  - ")):
             dropping = (section, line.split(":")[0].strip()) in new
-        if not dropping:
+        if not dropping or not line.strip():  # a blank line ends a section: it is never a setting's
             kept.append(line)
     return "".join(kept)
 
