@@ -92,6 +92,7 @@ class GRPOTrainer:
         reward_processing_classes=None,
         tools=None,
         environment_factory=None,
+        rollout_func=None,
     ):
         # TRL's positional order: (model, reward_funcs, args, ...)
         if trl_compat.looks_like_rewards(ref_model):
@@ -124,7 +125,10 @@ class GRPOTrainer:
             rt=self.rt,
             tools=tools,
             environment=environment_factory,
+            rollout_func=rollout_func,
         )
+        if rollout_func is not None:  # TRL's rollout_func(prompts, trainer) receives this trainer
+            self.parts.episodes.trainer = self
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
         self.source: RolloutSource | None = (
             None  # while train() runs: where rollouts and evaluations come from
@@ -177,6 +181,7 @@ class GRPOTrainer:
         finally:
             if source is not self.source:
                 source.close()
+                p.episodes.close()
 
     @holding_run_lock
     def train(self) -> dict[str, float]:
@@ -190,7 +195,10 @@ class GRPOTrainer:
             return self._train(self.source, stream)
         finally:
             source, self.source = self.source, None
-            source.close()
+            try:
+                source.close()
+            finally:  # every environment instance, however the run ended
+                p.episodes.close()
 
     def _train(self, source: RolloutSource, stream: PromptStream) -> dict[str, float]:
         cfg, p, rt = self.cfg, self.parts, self.rt
@@ -212,6 +220,7 @@ class GRPOTrainer:
             return score_rollouts(
                 prompts, rollouts, texts, lag, funcs=p.reward_funcs, weights=p.reward_weights, algorithm=a,
                 max_new_tokens=length_limit, trainer_state=state,
+                env_rewards=(p.episodes.reward_names, cfg.env.reward_weight),
             )  # fmt: skip
 
         def checkpoint_state(step: int, data: dict | None = None) -> dict:

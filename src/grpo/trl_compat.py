@@ -128,11 +128,7 @@ def reward_inputs(prompts: PromptBatch, rollouts: Rollouts, texts: list[str]) ->
     reward_prompts = [prompts.prompts[i] for i in group]
     if rollouts.episodes is not None:
         completions = [[dict(m) for m in e.messages] for e in rollouts.episodes]
-        extra = {
-            "env_reward": [e.env_reward for e in rollouts.episodes],
-            "environments": [e.environment for e in rollouts.episodes],
-            "env_class": [e.env_class for e in rollouts.episodes],
-        }
+        extra = {"environments": [e.environment for e in rollouts.episodes]}
     else:
         completions = [
             [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text

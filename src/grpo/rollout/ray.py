@@ -113,7 +113,10 @@ class RolloutWorker:
         return prompts, rollouts, self.version
 
     def close(self) -> None:
-        self.engine.close()
+        try:
+            self.engine.close()
+        finally:
+            self.episodes.close()
 
 
 @dataclass

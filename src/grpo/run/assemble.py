@@ -207,6 +207,7 @@ def build_run(
     rt=None,
     tools=None,
     environment=None,
+    rollout_func=None,
 ) -> RunParts:
     threads, why = cpu_threads(cfg, os.environ)
     if threads:
@@ -241,6 +242,7 @@ def build_run(
             is_main=rt is None or rt.is_main,
             tools=tools,
             environment=environment,
+            rollout_func=rollout_func,
         )
     except BaseException:
         lock.release()
@@ -265,6 +267,7 @@ def _build_parts(
     is_main: bool,
     tools=None,
     environment=None,
+    rollout_func=None,
 ) -> RunParts:
     setup_logging(run_dir)
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
@@ -302,9 +305,8 @@ def _build_parts(
         check_context(cfg, model_config, lambda: formatter.longest(train_rows))
         gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         check_memory(cfg, model_config, torch.finfo(compute).bits // 8, gpu)
-    episodes = build_episodes(cfg, formatter, tools=tools, environment=environment)
-    if episodes.multi_turn:
-        episodes.check_prompts(train_rows)
+    episodes = build_episodes(cfg, formatter, tools=tools, environment=environment, rollout_func=rollout_func)
+    episodes.check_prompts(train_rows)
     policy = _policy(cfg, model, device, compute)
     ref = _reference(cfg, ref_model, model, policy, device, compute)
 
@@ -325,13 +327,7 @@ def _build_parts(
     weights = cfg.algorithm.reward_weights
     if weights is not None and len(weights) != len(funcs):
         raise ConfigError(f"algorithm.reward_weights has {len(weights)} entries for {len(funcs)} rewards.")
-
-    if episodes.multi_turn and (own := episodes.factory.reward_functions()):
-        # Environments that score their episodes add a reward each, named after the class (as TRL logs it).
-        if weights is not None or cfg.env.reward_weight != 1.0:
-            weights = [*(weights or [1.0] * len(funcs)), *[cfg.env.reward_weight] * len(own)]
-        funcs += own
-    if not funcs:
+    if not funcs and not episodes.reward_names:  # environments that score add reward/<ClassName> columns
         raise ConfigError(
             "No reward: the environment gives none (no reward() method, no step rewards); pass reward_funcs="
             "[...] or set algorithm.reward_funcs."
@@ -349,7 +345,7 @@ def _build_parts(
         else "the base weights, adapters off"
         if cfg.lora.enabled
         else f"frozen copy ({cfg.distributed.ref_device})",
-        ", ".join(getattr(f, "__name__", type(f).__name__) for f in funcs),
+        ", ".join([*(getattr(f, "__name__", type(f).__name__) for f in funcs), *episodes.reward_names]),
     )
     ref_dtype = None if ref is None else next(ref.parameters()).dtype
     log.info(precision_summary(compute, ref_dtype, cfg.train.save_dtype, cfg.distributed.strategy == "fsdp2"))
