@@ -501,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_assignments_first(parser, sys.argv[1:] if argv is None else list(argv)))
     # Imported only now: these pull in torch, which `grpo --help` and usage errors need not wait for.
+    from grpo.agents.environments import EnvironmentContractError
     from grpo.learner import NonFiniteWeightsError
     from grpo.rewards import RewardError
     from grpo.run.assemble import setup_logging
@@ -513,7 +514,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingHalted, NonFiniteWeightsError, RewardError) as e:
+    except (
+        CheckpointError,
+        TrainingHalted,
+        NonFiniteWeightsError,
+        RewardError,
+        EnvironmentContractError,
+    ) as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 1
     except OSError as e:  # a file or directory removed, replaced or unwritable under a live command

@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from grpo.agents.tools import encodable
 from grpo.config import ConfigError
 from grpo.ranges import REWARD_LIMIT
 
@@ -274,7 +275,7 @@ class TRLEnvironment:
                 "string (appended to the last user message)."
             )
         messages = [dict(m) for m in messages]
-        messages[-1]["content"] = str(messages[-1].get("content") or "") + _text(observation)
+        messages[-1]["content"] = str(messages[-1].get("content") or "") + encodable(observation)
         return messages
 
     def step(self, conversation: list[dict], turn) -> StepResult:
@@ -348,18 +349,8 @@ def _call(fn, where: str, /, *args, **kwargs):
         raise
     except Exception as err:  # user code: say where it failed, in one line
         raise EnvironmentContractError(
-            f"{where} raised {type(err).__name__}: {_text(str(err))[:300]}"
+            f"{where} raised {type(err).__name__}: {encodable(str(err))[:300]}"
         ) from err
-
-
-def _text(value) -> str:
-    """Text a tokenizer can encode: str() of anything, unencodable characters (lone surrogates) replaced."""
-    text = value if isinstance(value, str) else str(value)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = text.encode("utf-8", "replace").decode("utf-8")
-    return text
 
 
 def _coerced(message: dict) -> dict:
@@ -367,7 +358,7 @@ def _coerced(message: dict) -> dict:
     content = message.get("content")
     if content is None or isinstance(content, list):
         return dict(message)
-    return {**message, "content": _text(content)}
+    return {**message, "content": encodable(content)}
 
 
 async def _awaited(value):

@@ -160,6 +160,10 @@ class EnvironmentFactory:
             pool.append(self._new(key, self.factories[key], pool))
         return self.adapters[key](pool[slot], self.fixed_tools)
 
+    def samples(self) -> list:
+        """The first instance of each key (made at start-up)."""
+        return [pool[0] for pool in self._pool.values() if pool]
+
     def close(self) -> None:
         """Close every instance (the user's close()/cleanup()); the next episode makes fresh ones."""
         _close_pools(self._pool)

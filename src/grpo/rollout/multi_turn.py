@@ -280,6 +280,10 @@ class MultiTurn:
         for index, row in enumerate(rows[:sample]):
             self._prompt_ids(self.formatter.messages(row["prompt"]), row, index)
 
+    def environment_samples(self) -> list:
+        """One live instance of each environment class (a start-up check that they can travel to Ray)."""
+        return self.factory.samples()
+
     def close(self) -> None:
         """Every environment instance closed (the next run makes fresh ones)."""
         self.factory.close()
