@@ -13,13 +13,13 @@ if TYPE_CHECKING:
     from grpo.data import SimplePromptDataset
     from grpo.rewards import REWARD_FUNCTIONS, resolve_reward, score_completions
     from grpo.rewards.math import extract_answer, gsm8k_correctness, gsm8k_format
-    from grpo.train import GRPOTrainer
+    from grpo.trainer import GRPOTrainer
 
 # The public names load on first use: `grpo --help` and `import grpo.config` then never import torch
 # (the trainer's import chain does), which keeps the CLI's start-up and the config checks fast.
 _HOMES = {
     "GRPOConfig": "grpo.config",
-    "GRPOTrainer": "grpo.train",
+    "GRPOTrainer": "grpo.trainer",
     "REWARD_FUNCTIONS": "grpo.rewards",
     "SimplePromptDataset": "grpo.data",
     "extract_answer": "grpo.rewards.math",

@@ -302,7 +302,7 @@ def _config_source(config: str | None, overrides: list[tuple[str, str]] | dict[s
 def cmd_train(args) -> int:
     from grpo.files import write_text
     from grpo.run.console import sweep_table
-    from grpo.train import GRPOTrainer
+    from grpo.trainer import GRPOTrainer
 
     overrides = _overrides(args)
     args.config = _config_source(args.config, overrides)

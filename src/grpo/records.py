@@ -19,17 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from grpo.algorithm.advantages import discounted_token_advantages
-from grpo.algorithm.loss import apply_truncation_mask
-
-if TYPE_CHECKING:  # grpo.rewards imports the model code, which reads these records
-    from grpo.rewards import RewardScores
 
 R = TypeVar("R")
 
@@ -170,6 +164,18 @@ class Rollouts:
 
 
 @dataclass
+class RewardScores:
+    """Rewards of one batch of N completions under F functions."""
+
+    per_function: torch.Tensor  # [N, F] float32, NaN where a function returned None (or was skipped)
+    names: list[str]  # [F] metric names, in the order of the columns of per_function; unique (name, name_2)
+    total: torch.Tensor  # [N] Σ_f w_f·r_f over the functions that apply; 0.0 where none applies
+    none_applicable: int  # samples on which every function returned None
+    skipped: int = 0  # (function, sample) scores dropped under on_error="skip"
+    logged: dict[str, float] = field(default_factory=dict)  # what the functions passed to log_metric
+
+
+@dataclass
 class ScoredRollouts:
     """One or more rollout rounds with their rewards: P prompts, N completions."""
 
@@ -227,50 +233,6 @@ class TrainBatch:
         """Without the completion columns that are padding in every row."""
         longest = int(self.completion_mask.sum(-1).max().item()) if len(self) else 0
         return trim_columns(self, max(longest, 1), self.prompt_width)
-
-
-def build_train_batch(
-    prompts: PromptBatch,
-    rollouts: Rollouts,
-    advantages: Tensor,
-    pad_id: int,
-    *,
-    gamma: float = 1.0,
-    mask_truncated: bool = False,
-    old_logprobs: Tensor | None = None,
-    behaviour_logprobs: Tensor | None = None,
-) -> TrainBatch:
-    """Left-padded prompt | right-padded completion rows, with per-token advantages ([N] → [N, T], discount
-    γ) and the completion mask (truncated completions masked out when mask_truncated, DAPO). old_logprobs /
-    behaviour_logprobs [N, T]: the sampler's log-probs in the role they can play (see TrainBatch)."""
-    group = rollouts.group_ids.tolist()  # [N]
-    width = max(len(prompts.prompt_token_ids[i]) for i in group)
-    n = rollouts.completion_ids.shape[0]
-    prompt_ids = torch.full((n, width), pad_id, dtype=torch.long)  # [N, Lp]
-    prompt_mask = torch.zeros((n, width), dtype=torch.long)
-    for row, i in enumerate(group):
-        ids = prompts.prompt_token_ids[i]
-        prompt_ids[row, width - len(ids) :] = torch.tensor(ids)
-        prompt_mask[row, width - len(ids) :] = 1
-    mask = rollouts.completion_mask  # [N, T]
-    loss_mask = rollouts.loss_mask  # [N, T]
-    if mask_truncated:
-        mask = apply_truncation_mask(mask, rollouts.truncated)
-        loss_mask = mask if rollouts.loss_mask is rollouts.completion_mask else mask * rollouts.loss_mask
-    elif rollouts.loss_mask is rollouts.completion_mask:
-        loss_mask = mask
-    return TrainBatch(
-        input_ids=torch.cat([prompt_ids, rollouts.completion_ids], dim=1),  # [N, Lp + T]
-        attention_mask=torch.cat([prompt_mask, rollouts.completion_mask.long()], dim=1),
-        prompt_width=width,
-        completion_mask=mask,
-        # γ credit runs over the sampled tokens: injected ones carry no action to credit
-        advantages=discounted_token_advantages(advantages, loss_mask, gamma),  # [N, T]
-        group_ids=rollouts.group_ids,
-        loss_mask=loss_mask,
-        old_logprobs=old_logprobs,
-        behaviour_logprobs=behaviour_logprobs,
-    )
 
 
 # -- cutting and joining -------------------------------------------------------------------------------

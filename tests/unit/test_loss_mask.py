@@ -14,11 +14,11 @@ from grpo.records import (
     PromptBatch,
     Rollouts,
     TrainBatch,
-    build_train_batch,
     concat_rollouts,
     take_rows,
 )
 from grpo.run.metrics import episode_metrics, sampler_metrics
+from grpo.stages import build_train_batch
 from tests.conftest import tiny_llama
 from tests.unit.test_learner import random_batch
 

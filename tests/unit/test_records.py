@@ -2,8 +2,9 @@
 
 import torch
 
-from grpo.records import PromptBatch, Rollouts, SamplingParams, build_train_batch, concat_rollouts
+from grpo.records import PromptBatch, Rollouts, SamplingParams, concat_rollouts
 from grpo.rollout.engine import generate_in_chunks
+from grpo.stages import build_train_batch
 
 PAD = 0
 

@@ -8,12 +8,12 @@ agents/environments.ENVIRONMENTS, and closes every instance when the run ends or
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+from grpo import plugins
 from grpo.agents.environments import ToolEnvironment, adapter_for, close_instance
 from grpo.agents.tools import tool_schema
 from grpo.config import ConfigError
@@ -192,17 +192,7 @@ def _where(name: str | None) -> str:
 
 def load_object(path: str, what: str):
     """`pkg.module:name` → the object (a user's tool function or environment class)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{what} '{path}' is not an import path; write it as package.module:name.")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{what} '{path}': cannot import {module_name} ({e}).") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(f"{what} '{path}': {module_name} has no attribute {attr}.") from None
+    return plugins.load(path, what)
 
 
 def build_factory(tools=None, environment=None) -> EnvironmentFactory | None:

@@ -27,6 +27,42 @@ from grpo.config.errors import ConfigError
 
 _DECODER = json.JSONDecoder()
 _SPACE = re.compile(r"\s*")
+# Arguments deeper than this are refused: no tool schema nests so far, and the template's `tojson`, the schema
+# check and samples.jsonl all walk them recursively (a model can write 100,000 brackets in one turn).
+MAX_ARGUMENT_DEPTH = 64
+
+
+def _decoded(text: str, pos: int = 0) -> tuple[Any, int]:
+    """`raw_decode` whose every failure is a JSONDecodeError: a model's text may nest past the recursion
+    limit (RecursionError) or hold an integer past Python's digit limit (a bare ValueError)."""
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise json.JSONDecodeError("it nests too deeply to be read", text, pos) from None
+    except ValueError as err:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        raise json.JSONDecodeError(str(err).split(";")[0], text, pos) from None
+
+
+def _loads(text: str) -> Any:
+    """`json.loads` (white space around the value, nothing else) with `_decoded`'s errors."""
+    start = _skip_space(text, 0)
+    obj, end = _decoded(text, start)
+    if _skip_space(text, end) != len(text):
+        raise json.JSONDecodeError("Extra data", text, end)
+    return obj
+
+
+def _depth(value: Any) -> int:
+    """How deeply `value` nests (iteratively: it may be deep enough to overflow a recursive walk)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -112,12 +148,15 @@ class _Turn:
             obj = {}
         if isinstance(obj, str):  # OpenAI-style arguments: a JSON object encoded as a string
             try:
-                obj = json.loads(obj)
+                obj = _loads(obj)
             except json.JSONDecodeError as err:
                 self.json_error(err, " in its arguments string")
                 return
         if not isinstance(obj, dict):
             self.error(f"has arguments that are a JSON {_json_type(obj)}, not an object")
+            return
+        if _depth(obj) > MAX_ARGUMENT_DEPTH:
+            self.error(f"has arguments nested more than {MAX_ARGUMENT_DEPTH} levels deep")
             return
         self.calls.append(ToolCall(name=name.strip(), arguments=obj, id=call_id))
 
@@ -146,7 +185,7 @@ class HermesParser:
             body = text[body_start : end if closed else len(text)].strip()
             pos = end + len(self._close) if closed else len(text)
             try:
-                obj = json.loads(body)
+                obj = _loads(body)
             except json.JSONDecodeError as err:
                 turn.json_error(err, "" if closed else f" and is not closed with {self._close}")
                 continue
@@ -184,7 +223,7 @@ class Llama3JsonParser:
         pos = _skip_space(rest, 0)
         while True:
             try:
-                obj, end = _DECODER.raw_decode(rest, pos)
+                obj, end = _decoded(rest, pos)
             except json.JSONDecodeError as err:
                 turn.json_error(
                     err, start=pos
@@ -231,7 +270,7 @@ class MistralParser:
         named = _MISTRAL_NAMED.match(text, pos)
         if named:
             try:
-                args, end = _DECODER.raw_decode(text, named.end())
+                args, end = _decoded(text, named.end())
             except json.JSONDecodeError as err:
                 turn.json_error(err, start=named.end())
                 return skip_broken
@@ -239,7 +278,7 @@ class MistralParser:
             return end
         start = _skip_space(text, pos)
         try:
-            calls, end = _DECODER.raw_decode(text, start)
+            calls, end = _decoded(text, start)
         except json.JSONDecodeError as err:
             turn.json_error(err, start=start)
             return skip_broken
@@ -258,6 +297,19 @@ class MistralParser:
         if call.id is not None:
             obj["id"] = call.id
         return f"{self._tag}[{_dumps(obj)}]"
+
+
+def parse_turn(parser: ToolCallParser, text: str) -> ParsedTurn:
+    """`parser.parse(text)`, and whatever a parser still lets escape (a bug, a custom parser's exception) is
+    one error message for the model instead of the end of the run: the text is model output, not ours."""
+    try:
+        return parser.parse(text)
+    except Exception as err:  # noqa: BLE001 - nothing a model writes may stop training
+        usage = getattr(parser, "usage", "the tool-call format of the chat template")
+        reason = f"{type(err).__name__}: {str(err)[:200]}"
+        return ParsedTurn(
+            text.strip(), [], [f"the tool calls could not be read ({reason}); write {usage}"], [0]
+        )
 
 
 PARSERS: dict[str, type] = {

@@ -10,7 +10,8 @@ names the closest valid one, a bad value names the violated constraint.
     keys.py      aliases (seed projects' and TRL's names), key resolution, value coercion
     trl.py       TRL's GRPOConfig defaults and the settings that need more than a rename
     validate.py  the checks, one function per concern, device roles included
-    tree.py      GRPOConfig, presets and YAML files, load_config
+    root.py      ConfigTree: the sections, key access, origins, YAML, derived sizes (what validate reads)
+    tree.py      GRPOConfig (a ConfigTree built from keyword arguments), presets and YAML files, load_config
 """
 
 from grpo.config.errors import ConfigError, TRLConfigError

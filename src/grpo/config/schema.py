@@ -7,9 +7,10 @@ the constraint is not a choice or a type, one line in validate.py's section vali
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
+
+from grpo import plugins
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -27,8 +28,7 @@ class Registry:
     path: str  # "module:NAME"
 
     def keys(self) -> tuple[str, ...]:
-        module, _, name = self.path.partition(":")
-        return tuple(getattr(importlib.import_module(module), name))
+        return tuple(plugins.load(self.path, "registry"))
 
 
 BUNDLED_MODEL = "tiny-math-lm"  # the default policy: a name that resolves to a model in grpo/assets

@@ -8,60 +8,35 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from grpo.config.errors import ConfigError
-from grpo.config.keys import coerce, field_of, get_path, resolve_key, set_path
+from grpo.config.keys import field_of, get_path, set_path
+from grpo.config.root import ConfigTree
 from grpo.config.schema import (
     EVAL_HOLDOUT,
     SECTIONS,
-    AlgorithmConfig,
-    DataConfig,
-    DistributedConfig,
-    EnvConfig,
-    GenerationConfig,
-    LoraSettings,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
 )
 from grpo.config.trl import is_trl_style, translate
 from grpo.config.validate import validate
 from grpo.config.yaml_limits import load_yaml
-from grpo.redact import REDACTED, is_secret, remember
-from grpo.redact import redact as redact_text
+from grpo.redact import REDACTED
 
 log = logging.getLogger("grpo")
 
 
 @dataclass(init=False)
-class GRPOConfig:
+class GRPOConfig(ConfigTree):
     """The whole run configuration: eight sections. Accepts sections (objects or dicts) and any flat
     key `resolve_key` understands, so the seed's `GRPOConfig(batch_size=4, learning_rate=1e-6, ...)`
     works as written; reading or assigning a seed name (`config.learning_rate`) also works."""
 
-    model: ModelConfig
-    data: DataConfig
-    generation: GenerationConfig
-    algorithm: AlgorithmConfig
-    optim: OptimConfig
-    train: TrainConfig
-    distributed: DistributedConfig
-    lora: LoraSettings
-    env: EnvConfig
-
     def __init__(self, **kwargs: Any) -> None:
-        for section, cls in SECTIONS.items():
-            object.__setattr__(self, section, cls())
-        object.__setattr__(self, "_explicit", set())  # dotted paths the user set (not a preset or default)
-        object.__setattr__(self, "_origins", {})  # dotted path -> where its value came from
+        super().__init__()
         if is_trl_style(kwargs):  # TRL's field names and defaults (docs/trl.md)
             kwargs = translate(kwargs)
         flat: list[tuple[str, Any]] = []
@@ -74,117 +49,6 @@ class GRPOConfig:
         self.update(flat, origin="the keyword arguments")
         if flat:
             apply_user_precedence(self)
-
-    def update(
-        self,
-        overrides: Mapping[str, Any] | Iterable[tuple[str, Any]],
-        explicit: bool = True,
-        origin: str = "the settings given",
-    ) -> GRPOConfig:
-        """Apply one layer of settings (a preset, a file, the command line: docs say their order), recording
-        each one's `origin`. `explicit=False` marks them as a preset's or file's, which a value the user
-        gives for a competing key replaces (see `apply_user_precedence`).
-
-        One layer sets each setting once: two keys for the same field (`kl_coef` and `algorithm.beta`,
-        `optimizer.lr=` and `--learning-rate`) are an error naming both, whatever their order. The one
-        exception is documented: a key for one field refines an alias for several (`epsilon=0.2
-        epsilon_high=0.28`)."""
-        pairs = overrides.items() if isinstance(overrides, Mapping) else overrides
-        given: dict[str, tuple[str, bool]] = {}  # path -> (the key that set it, whether it names several)
-        for key, value in pairs:
-            paths = resolve_key(key)
-            broad = len(paths) > 1
-            for path in paths:
-                if path in given:
-                    first, first_broad = given[path]
-                    if broad and not first_broad:
-                        continue  # the key naming this field alone wins over an alias naming several
-                    if broad == first_broad:
-                        raise ConfigError(
-                            f"{path} is set twice in {origin}: by '{first}' and by '{key}'. Give it once "
-                            "(settings apply in order: defaults, the preset or --config file, then the "
-                            "command line; within one of them, each setting once)."
-                        )
-                section, name = path.split(".")
-                setattr(getattr(self, section), name, coerce(path, value))
-                given[path] = (str(key), broad)
-                self._origins[path] = f"{origin} ({key})" if str(key) != path else origin
-                if explicit:
-                    self._explicit.add(path)
-                if is_secret(name):
-                    remember([value])
-        return self
-
-    def origin_of(self, path: str) -> str:
-        """Where a setting's value came from: 'the command line (lr)', 'config file c.yaml', 'default'."""
-        return self._origins.get(path, "default")
-
-    @property
-    def explicit_keys(self) -> frozenset[str]:
-        """Dotted paths set by the user (keyword arguments, command-line overrides, assignments)."""
-        return frozenset(self._explicit)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name in SECTIONS:
-            raise AttributeError(name)
-        try:
-            paths = resolve_key(name)
-        except ConfigError as e:
-            raise AttributeError(str(e)) from None
-        section, leaf = paths[0].split(".")
-        return getattr(object.__getattribute__(self, section), leaf)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in SECTIONS:
-            object.__setattr__(self, name, value)
-        else:
-            self.update({name: value})
-
-    def to_dict(self, redact: bool = True) -> dict[str, dict[str, Any]]:
-        out = {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
-        if redact:
-            for section in out.values():
-                for k, v in section.items():
-                    if is_secret(k) and v:
-                        section[k] = REDACTED
-                    elif isinstance(v, str):  # a secret pasted into another value (a path, a URL)
-                        section[k] = redact_text(v)
-                    elif isinstance(v, list):
-                        section[k] = [redact_text(x) if isinstance(x, str) else x for x in v]
-        return out
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(redact=True), sort_keys=False)
-
-    # -- derived sizes -------------------------------------------------------------------------
-    @property
-    def completions_per_step(self) -> int:
-        return self.train.prompts_per_step * self.generation.num_generations
-
-    @property
-    def resolved_micro_batch_size(self) -> int | None:
-        """Most rows per micro-batch when the user's row knobs set them, else None (no row limit);
-        train.micro_batch_tokens caps every micro-batch either way."""
-        if self.train.micro_batch_size is not None:
-            return self.train.micro_batch_size
-        if self.train.gradient_accumulation_steps is not None:
-            return self.completions_per_step // self.train.gradient_accumulation_steps
-        return None
-
-    @property
-    def effective_max_new_tokens(self) -> int:
-        cap = self.generation.max_total_length
-        if cap is None:
-            return self.generation.max_new_tokens
-        return min(self.generation.max_new_tokens, cap - self.data.max_prompt_length)
-
-    @property
-    def episode_max_tokens(self) -> int:
-        """Completion tokens a multi-turn episode may hold, sampled and injected together."""
-        return self.env.max_tokens or self.env.max_turns * self.effective_max_new_tokens
-
-    def hf_token(self) -> str | None:
-        return self.model.hf_token or os.environ.get("HF_TOKEN") or None
 
     def validate(self) -> GRPOConfig:
         """Check every constraint that needs no model (config/validate.py); raise ConfigError naming the

@@ -22,13 +22,13 @@ from grpo.config.schema import SECTIONS
 from grpo.ranges import INT_LIMIT, MAX_SECONDS, REWARD_LIMIT, check_range
 
 if TYPE_CHECKING:
-    from grpo.config.tree import GRPOConfig
+    from grpo.config.root import ConfigTree
 
 CLOUD_SCHEMES = ("gs", "s3", "az", "abfs", "gcs")
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)$")
 
 
-def validate(cfg: GRPOConfig) -> None:
+def validate(cfg: ConfigTree) -> None:
     """Check every constraint that needs no model; raise ConfigError naming the key and the fix."""
     for check in (
         _fields,
@@ -68,7 +68,7 @@ RANGES = {
 }
 
 
-def _fields(cfg: GRPOConfig) -> None:
+def _fields(cfg: ConfigTree) -> None:
     for section in SECTIONS:
         for f in dataclasses.fields(getattr(cfg, section)):
             path = f"{section}.{f.name}"
@@ -85,7 +85,7 @@ def _fields(cfg: GRPOConfig) -> None:
                     check_range(v, path, low, high, low_open=low_open, error=ConfigError)
 
 
-def _integers(cfg: GRPOConfig) -> None:
+def _integers(cfg: ConfigTree) -> None:
     """Last, after the checks with their own words: every integer setting within ±INT_LIMIT."""
     for section in SECTIONS:
         for f in dataclasses.fields(getattr(cfg, section)):
@@ -99,7 +99,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _sizes(cfg: GRPOConfig) -> None:
+def _sizes(cfg: ConfigTree) -> None:
     for path in (
         "generation.num_generations",
         "generation.max_new_tokens",
@@ -125,7 +125,7 @@ def _sizes(cfg: GRPOConfig) -> None:
             raise ConfigError(f"{path} must be at least 1 (or unset), got {value}.")
 
 
-def _generation(cfg: GRPOConfig) -> None:
+def _generation(cfg: ConfigTree) -> None:
     g = cfg.generation
     if g.num_generations < 2:
         raise ConfigError(
@@ -158,7 +158,7 @@ def _generation(cfg: GRPOConfig) -> None:
         )
 
 
-def _algorithm(cfg: GRPOConfig) -> None:
+def _algorithm(cfg: ConfigTree) -> None:
     a = cfg.algorithm
     if a.beta < 0:
         raise ConfigError(f"algorithm.beta must be >= 0, got {a.beta}.")
@@ -178,7 +178,7 @@ def _algorithm(cfg: GRPOConfig) -> None:
         raise ConfigError("algorithm.loss_variant=gspo has one advantage per sequence; it needs gamma = 1.")
 
 
-def _rewards(cfg: GRPOConfig) -> None:
+def _rewards(cfg: ConfigTree) -> None:
     a = cfg.algorithm
     if not a.reward_funcs and not a.reward_model:
         raise ConfigError("No reward: set algorithm.reward_funcs and/or algorithm.reward_model.")
@@ -201,7 +201,7 @@ def _rewards(cfg: GRPOConfig) -> None:
         raise ConfigError(f"algorithm.reward_timeout must be > 0 seconds (or none), got {a.reward_timeout}.")
 
 
-def _optim_and_train(cfg: GRPOConfig) -> None:
+def _optim_and_train(cfg: ConfigTree) -> None:
     o, t = cfg.optim, cfg.train
     if o.learning_rate <= 0:
         raise ConfigError(f"optim.learning_rate must be > 0, got {o.learning_rate}.")
@@ -216,7 +216,7 @@ def _optim_and_train(cfg: GRPOConfig) -> None:
         )
 
 
-def _batch_split(cfg: GRPOConfig) -> None:
+def _batch_split(cfg: ConfigTree) -> None:
     """The P × G completions of a step must split into whole micro-batches."""
     t, n, mb = cfg.train, cfg.completions_per_step, cfg.resolved_micro_batch_size
     gas = t.gradient_accumulation_steps
@@ -238,7 +238,7 @@ def _batch_split(cfg: GRPOConfig) -> None:
         )
 
 
-def _unavailable(cfg: GRPOConfig) -> None:
+def _unavailable(cfg: ConfigTree) -> None:
     """Settings that ask for what this installation cannot give: Pathways, cloud paths, wandb, xplane."""
     if cfg.distributed.use_pathways:
         raise ConfigError(
@@ -287,7 +287,7 @@ def _unavailable(cfg: GRPOConfig) -> None:
         )
 
 
-def _weight_sync(cfg: GRPOConfig) -> None:
+def _weight_sync(cfg: ConfigTree) -> None:
     d, steps = cfg.distributed, cfg.train.steps
     if d.weight_sync_steps < 1:
         raise ConfigError(f"weight_sync_steps (inference_rollouts) must be >= 1, got {d.weight_sync_steps}.")
@@ -306,18 +306,18 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _learners(cfg: GRPOConfig) -> int:
+def _learners(cfg: ConfigTree) -> int:
     d = cfg.distributed
     return len(d.train_device_ids) if d.train_device_ids is not None else d.train_devices
 
 
-def _shared_devices(cfg: GRPOConfig) -> bool:
+def _shared_devices(cfg: ConfigTree) -> bool:
     """MaxText's fractions at 1.0 and 1.0: trainer and sampler share every device."""
     d = cfg.distributed
     return d.trainer_devices_fraction == 1.0 and d.sampler_devices_fraction == 1.0
 
 
-def _device_fractions(cfg: GRPOConfig) -> None:
+def _device_fractions(cfg: ConfigTree) -> None:
     d = cfg.distributed
     if not (0 < d.trainer_devices_fraction <= 1 and 0 < d.sampler_devices_fraction <= 1):
         raise ConfigError("trainer_devices_fraction and sampler_devices_fraction must be in (0, 1].")
@@ -329,7 +329,7 @@ def _device_fractions(cfg: GRPOConfig) -> None:
         )
 
 
-def _rollout_placement(cfg: GRPOConfig) -> None:
+def _rollout_placement(cfg: ConfigTree) -> None:
     """Rollout on devices of its own needs Ray actors; tensor-parallel replicas are not supported."""
     d = cfg.distributed
     separate = {
@@ -370,7 +370,7 @@ def _rollout_placement(cfg: GRPOConfig) -> None:
         )
 
 
-def _learner_devices(cfg: GRPOConfig) -> None:
+def _learner_devices(cfg: ConfigTree) -> None:
     """One torchrun process per learner device; an FSDP degree is the process count."""
     d, learners, world = cfg.distributed, _learners(cfg), _world_size()
     if d.train_device_ids is not None:
@@ -396,7 +396,7 @@ def _learner_devices(cfg: GRPOConfig) -> None:
         )
 
 
-def _reference_devices(cfg: GRPOConfig) -> None:
+def _reference_devices(cfg: ConfigTree) -> None:
     d, learners = cfg.distributed, _learners(cfg)
     if d.ref_devices not in (1, learners):
         raise ConfigError(
@@ -411,7 +411,7 @@ def _reference_devices(cfg: GRPOConfig) -> None:
         raise ConfigError(f"distributed.ref_device={d.ref_device!r}: use auto, cpu, offload or cuda:N.")
 
 
-def _ray_settings(cfg: GRPOConfig) -> None:
+def _ray_settings(cfg: ConfigTree) -> None:
     d = cfg.distributed
     if d.max_staleness < 0 or d.importance_cap < 1 or d.timeout_s <= 0 or d.max_actor_restarts < 0:
         raise ConfigError(
@@ -435,7 +435,7 @@ def _ray_settings(cfg: GRPOConfig) -> None:
             )
 
 
-def _lora(cfg: GRPOConfig) -> None:
+def _lora(cfg: ConfigTree) -> None:
     lora = cfg.lora
     if lora.enabled:
         if lora.r < 1 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
@@ -450,7 +450,7 @@ def _lora(cfg: GRPOConfig) -> None:
 # -- values torch or the file system would otherwise reject with a traceback deep inside start-up ----------
 
 
-def _env(cfg: GRPOConfig) -> None:
+def _env(cfg: ConfigTree) -> None:
     e = cfg.env
     if e.max_turns < 1:
         raise ConfigError(f"env.max_turns must be at least 1, got {e.max_turns}.")
@@ -468,7 +468,7 @@ def _env(cfg: GRPOConfig) -> None:
         raise ConfigError(f"env.tool_parser = {e.tool_parser!r} is not one of auto, {', '.join(PARSERS)}.")
 
 
-def _runtime_values(cfg: GRPOConfig) -> None:
+def _runtime_values(cfg: ConfigTree) -> None:
     t, o, lo = cfg.train, cfg.optim, cfg.lora
     for path, value in (
         ("optim.adam_beta1", o.adam_beta1),
@@ -500,7 +500,7 @@ def _runtime_values(cfg: GRPOConfig) -> None:
             raise ConfigError(f"{path} must be at least 1 (or unset for the default), got {value}.")
 
 
-def _devices_and_names(cfg: GRPOConfig) -> None:
+def _devices_and_names(cfg: ConfigTree) -> None:
     for path in ("model.device", "algorithm.reward_model_device"):
         value = get_path(cfg, path)
         if value is not None and not DEVICE_RE.match(value):

@@ -162,19 +162,23 @@ def _parse_json(text: str, path: Path) -> list[Any]:
     document_error = None
     if text.lstrip().startswith("[") or path.suffix == ".json":
         try:
-            records = json.loads(text)
+            records = _json_value(text)
         except ValueError as e:
             if text.lstrip().startswith("["):
                 raise ConfigError(f"{path} is not valid JSON: {e}.") from e
             document_error = e  # a .json file may still be JSON Lines
         else:
-            return records if isinstance(records, list) else _rows_of_object(records)
+            records = records if isinstance(records, list) else _rows_of_object(records)
+            deep = next((i for i, r in enumerate(records) if _nests_past(r, MAX_ROW_DEPTH)), None)
+            if deep is not None:
+                raise ConfigError(f"{path}: row {deep} (counting from 0) {_TOO_DEEP}")
+            return records
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            records.append(_json_value(line))
         except ValueError as e:
             if document_error is not None:  # neither one JSON document nor JSON Lines: blame the document
                 raise ConfigError(
@@ -186,7 +190,36 @@ def _parse_json(text: str, path: Path) -> list[Any]:
                 f"{path}: line {number} is not valid JSON ({e}). Each line of a .jsonl file must "
                 'be one JSON object, e.g. {"prompt": "...", "answer": "..."}.'
             ) from e
+        if _nests_past(records[-1], MAX_ROW_DEPTH):
+            raise ConfigError(f"{path}: line {number} {_TOO_DEEP}")
     return records
+
+
+# A row holds a prompt, an answer and a few columns; deeper values are a broken or hostile file, and every
+# later walk of a row (collation, samples.jsonl, error messages) is recursive.
+MAX_ROW_DEPTH = 100
+_TOO_DEEP = f"nests more than {MAX_ROW_DEPTH} levels deep; a row is a prompt, an answer and a few columns."
+
+
+def _json_value(text: str) -> Any:
+    """`json.loads` whose every failure is a ValueError: JSON nested past the recursion limit raises
+    RecursionError, which would otherwise escape as a traceback."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"it nests deeper than Python's recursion limit; {_TOO_DEEP}") from None
+
+
+def _nests_past(value: Any, limit: int) -> bool:
+    """Whether `value` nests more than `limit` lists/objects deep (iteratively)."""
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if level > limit:
+            return True
+        if isinstance(item, dict | list):
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def _rows_of_object(document: Any) -> list[Any]:

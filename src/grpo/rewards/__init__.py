@@ -7,8 +7,8 @@ apply to this sample". Functions must accept and ignore columns they do not use 
 """
 
 import difflib
-import importlib
 
+from grpo import plugins
 from grpo.rewards.ifeval import check_instructions, ifeval_strict, torchrl_ifeval
 from grpo.rewards.isolation import mark_named_by_path
 from grpo.rewards.math import (
@@ -20,7 +20,6 @@ from grpo.rewards.math import (
     normalize_number,
     reference_answer,
 )
-from grpo.rewards.model import CausalLMLikelihoodReward, SequenceClassifierReward, reward_from_model
 from grpo.rewards.sandbox import code_tests, run_python
 from grpo.rewards.schemes import REWARD_SCHEMES, SCHEME_FUNCTIONS
 from grpo.rewards.scoring import (
@@ -73,6 +72,17 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
 }
 
 
+# Rewards computed by a model load on first use, so the registry imports no model code (rewards and model
+# share a floor; the policy's packed forward imports records, which the rewards also read).
+_BY_MODEL = ("CausalLMLikelihoodReward", "SequenceClassifierReward", "reward_from_model")
+
+
+def __getattr__(name: str):
+    if name in _BY_MODEL:
+        return plugins.load(f"grpo.rewards.model:{name}")
+    raise AttributeError(f"module 'grpo.rewards' has no attribute {name!r}")
+
+
 def expand_schemes(specs: list) -> list:
     """Reward specs with scheme names (`tunix_gsm8k`) replaced by the names of their functions."""
     return [
@@ -105,16 +115,6 @@ def resolve_reward(spec: str | RewardFunction) -> RewardFunction:
 
 
 def _import_reward(spec: str) -> RewardFunction:
-    module_name, _, attribute_path = spec.partition(":")
-    try:
-        target = importlib.import_module(module_name)
-    except Exception as error:
-        raise ImportError(f"cannot import module {module_name!r} for reward {spec!r}: {error!r}") from error
-    for attribute in attribute_path.split("."):
-        if not hasattr(target, attribute):
-            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attribute_path!r}")
-        target = getattr(target, attribute)
-    if not callable(target):
-        raise TypeError(f"reward {spec!r} resolved to a {type(target).__name__}, which is not callable")
+    target = plugins.load(spec, "reward function", call=True)
     mark_named_by_path(target)
     return target

@@ -30,12 +30,13 @@ import math
 import numbers
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import nan
 
 import torch
 
 from grpo.ranges import REWARD_LIMIT, OutOfRangeError, check_range
+from grpo.records import RewardScores
 from grpo.rewards.isolation import ISOLATIONS, Unpicklable, call_in_child, isolated
 
 log = logging.getLogger("grpo")
@@ -62,18 +63,6 @@ class NonFiniteRewardError(RewardError, ValueError):
 
 class RewardContractError(RewardError, TypeError):
     """A reward function returned something other than one number (or None) per sample."""
-
-
-@dataclass
-class RewardScores:
-    """Rewards of one batch of N completions under F functions."""
-
-    per_function: torch.Tensor  # [N, F] float32, NaN where a function returned None (or was skipped)
-    names: list[str]  # [F] metric names, in the order of the columns of per_function; unique (name, name_2)
-    total: torch.Tensor  # [N] Σ_f w_f·r_f over the functions that apply; 0.0 where none applies
-    none_applicable: int  # samples on which every function returned None
-    skipped: int = 0  # (function, sample) scores dropped under on_error="skip"
-    logged: dict[str, float] = field(default_factory=dict)  # what the functions passed to log_metric
 
 
 class _Failure:

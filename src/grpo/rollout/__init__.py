@@ -7,20 +7,22 @@ here. Entries are import paths so that listing the names (config choices) import
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
+from grpo.plugins import Registry
 from grpo.rollout.engine import RolloutEngine
 
 __all__ = ["ENGINES", "RolloutEngine", "build_engine", "resolve_auto"]
 
-ENGINES: dict[str, str] = {
-    "native": "grpo.rollout.native:build",  # falls back to transformers on a model it does not support
-    "transformers": "grpo.rollout.transformers:build",
-    "vllm": "grpo.rollout.vllm:build",  # in-process, or a server (generation.vllm_server_url)
-    "auto": "grpo.rollout:build_auto",  # vllm on CUDA when installed, else native
-}
+ENGINES: Registry = Registry(
+    "generation.engine",
+    {
+        "native": "grpo.rollout.native:build",  # falls back to transformers on a model it does not support
+        "transformers": "grpo.rollout.transformers:build",
+        "vllm": "grpo.rollout.vllm:build",  # in-process, or a server (generation.vllm_server_url)
+        "auto": "grpo.rollout:build_auto",  # vllm on CUDA when installed, else native
+    },
+)
 
 
 def build_engine(
@@ -34,11 +36,7 @@ def build_engine(
 ) -> RolloutEngine:
     """The engine `name` sampling from `model`, in `compute_dtype` (None: the weights' own dtype) from
     float32 master weights (docs/performance.md has the measurements behind the choices)."""
-    if name not in ENGINES:
-        raise ValueError(f"Unknown rollout engine '{name}'; available: {', '.join(ENGINES)}.")
-    module, function = ENGINES[name].split(":")
-    build = getattr(importlib.import_module(module), function)
-    return build(
+    return ENGINES[name](
         model,
         tokenizer,
         compute_dtype=compute_dtype,

@@ -16,23 +16,26 @@ completions: one turn, or a multi-turn episode with tools or an environment.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from grpo.distributed.runtime import Runtime
+from grpo.plugins import Registry
 from grpo.records import PromptBatch, Rollouts, SamplingParams
 
 if TYPE_CHECKING:  # grpo.data reads the config, whose choices for rollout.mode are SOURCES' keys
     from grpo.data import PromptFormatter, PromptStream
 
 # rollout.mode → the module:function that builds its source; import paths, so listing them imports none.
-SOURCES: dict[str, str] = {
-    "colocated": "grpo.rollout.colocated:build",
-    "sync": "grpo.rollout.ray:build",
-    "async": "grpo.rollout.ray:build",
-}
+SOURCES: Registry = Registry(
+    "distributed.rollout_mode",
+    {
+        "colocated": "grpo.rollout.colocated:build",
+        "sync": "grpo.rollout.ray:build",
+        "async": "grpo.rollout.ray:build",
+    },
+)
 
 
 class RolloutSource(Protocol):
@@ -103,6 +106,4 @@ def build_source(cfg, parts, rt: Runtime, stream: PromptStream, sampling: Sampli
     g = cfg.generation
     feed = PromptFeed(stream, parts.formatter, rt, cfg.train.prompts_per_step)
     chunk_prompts = None if g.batch_size is None else max(1, g.batch_size // g.num_generations)
-    module, function = SOURCES[cfg.distributed.rollout_mode].split(":")
-    build = getattr(importlib.import_module(module), function)
-    return build(cfg, parts, rt, feed, sampling, chunk_prompts)
+    return SOURCES[cfg.distributed.rollout_mode](cfg, parts, rt, feed, sampling, chunk_prompts)

@@ -1,0 +1,143 @@
+"""`grpo train --agent-command "CMD ..."`: an agent in any language, one process per episode.
+
+    CMD  stdin   the dataset row as one JSON object (prompt and columns), then end of file
+         env     OPENAI_BASE_URL, OPENAI_API_KEY: this episode's session (any OpenAI client honours them);
+                 GRPO_REWARD_URL: the session's reward endpoint (POST {"reward": r})
+         stdout  a number on the last non-empty line is the episode's reward; anything else (or nothing)
+                 leaves the reward to what the process posted, else to the run's reward functions
+         exit    non-zero: the episode failed (counted as agent_error, scored per env.failed_episode)
+
+`AgentCommand` is an agent function (`run(client, row)`), so the gateway's runner drives it like a Python
+agent: same sessions, same timeout. The command runs in its own process group, without a shell unless it
+is given as one string that needs one; at the time limit, on close, or when the run ends, the whole group
+is killed (SIGTERM, then SIGKILL after a grace period), and after a normal exit any process it left behind
+in its group is killed too, so no agent outlives its episode.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import threading
+import weakref
+from typing import Any
+
+GRACE_S = 2.0  # between SIGTERM and SIGKILL
+_STDERR_TAIL = 600  # characters of the command's stderr quoted in an error
+
+
+class AgentCommandError(RuntimeError):
+    """The command failed its episode: a non-zero exit, a timeout, or no such program."""
+
+
+class AgentCommand:
+    """Run `command` once per episode (see the module docstring); `timeout_s`: its time limit."""
+
+    def __init__(self, command: str | list[str], timeout_s: float = 300.0, cwd: str | None = None) -> None:
+        argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+        if not argv:
+            raise ValueError('the agent command is empty; give the program to run, e.g. "python my_agent.py"')
+        if timeout_s <= 0:
+            raise ValueError(f"the agent command's time limit must be positive, got {timeout_s}")
+        self.argv, self.timeout_s, self.cwd = argv, timeout_s, cwd
+        self._live: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+        self.__qualname__ = f"command {shlex.join(argv)!r}"  # how the runner names the agent in its log
+        _ALL.add(self)
+
+    def __call__(self, client: Any, row: dict) -> float | None:
+        base_url = str(client.base_url).rstrip("/")
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": str(client.api_key),
+            "GRPO_REWARD_URL": f"{base_url}/reward",
+        }
+        try:
+            process = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                cwd=self.cwd,
+                text=True,
+                start_new_session=True,  # its own process group: killed whole, children included
+            )
+        except OSError as err:
+            raise AgentCommandError(
+                f"cannot start the agent command {shlex.join(self.argv)!r}: {err}"
+            ) from None
+        with self._lock:
+            self._live.add(process)
+        try:
+            stdout, stderr = process.communicate(json.dumps(row, default=str), timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(process)
+            raise AgentCommandError(
+                f"the agent command ran past its {self.timeout_s:g} s limit and was killed with its children"
+            ) from None
+        finally:
+            _kill_group(process, grace_s=0.0)  # whatever it left running in its group
+            with self._lock:
+                self._live.discard(process)
+        if process.returncode != 0:
+            tail = stderr.strip()[-_STDERR_TAIL:]
+            raise AgentCommandError(
+                f"the agent command exited with status {process.returncode}" + (f": {tail}" if tail else "")
+            )
+        return last_line_reward(stdout)
+
+    def close(self) -> None:
+        """Kill every episode's process still running (the run ended or was interrupted)."""
+        with self._lock:
+            live, self._live = list(self._live), set()
+        for process in live:
+            _kill_group(process)
+
+
+def last_line_reward(stdout: str) -> float | None:
+    """The reward a command printed: a finite number alone on its last non-empty line, else None."""
+    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        return None
+    try:
+        value = float(lines[-1])
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _kill_group(process: subprocess.Popen, grace_s: float = GRACE_S) -> None:
+    """SIGTERM the process's group and wait up to `grace_s`, then SIGKILL what is left of it; reap it."""
+    group = process.pid  # start_new_session: the process leads its own group, whose id is its pid
+    if grace_s > 0 and process.poll() is None:
+        _signal_group(group, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=grace_s)
+    _signal_group(group, signal.SIGKILL)  # the leader's children too, even after it exited
+    process.wait()
+    for pipe in (process.stdin, process.stdout, process.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+def _signal_group(group: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # nothing left in the group
+        os.killpg(group, sig)
+
+
+_ALL: weakref.WeakSet[AgentCommand] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit (the end of a run, Ctrl-C) no agent process is left behind."""
+    for command in list(_ALL):
+        command.close()
