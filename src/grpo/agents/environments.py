@@ -295,9 +295,44 @@ class TRLEnvironment:
         close_instance(self.instance)
 
 
+class ProtocolEnvironment:
+    """A class that implements this protocol itself (start, step, reward, close; its tools named in
+    `tool_methods`, `gives_reward` if reward() scores), e.g. agents/code_exec.PythonSandbox."""
+
+    def __init__(self, instance, tools: dict[str, Callable] | None = None):
+        self.instance, self.name = instance, type(instance).__name__
+        own = {name: getattr(instance, name) for name in self.tool_names(type(instance))}
+        self.tools = {**(tools or {}), **own}
+        self.start, self.step = instance.start, instance.step
+        self.reward, self.close = instance.reward, instance.close
+
+    @classmethod
+    def accepts(cls, target) -> bool:
+        return inspect.isclass(target) and all(
+            callable(getattr(target, m, None)) for m in ("start", "step", "reward", "close")
+        )
+
+    @staticmethod
+    def tool_names(target) -> list[str]:
+        return list(getattr(target, "tool_methods", ()))
+
+    @staticmethod
+    def gives_reward(target) -> bool:
+        return bool(getattr(target, "gives_reward", False))
+
+    @classmethod
+    def check(cls, target, has_tools: bool) -> None:
+        del target, has_tools
+
+    @staticmethod
+    def reset_arguments(row: dict) -> tuple[tuple, dict]:
+        return (), row
+
+
 # The adapters, most specific first: the first whose `accepts` takes the class (or None: tools only) wins.
 ENVIRONMENTS: dict[str, type] = {
     "tools": ToolEnvironment,
+    "protocol": ProtocolEnvironment,
     "step": StepEnvironment,
     "trl": TRLEnvironment,
 }

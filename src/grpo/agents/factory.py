@@ -135,7 +135,9 @@ class EnvironmentFactory:
         row = rows[0]
         key = self._key(row)
         cls = self.classes[key]
-        reset = cls.reset
+        reset = getattr(cls, "reset", None)
+        if reset is None:  # the protocol form: start(messages, row) takes the row as one dict
+            return
         try:
             signature = inspect.signature(reset)
         except (TypeError, ValueError):
@@ -195,11 +197,18 @@ def load_object(path: str, what: str):
     return plugins.load(path, what)
 
 
+# Environments shipped with grpo, by the short name env.environment may give.
+BUILTIN_ENVIRONMENTS = {
+    "python": "grpo.agents.code_exec:PythonSandbox",
+}
+
+
 def build_factory(tools=None, environment=None) -> EnvironmentFactory | None:
-    """From config strings (import paths) or Python objects; None when neither is given (single turn)."""
+    """From config strings (import paths, or a BUILTIN_ENVIRONMENTS name) or Python objects; None when neither
+    is given (single turn)."""
     tools = [load_object(t, "env.tools entry") if isinstance(t, str) else t for t in (tools or [])]
     if isinstance(environment, str):
-        environment = load_object(environment, "env.environment")
+        environment = load_object(BUILTIN_ENVIRONMENTS.get(environment, environment), "env.environment")
     if isinstance(environment, dict):
         environment = {
             k: load_object(v, f"environment_factory['{k}']") if isinstance(v, str) else v
