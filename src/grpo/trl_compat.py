@@ -135,6 +135,9 @@ def reward_inputs(prompts: PromptBatch, rollouts: Rollouts, texts: list[str]) ->
             for prompt, text in zip(reward_prompts, texts, strict=True)
         ]
         extra = {}
+    if rollouts.extra_fields is not None:  # a runner's own columns (TRL: rollout_func's extra keys)
+        for key in dict.fromkeys(k for row in rollouts.extra_fields for k in row):
+            extra[key] = [row.get(key) for row in rollouts.extra_fields]
     lengths = rollouts.lengths.tolist()  # [N]
     completion_ids = [ids[:n] for ids, n in zip(rollouts.completion_ids.tolist(), lengths, strict=True)]
     return reward_prompts, completions, {"completion_ids": completion_ids, **extra}
