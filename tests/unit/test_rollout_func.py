@@ -1,5 +1,6 @@
 """TRL 1.16's rollout_func as an episode runner (rollout/rollout_func.py): its output becomes Rollouts token
-for token, env_mask becomes the loss mask, extra keys reach reward functions, and contract breaks are one line."""
+for token, env_mask becomes the loss mask, extra keys reach reward functions, and contract breaks are one
+line."""
 
 from __future__ import annotations
 
