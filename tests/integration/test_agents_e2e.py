@@ -219,3 +219,23 @@ def test_grpo_eval_runs_the_tiny_tools_model_with_its_tool_and_with_the_offline_
     offline_results = tool_messages(offline_records)
     assert offline["n"] == 12 and offline["tool_call_rate"] > 0
     assert offline_results and all("offline" in text for text in offline_results)
+
+
+def test_agent_prompts_are_rendered_and_tokenized_once_by_the_runner(tmp_path, monkeypatch):
+    """The feed leaves an agent run's prompts to the episode runner (it renders them with their tools)."""
+    from grpo.data import PromptFormatter
+
+    encoded = []
+    real = PromptFormatter.encode
+    monkeypatch.setattr(
+        PromptFormatter, "encode", lambda self, *a, **k: encoded.append(a) or real(self, *a, **k)
+    )
+    model, tokenizer = model_and_tokenizer()
+    cfg = GRPOConfig(**SETTINGS, output_dir=str(tmp_path / "run"))
+    trainer = GRPOTrainer(
+        model=model, tokenizer=tokenizer, config=cfg, train_dataset=dataset(), tools=[calculator],
+        reward_funcs=[length_reward],
+    )  # fmt: skip
+    encoded.clear()
+    trainer.train()
+    assert encoded == []  # training steps: the runner's rendering only

@@ -40,6 +40,7 @@ class EpisodeRunner(Protocol):
 
     multi_turn: bool
     reward_names: Sequence[str]
+    renders_prompts: bool  # run() renders and tokenizes the prompts itself: the feed need not
 
     def run(
         self, engine, prompts: PromptBatch, n: int, sampling: SamplingParams, chunk_prompts: int | None = None
@@ -55,6 +56,7 @@ class SingleTurn:
 
     multi_turn = False
     reward_names: tuple[str, ...] = ()
+    renders_prompts = False
 
     def run(self, engine, prompts, n, sampling, chunk_prompts=None):
         return prompts, engine.generate(prompts.prompt_token_ids, n, sampling, chunk_prompts=chunk_prompts)

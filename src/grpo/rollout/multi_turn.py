@@ -71,6 +71,7 @@ class MultiTurn:
     """Episodes with tools or an environment (see the module docstring)."""
 
     multi_turn = True
+    renders_prompts = True  # with the tools each row's environment declares
 
     def __init__(
         self,

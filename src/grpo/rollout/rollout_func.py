@@ -38,6 +38,7 @@ class RolloutFunc:
     """Runs `fn(prompts, trainer)` for every batch (see the module docstring)."""
 
     multi_turn = False
+    renders_prompts = True  # TRL: chat templating happens inside rollout_func
     reward_names: tuple[str, ...] = ()
 
     def __init__(self, fn, num_generations: int, pad_id: int, eos_ids: set[int]):
