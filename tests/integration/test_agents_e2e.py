@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 
 import pytest
 import torch
@@ -239,3 +240,36 @@ def test_agent_prompts_are_rendered_and_tokenized_once_by_the_runner(tmp_path, m
     encoded.clear()
     trainer.train()
     assert encoded == []  # training steps: the runner's rendering only
+
+
+class Tracked(Notebook):
+    """Notebook that records its instances and their closing."""
+
+    made: typing.ClassVar[list] = []
+    closed: typing.ClassVar[list] = []
+
+    def __init__(self):
+        Tracked.made.append(id(self))
+
+    def close(self):
+        Tracked.closed.append(id(self))
+
+
+@pytest.mark.parametrize("ending", ["finished", "reward_crash", "ctrl_c"])
+def test_every_environment_is_closed_when_the_run_ends_however_it_ends(tmp_path, ending):
+    Tracked.made, Tracked.closed = [], []
+
+    def reward(completions, **_):
+        if ending == "reward_crash":
+            raise RuntimeError("a bug in the reward")
+        if ending == "ctrl_c":
+            raise KeyboardInterrupt
+        return [1.0] * len(completions)
+
+    raised = None
+    try:
+        _train(tmp_path, environment_factory=Tracked, reward_funcs=[reward])
+    except BaseException as err:  # noqa: BLE001 - the ending under test
+        raised = err
+    assert (raised is None) == (ending == "finished")
+    assert len(Tracked.made) >= 4 and sorted(Tracked.closed) == sorted(Tracked.made)

@@ -350,3 +350,26 @@ def test_a_new_environment_form_is_one_adapter_and_one_registry_line(qwen, monke
         ScriptedEngine(qwen, lambda t: "x"), batch(["q"]), 1, SAMPLING
     )
     assert [m["role"] for m in r.episodes[0].messages] == ["assistant", "user", "assistant"]
+
+
+class Unpicklable(Scored):
+    def __init__(self):
+        self.lock = __import__("threading").Lock()
+
+
+def test_under_ray_a_reward_reading_environments_that_cannot_travel_is_refused_saying_why(qwen):
+    from grpo.rollout.ray import environments_travel
+
+    def reads(completions, environments, **_):
+        return [0.0] * len(completions)
+
+    def ignores(completions, **_):
+        return [0.0] * len(completions)
+
+    assert environments_travel(runner(qwen, environment=Scored), [reads]) is True  # they pickle: they travel
+    assert environments_travel(runner(qwen, environment=Unpicklable), [ignores]) is False
+    with pytest.raises(
+        ConfigError, match=r"reads `environments`.*Unpicklable instances cannot be sent back"
+    ) as e:
+        environments_travel(runner(qwen, environment=Unpicklable), [reads])
+    one_line(e.value)
