@@ -48,8 +48,8 @@ demo: setup
 	exit $$status
 
 test: setup-dev setup-vllm
-	$(BIN)/ruff check src tests scripts benchmarks
-	$(BIN)/ruff format --check src tests scripts benchmarks
+	$(BIN)/ruff check src tests scripts benchmarks examples
+	$(BIN)/ruff format --check src tests scripts benchmarks examples
 	$(BIN)/python -m pytest -q
 	$(VLLM_BIN)/python -m pytest -q tests/integration/test_vllm.py tests/unit/test_vllm_unit.py
 
@@ -59,5 +59,5 @@ test-vllm: setup-vllm
 	$(VLLM_BIN)/python -m pytest -q tests/integration/test_vllm.py tests/unit/test_vllm_unit.py
 
 lint: setup-dev
-	$(BIN)/ruff check src tests scripts benchmarks
-	$(BIN)/ruff format --check src tests scripts benchmarks
+	$(BIN)/ruff check src tests scripts benchmarks examples
+	$(BIN)/ruff format --check src tests scripts benchmarks examples

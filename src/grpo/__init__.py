@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from grpo.data import SimplePromptDataset
     from grpo.rewards import REWARD_FUNCTIONS, resolve_reward, score_completions
     from grpo.rewards.math import extract_answer, gsm8k_correctness, gsm8k_format
+    from grpo.run.lifecycle import TrainingStopped
     from grpo.trainer import GRPOTrainer
 
 # The public names load on first use: `grpo --help` and `import grpo.config` then never import torch
@@ -22,6 +23,7 @@ _HOMES = {
     "GRPOTrainer": "grpo.trainer",
     "REWARD_FUNCTIONS": "grpo.rewards",
     "SimplePromptDataset": "grpo.data",
+    "TrainingStopped": "grpo.run.lifecycle",
     "extract_answer": "grpo.rewards.math",
     "gsm8k_correctness": "grpo.rewards.math",
     "gsm8k_format": "grpo.rewards.math",
@@ -33,6 +35,7 @@ __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
     "SimplePromptDataset",
+    "TrainingStopped",
     "extract_answer",
     "gsm8k_correctness",
     "gsm8k_format",

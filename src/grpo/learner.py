@@ -14,7 +14,7 @@ from dataclasses import astuple, dataclass, field, replace
 import torch
 
 from grpo.algorithm.importance import WeightSums, importance_metrics, weighted_advantages
-from grpo.algorithm.loss import LossNorm, LossOutput, grpo_loss
+from grpo.algorithm.loss import LossNorm, LossOutput, make_policy_loss
 from grpo.algorithm.schedules import lr_lambda
 from grpo.config import GRPOConfig
 from grpo.distributed.runtime import Runtime
@@ -95,9 +95,17 @@ class Learner:
     """AdamW on the policy's trainable parameters, stepped by the GRPO loss of one TrainBatch at a time."""
 
     def __init__(
-        self, policy, ref_model, cfg: GRPOConfig, total_optimizer_steps: int, runtime: Runtime | None = None
+        self,
+        policy,
+        ref_model,
+        cfg: GRPOConfig,
+        total_optimizer_steps: int,
+        runtime: Runtime | None = None,
+        completion_limit: int | None = None,
     ):
         self.policy, self.ref_model, self.cfg = policy, ref_model, cfg
+        # Dr. GRPO's constant normaliser: the run's one completion limit (RunSettings; an episode's, agents)
+        self.completion_limit = completion_limit or cfg.effective_max_new_tokens
         # Several processes: `model` is the DDP/FSDP2-wrapped policy that forward/backward go through,
         # and every count below is made global with the runtime's all-reduces.
         self.rt = runtime or Runtime()
@@ -129,6 +137,7 @@ class Learner:
         )
         self.nonfinite_in_a_row = 0
         self._overflowed = False
+        self.loss = make_policy_loss(cfg.algorithm)  # every option bound once; called with tensors only
         # The native forward reads parameters directly, skipping module hooks: DDP and FSDP2 rely on their
         # wrapper's forward, so several processes train through the transformers forward.
         native = cfg.generation.engine != "transformers" and not self.rt.active
@@ -215,7 +224,7 @@ class Learner:
         norm = LossNorm(
             num_sequences=int(rt.sum(len(batch))),
             num_tokens=int(rt.sum(batch.loss_mask.sum().item())),
-            max_completion_length=self.cfg.effective_max_new_tokens,
+            max_completion_length=self.completion_limit,
         )
         # The first pass fills π_old and, for rollouts of another policy, the importance-weighted
         # advantages; later passes (num_iterations > 1) read them from `work`, a copy of the batch's record.
@@ -255,27 +264,8 @@ class Learner:
                 else:
                     old = mb.old_logprobs.to(device)
                 mask = mb.loss_mask.to(device)
-                out = grpo_loss(
-                    logp,
-                    old,
-                    None if mb.ref_logprobs is None else mb.ref_logprobs.to(device),
-                    mb_advantages.to(device),
-                    mask,
-                    variant=a.loss_variant,
-                    clip_low=a.epsilon_low,
-                    clip_high=a.epsilon_high,
-                    beta=a.beta,
-                    kl_estimator=a.kl_estimator,
-                    aggregation=a.loss_aggregation,
-                    norm=norm,
-                    entropy=entropy,
-                    entropy_coef=a.entropy_coef,
-                    kl_bias_correction=a.use_bias_correction_kl,
-                    variant_options={
-                        "temperature_pos": a.sapo_temperature_pos,
-                        "temperature_neg": a.sapo_temperature_neg,
-                    },
-                )
+                ref = None if mb.ref_logprobs is None else mb.ref_logprobs.to(device)
+                out = self.loss(logp, old, ref, mb_advantages.to(device), mask, norm=norm, entropy=entropy)
                 scaled = out.loss * rt.loss_scale
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 loss_finite = loss_finite and math.isfinite(out.loss.item())

@@ -8,6 +8,7 @@ import), `PluginAttributeError` a ValueError (no such name in it), `PluginTypeEr
 callable where a callable is needed).
 
     load("my_pkg.rewards:score", what="algorithm.reward_funcs entry", call=True)
+    load("agents/mine.py:run", what="env.agent")       # a file path works as the module part too
     ENGINES = Registry("generation.engine", {"native": "grpo.rollout.native:build", ...})
     ENGINES["natve"]   # PluginError: unknown generation.engine 'natve'; did you mean 'native'? ...
 
@@ -20,15 +21,19 @@ This module sits on the lowest floor beside records and config (it imports nothi
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
+import importlib.util
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from grpo.config.errors import ConfigError
 
 T = TypeVar("T")
 
-SYNTAX = "package.module:name"
+SYNTAX = "package.module:name (or path/to/file.py:name)"
 
 
 class PluginError(ConfigError):
@@ -56,13 +61,15 @@ def is_import_path(spec: object) -> bool:
 
 
 def load(spec: str, what: str = "import path", *, call: bool = False) -> Any:
-    """`pkg.module:name` (or `pkg.module:Class.attribute`) → the object. `what` names the setting in the
-    error; `call=True` requires a callable."""
+    """`pkg.module:name` (or `pkg.module:Class.attribute`, or `path/to/file.py:name`) → the object. `what`
+    names the setting in the error; `call=True` requires a callable."""
     if not is_import_path(spec):
         raise PluginError(f"{what} {spec!r} is not an import path; write it as {SYNTAX}.")
     module_name, _, attribute_path = spec.partition(":")
     try:
-        target = importlib.import_module(module_name)
+        target = _import(module_name)
+    except FileNotFoundError:
+        raise PluginImportError(f"{what} {spec!r}: there is no file {module_name}.") from None
     except Exception as error:  # any failure while importing user code is the user's to see
         raise PluginImportError(
             f"{what} {spec!r}: cannot import module {module_name!r} ({type(error).__name__}: {error}). "
@@ -77,6 +84,26 @@ def load(spec: str, what: str = "import path", *, call: bool = False) -> Any:
     if call and not callable(target):
         raise PluginTypeError(f"{what} {spec!r} is a {type(target).__name__}, which is not callable.")
     return target
+
+
+def _import(module_name: str) -> Any:
+    if not (module_name.endswith(".py") or "/" in module_name):
+        return importlib.import_module(module_name)
+    path = Path(module_name).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    # Registered under a name of its own, so loading the same file again reuses it (and pickle finds it).
+    name = f"grpo_user_file_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}_{path.stem}"
+    if name not in sys.modules:
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 class Registry(Generic[T]):

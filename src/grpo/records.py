@@ -50,9 +50,23 @@ def _axis_fields(record) -> list[tuple[str, str]]:
 def _pick(value, index: slice | Tensor):
     if value is None or isinstance(value, Tensor):
         return None if value is None else value[index]
+    if isinstance(value, dict):  # columns: one list per name
+        return {k: _pick(v, index) for k, v in value.items()}
+    if not value:  # an optional list left empty (PromptBatch.indices when nothing tracks them)
+        return value
     if isinstance(index, slice):
         return value[index]
     return [value[i] for i in index.tolist()]
+
+
+def _join(values: list):
+    if all(v is None for v in values):
+        return None
+    if isinstance(values[0], Tensor):
+        return torch.cat(values)
+    if isinstance(values[0], dict):
+        return {k: _join([v[k] for v in values]) for k in values[0]}
+    return [x for v in values for x in v]
 
 
 def take_rows(record: R, index: slice | Tensor) -> R:
@@ -66,6 +80,20 @@ def take_rows(record: R, index: slice | Tensor) -> R:
             done[id(value)] = _pick(value, index)
         changes[name] = done[id(value)]
     return dataclasses.replace(record, **changes)
+
+
+def join_rows(parts: list[R]) -> R:
+    """Records of the same type, one after the other: every per-row field joined (tensors concatenated,
+    lists and each list of a dict extended); every other field taken from the first part. For Rollouts,
+    whose group ids and [N, T] columns need more, see concat_rollouts."""
+    if len(parts) == 1:
+        return parts[0]
+    rows = {
+        name: _join([getattr(p, name) for p in parts])
+        for name, axis in _axis_fields(parts[0])
+        if axis == "row"
+    }
+    return dataclasses.replace(parts[0], **rows)
 
 
 def trim_columns(record: R, width: int, prompt_width: int = 0) -> R:
@@ -100,6 +128,9 @@ class Episode:
     ended_by: str = "answer"
     environment: Any = None  # the environment instance (TRL reward functions receive it as `environments`)
     env_class: str | None = None  # its class name (which environment reward function scores it)
+    # set: the episode's reward in place of the reward functions' total (an agent's own reward through the
+    # gateway; a failed episode's 0, or NaN = dropped from its group's baseline)
+    final_reward: float | None = None
 
     @property
     def truncated(self) -> bool:
@@ -111,10 +142,10 @@ class PromptBatch:
     """P prompts drawn from the dataset for one step."""
 
     # the dataset's prompts as it gave them (text or chat messages), as reward functions receive them
-    prompts: list
-    prompt_token_ids: list[list[int]]  # chat-templated and tokenized, no padding
-    columns: dict[str, list] = field(default_factory=dict)  # other dataset fields, e.g. answer
-    indices: list[int] = field(default_factory=list)  # dataset rows, for logs and resume checks
+    prompts: list = per_row()
+    prompt_token_ids: list[list[int]] = per_row()  # chat-templated and tokenized, no padding
+    columns: dict[str, list] = per_row(default_factory=dict)  # other dataset fields, e.g. answer
+    indices: list[int] = per_row(default_factory=list)  # dataset rows, for logs and resume checks
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -169,9 +200,9 @@ class Rollouts:
 class RewardScores:
     """Rewards of one batch of N completions under F functions."""
 
-    per_function: torch.Tensor  # [N, F] float32, NaN where a function returned None (or was skipped)
+    per_function: torch.Tensor = per_row()  # [N, F] float32, NaN where a function returned None (or skipped)
     names: list[str]  # [F] metric names, in the order of the columns of per_function; unique (name, name_2)
-    total: torch.Tensor  # [N] Σ_f w_f·r_f over the functions that apply; 0.0 where none applies
+    total: torch.Tensor = per_row()  # [N] Σ_f w_f·r_f over the functions that apply; 0.0 where none applies
     none_applicable: int  # samples on which every function returned None
     skipped: int = 0  # (function, sample) scores dropped under on_error="skip"
     logged: dict[str, float] = field(default_factory=dict)  # what the functions passed to log_metric
@@ -272,20 +303,12 @@ def select_groups(part: ScoredRollouts, keep: Tensor) -> ScoredRollouts:
     renumber[kept] = torch.arange(len(kept))
     r = part.rollouts
     rows = keep[r.group_ids].nonzero().flatten()  # [M] completions of kept prompts
-    p = part.prompts
     return ScoredRollouts(
-        prompts=PromptBatch(
-            prompts=[p.prompts[i] for i in kept],
-            prompt_token_ids=[p.prompt_token_ids[i] for i in kept],
-            columns={k: [v[i] for i in kept] for k, v in p.columns.items()},
-            indices=[p.indices[i] for i in kept] if p.indices else [],
-        ),
+        prompts=take_rows(part.prompts, torch.tensor(kept, dtype=torch.long)),
         rollouts=dataclasses.replace(take_rows(r, rows), group_ids=renumber[r.group_ids[rows]]),
         texts=[part.texts[i] for i in rows.tolist()],
         # What reward functions logged describes a whole scoring call, not the rows kept from it.
-        scores=dataclasses.replace(
-            part.scores, per_function=part.scores.per_function[rows], total=part.scores.total[rows], logged={}
-        ),
+        scores=dataclasses.replace(take_rows(part.scores, rows), logged={}),
         rewards=part.rewards[rows],
         lag=part.lag,
     )
@@ -304,23 +327,14 @@ def concat_rounds(parts: list[ScoredRollouts], pad_id: int) -> ScoredRollouts:
     """Several rollout rounds as one batch (prompts in order, group ids offset, completions padded)."""
     if len(parts) == 1:
         return parts[0]
-    first = parts[0].prompts
-    prompts = PromptBatch(
-        prompts=[x for q in parts for x in q.prompts.prompts],
-        prompt_token_ids=[x for q in parts for x in q.prompts.prompt_token_ids],
-        columns={k: [v for q in parts for v in q.prompts.columns[k]] for k in first.columns},
-        indices=[x for q in parts for x in q.prompts.indices],
-    )
     scores = dataclasses.replace(
-        parts[0].scores,
-        per_function=torch.cat([q.scores.per_function for q in parts]),
-        total=torch.cat([q.scores.total for q in parts]),
+        join_rows([q.scores for q in parts]),
         none_applicable=sum(q.scores.none_applicable for q in parts),
         skipped=sum(q.scores.skipped for q in parts),
         logged={},
     )
     return ScoredRollouts(
-        prompts=prompts,
+        prompts=join_rows([q.prompts for q in parts]),
         rollouts=concat_rollouts([q.rollouts for q in parts], [q.num_prompts for q in parts], pad_id),
         texts=[t for q in parts for t in q.texts],
         scores=scores,

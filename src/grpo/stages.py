@@ -56,7 +56,14 @@ def score_rollouts(
         given=environment_rewards(rollouts, *env_rewards),
     )
     shaping = overlong_penalty(rollouts.lengths, max_new_tokens, a.overlong_buffer, a.overlong_penalty)  # [N]
-    return ScoredRollouts(prompts, rollouts, texts, scores, scores.total + shaping, lag=lag)
+    rewards = scores.total + shaping
+    if rollouts.episodes is not None and any(e.final_reward is not None for e in rollouts.episodes):
+        fixed = [e.final_reward for e in rollouts.episodes]  # an agent's own reward replaces the total
+        has = torch.tensor([f is not None for f in fixed])
+        rewards = torch.where(
+            has, torch.tensor([0.0 if f is None else f for f in fixed]).to(rewards), rewards
+        )
+    return ScoredRollouts(prompts, rollouts, texts, scores, rewards, lag=lag)
 
 
 def environment_rewards(rollouts: Rollouts, names: list[str], weight: float) -> list:
@@ -79,8 +86,8 @@ def build_train_batch(
     old_logprobs: Tensor | None = None,
     behaviour_logprobs: Tensor | None = None,
 ) -> TrainBatch:
-    """Left-padded prompt | right-padded completion rows, with per-token advantages ([N] → [N, T], discount
-    γ) and the completion mask (truncated completions masked out when mask_truncated, DAPO). old_logprobs /
+    """Left-padded prompt | right-padded completion rows, with per-token advantages (`token_advantages`)
+    and the completion mask (truncated completions masked out when mask_truncated, DAPO). old_logprobs /
     behaviour_logprobs [N, T]: the sampler's log-probs in the role they can play (see TrainBatch)."""
     group = rollouts.group_ids.tolist()  # [N]
     width = max(len(prompts.prompt_token_ids[i]) for i in group)
@@ -103,10 +110,17 @@ def build_train_batch(
         attention_mask=torch.cat([prompt_mask, rollouts.completion_mask.long()], dim=1),
         prompt_width=width,
         completion_mask=mask,
-        # γ credit runs over the sampled tokens: injected ones carry no action to credit
-        advantages=discounted_token_advantages(advantages, loss_mask, gamma),  # [N, T]
+        advantages=token_advantages(advantages, loss_mask, gamma),  # [N, T]
         group_ids=rollouts.group_ids,
         loss_mask=loss_mask,
         old_logprobs=old_logprobs,
         behaviour_logprobs=behaviour_logprobs,
     )
+
+
+def token_advantages(advantages: Tensor, loss_mask: Tensor, gamma: float) -> Tensor:
+    """[N] → [N, T] with γ credit, or a per-token estimator's [N, T] as it is: either way on the sampled
+    tokens only (loss_mask [N, T]), since injected ones carry no action to credit."""
+    if advantages.dim() == 2:
+        return advantages * loss_mask.to(advantages.dtype)  # [N, T]
+    return discounted_token_advantages(advantages, loss_mask, gamma)  # [N, T]

@@ -24,38 +24,57 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from grpo import records, trl_compat
-from grpo.algorithm.advantages import group_advantages
+from grpo.algorithm.advantages import estimate_advantages, per_row_advantages
 from grpo.algorithm.filters import informative_prompts
-from grpo.config import AlgorithmConfig
+from grpo.config import AlgorithmConfig, GRPOConfig
+from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
+from grpo.distributed.runtime import Runtime
 from grpo.learner import Learner
 from grpo.records import PromptBatch, Rollouts, ScoredRollouts
 from grpo.rewards.isolation import RewardInterrupted
 from grpo.rollout.source import RolloutSource
 from grpo.run import lifecycle
-from grpo.run.console import result_line
+from grpo.run.assemble import RunParts
 from grpo.run.lifecycle import TrainingHalted
 from grpo.run.metrics import StageTimer, StepReport, reduce_metrics, sampler_metrics, step_metrics
 from grpo.run.profiling import StepProfiler
 from grpo.stages import build_train_batch, score_rollouts
 
-if TYPE_CHECKING:
-    from grpo.trainer import GRPOTrainer
+
+class Trainer(Protocol):
+    """What the loop reads and sets on the GRPOTrainer that runs it (trainer.py imports this module)."""
+
+    cfg: GRPOConfig
+    parts: RunParts
+    rt: Runtime
+    settings: RunSettings
+    stops: lifecycle.StopRequests
+    step: int
+    total_steps: int
+
+    @property
+    def stop_signal(self) -> int | None: ...
+
+    def log_eval(self, report: StepReport, best: lifecycle.BestModel, step: int, when: str) -> dict: ...
+
 
 __all__ = ["TrainingHalted", "build_train_batch", "collect", "run"]
 
 log = logging.getLogger("grpo")
 
 
-def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> dict[str, float]:
+def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[str, float]:
     """The steps of `trainer`'s run, from its resume point to the final save, evaluation and report."""
     cfg, p, rt = trainer.cfg, trainer.parts, trainer.rt
     t, a, total_steps = cfg.train, cfg.algorithm, trainer.total_steps
-    started = time.perf_counter()
-    learner = Learner(p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt)
+    length_limit = trainer.settings.completion_limit  # the episode's for agents (config/settings.py)
+    learner = Learner(
+        p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt, completion_limit=length_limit
+    )
     start_step, nonfinite_total = lifecycle.resume(cfg, p, rt, learner, stream)
     source.sync_weights(start_step, learner.policy)
     lifecycle.log_sizes(cfg, learner.describe_micro_batches(), total_steps, stream)
@@ -63,8 +82,6 @@ def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> di
     profiler = StepProfiler(cfg.distributed.profiler == "torch", p.run_dir, total_steps, rt.rank)
     best = lifecycle.BestModel(cfg, p, rt)
     summary = trainer.log_eval(report, best, 0, "before") if t.eval_before and start_step == 0 else {}
-
-    length_limit = cfg.episode_max_tokens if source.multi_turn else cfg.effective_max_new_tokens
 
     def score(prompts: PromptBatch, rollouts: Rollouts, texts: list[str], lag: int) -> ScoredRollouts:
         state = trl_compat.RewardState(global_step=step, epoch=float(stream.epoch), max_steps=total_steps)
@@ -92,8 +109,7 @@ def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> di
             if scored is None:  # a stop signal, and a reward call that would not finish: drop the step
                 step, data_at_stop = step - 1, data_before
                 break
-            group_ids = scored.rollouts.group_ids  # [N]
-            advantages = group_advantages(scored.rewards, group_ids, a.advantage_scale, a.advantage_eps)
+            advantages = estimate_advantages(scored, a)  # [N], or [N, T] from a per-token estimator
             # The sampler's log-probs [N, T] are π_old itself when they are the learner's own (exact
             # engine, one pass), or a behaviour policy to correct for (stale weights, other kernels).
             sampled = scored.rollouts.sampling_logprobs
@@ -112,6 +128,7 @@ def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> di
             with timer("weight_sync"):
                 source.sync_weights(step, learner.policy)
             nonfinite_total += stats.skipped
+            advantages = per_row_advantages(advantages, batch.loss_mask)  # [N] for checks and metrics
             progress.step(step, scored.rewards, advantages, stats.skipped, stats.grad_norm)
             seconds = time.perf_counter() - step_start
             metrics = {
@@ -141,7 +158,7 @@ def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> di
             where = lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step, data_at_stop))
         report.close()
         lifecycle.stopped_early(
-            p.run_dir, step, total_steps, trainer.stop_signal, where, learner.nonfinite_in_a_row
+            p.run_dir, step, total_steps, trainer.stop_signal, where, learner.nonfinite_in_a_row, summary
         )
         return summary
     with trainer.stops.watching():  # a signal now lets the final saves finish; a second one: exit 130
@@ -157,9 +174,8 @@ def run(trainer: GRPOTrainer, source: RolloutSource, stream: PromptStream) -> di
     page = None
     if t.report and rt.is_main and trainer.stop_signal is None:
         page = lifecycle.write_report(p.run_dir)
-    if trained:
-        final = p.run_dir / "final_model"
-        log.info(result_line(summary, report.first_reward, time.perf_counter() - started, final, page))
+    if trained:  # the whole run's: "before →" and the time of every piece a resume joined
+        log.info(lifecycle.closing_line(p, summary, report.first_reward, page))
     return summary
 
 
@@ -175,7 +191,11 @@ def collect(
     while rounds < (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 1):
         rounds += 1
         with timer("rollout"):
-            prompts, rollouts, lag = source.next_batch()
+            try:  # a tool or environment call in an episode, cut short by a stop signal (agents/workers.py)
+                prompts, rollouts, lag = source.next_batch()
+            except RewardInterrupted as stopped:
+                log.warning("Stopping: %s, so it was killed and this step is dropped.", stopped)
+                return None, {}
             texts = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
         with timer("reward"):
             try:

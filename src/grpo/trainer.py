@@ -9,6 +9,7 @@ The constructor validates the config, joins the process group and assembles the 
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from pathlib import Path
 from grpo import train as loop
 from grpo import trl_compat
 from grpo.config import GRPOConfig
+from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
 from grpo.distributed import init_runtime
 from grpo.distributed.checkpointing import save_policy_dir
@@ -24,8 +26,8 @@ from grpo.distributed.roles import apply_role_plan
 from grpo.evaluation import EvalResult, evaluate
 from grpo.records import SamplingParams
 from grpo.rollout.source import RolloutSource, build_source
-from grpo.run import lifecycle
-from grpo.run.assemble import RunParts, build_run, planned_steps
+from grpo.run import console, lifecycle
+from grpo.run.assemble import RunParts, build_run, planned_steps, setup_logging
 from grpo.run.metrics import StepReport, eval_metrics
 from grpo.run.runlock import holding_run_lock
 
@@ -45,7 +47,8 @@ class GRPOTrainer:
 
     Agents (docs/agents.md): `tools=[fn, ...]` (typed, documented functions the model may call) or
     `environment_factory=Cls` (TRL's form: reset(**row), public methods as tools; or the step form
-    reset(row)/step(messages)); a dict of classes is routed by the dataset's `environment` column."""
+    reset(row)/step(messages)); a dict of classes is routed by the dataset's `environment` column; or
+    `agent=run`, your own agent code over an OpenAI-compatible gateway (grpo/gateway/runner.py)."""
 
     def __init__(
         self,
@@ -67,7 +70,11 @@ class GRPOTrainer:
         tools=None,
         environment_factory=None,
         rollout_func=None,
+        agent=None,
+        **trl_only,  # TRL arguments with no counterpart: refused with the reason (trl_compat)
     ):
+        setup_logging()  # the console from the first line on, as the CLI's (device roles, threads) ...
+        console.begin_startup_log()  # ... and those lines in train.log too, once the run directory is known
         # TRL's positional order: (model, reward_funcs, args, ...)
         if trl_compat.looks_like_rewards(ref_model):
             ref_model, reward_funcs = None, ref_model if reward_funcs is None else reward_funcs
@@ -77,11 +84,14 @@ class GRPOTrainer:
         tokenizer = trl_compat.one_of("tokenizer", tokenizer, "processing_class", processing_class)
         reward_funcs, reward_model = trl_compat.split_reward_models(reward_funcs, reward_model)
         trl_compat.refuse_trainer_args(
-            callbacks=callbacks, optimizers=optimizers, reward_processing_classes=reward_processing_classes
+            callbacks=callbacks,
+            optimizers=optimizers,
+            reward_processing_classes=reward_processing_classes,
+            **trl_only,
         )
         self.cfg = (config or GRPOConfig()).validate()
-        if peft_config is not None:
-            self.cfg.update(trl_compat.lora_from_peft(peft_config)).validate()
+        if peft_config is not None:  # on a copy: the caller's args stay as they were given
+            self.cfg = copy.deepcopy(self.cfg).update(trl_compat.lora_from_peft(peft_config)).validate()
         d = self.cfg.distributed
         self.rt = init_runtime(d.strategy, d.backend, d.timeout_s)  # one process unless torchrun started us
         apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
@@ -100,9 +110,14 @@ class GRPOTrainer:
             tools=tools,
             environment=environment_factory,
             rollout_func=rollout_func,
+            agent=agent,
         )
         if rollout_func is not None:  # TRL's rollout_func(prompts, trainer) receives this trainer
             self.parts.episodes.trainer = self
+        # What the start decided (run name, threads, rewards, eval set, the completion limit), frozen; the
+        # caller's config is not written to: the run reads the resolved copy.
+        self.settings: RunSettings = self.parts.settings
+        self.cfg = self.settings.config
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
         self.source: RolloutSource | None = (
             None  # while train() runs: where rollouts and evaluations come from
@@ -158,8 +173,12 @@ class GRPOTrainer:
                 p.episodes.close()
 
     @holding_run_lock
-    def train(self) -> dict[str, float]:
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> dict[str, float]:
+        """The run, to its last step; returns the last step's metrics. `resume_from_checkpoint` (TRL's):
+        True continues from the newest checkpoint in the output directory, a path from that checkpoint.
+        A stop signal (Ctrl-C) saves a checkpoint, then raises grpo.TrainingStopped (a KeyboardInterrupt)."""
         cfg, p = self.cfg, self.parts
+        lifecycle.plan_train(cfg, p, self.rt, resume_from_checkpoint, first=self.step == 0)
         stream = PromptStream(p.train_rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
         self.total_steps = planned_steps(cfg, len(p.train_rows))
         # The source owns its engine: built here, before the learner shards the policy; closed at the end,

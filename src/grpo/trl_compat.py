@@ -35,6 +35,9 @@ _UNSUPPORTED_ARGS = {
     "weight_decay, lr_scheduler).",
     "reward_processing_classes": "a reward model given by path loads its own tokenizer; pass a "
     "SequenceClassifierReward for anything else (docs/rewards.md).",
+    "quantization_config": "the policy trains as float32 master weights (quantized QLoRA training is not "
+    "implemented); the nearest: peft_config=LoraConfig(...), which trains adapters only, with "
+    "model.dtype=bfloat16 for the frozen base.",
 }
 
 
@@ -81,10 +84,25 @@ def split_reward_models(reward_funcs, reward_model):
 
 
 def refuse_trainer_args(**given) -> None:
-    """TRL GRPOTrainer arguments with no counterpart here: refused unless left at TRL's default."""
+    """TRL GRPOTrainer arguments with no counterpart here: refused unless left at TRL's default, with the
+    reason and the nearest equivalent. A name TRL does not have either is Python's TypeError, as ever."""
     for name, value in given.items():
-        if value is not None and tuple(value) not in ((), (None, None)):
-            raise TRLConfigError(f"GRPOTrainer({name}=...) is not supported: {_UNSUPPORTED_ARGS[name]}")
+        if name not in _UNSUPPORTED_ARGS:
+            import difflib
+
+            close = difflib.get_close_matches(name, [*_UNSUPPORTED_ARGS, *_TRAINER_ARGS], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"GRPOTrainer() got an unexpected keyword argument {name!r}{hint}")
+        if value is None or (isinstance(value, tuple | list) and tuple(value) in ((), (None, None))):
+            continue
+        raise TRLConfigError(f"GRPOTrainer({name}=...) is not supported: {_UNSUPPORTED_ARGS[name]}")
+
+
+# GRPOTrainer's own keyword arguments (for the did-you-mean of a mistyped one)
+_TRAINER_ARGS = (
+    "model", "ref_model", "reward_model", "tokenizer", "config", "train_dataset", "reward_funcs",
+    "eval_dataset", "args", "processing_class", "peft_config", "tools", "environment_factory",
+)  # fmt: skip
 
 
 def lora_from_peft(peft_config: Any) -> dict[str, Any]:

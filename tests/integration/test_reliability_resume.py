@@ -10,6 +10,7 @@ import torch
 
 import grpo.learner
 from grpo import GRPOConfig, GRPOTrainer
+from grpo.run.lifecycle import TrainingStopped
 from grpo.train import TrainingHalted
 from tests import tiny_run
 from tests.tiny_run import letter_score, metrics, same_weights
@@ -46,7 +47,10 @@ def train(assets, rows, out, reward=letter_score, **overrides):
     data = tiny_run.write_dataset(assets["root"] / f"data{rows}.jsonl", rows)
     cfg = GRPOConfig(**tiny_run.config(assets["model"], data, out, **overrides))
     trainer = GRPOTrainer(config=cfg, reward_funcs=[reward, "gsm8k_format"])
-    return trainer, trainer.train()
+    try:
+        return trainer, trainer.train()
+    except TrainingStopped as stopped:  # a stop signal: saved, then raised to the caller (issue 33)
+        return trainer, stopped
 
 
 @pytest.mark.parametrize(
@@ -66,15 +70,17 @@ def train(assets, rows, out, reward=letter_score, **overrides):
 def test_stop_and_resume_equals_an_uninterrupted_run(assets, tmp_path, rows, length, stop_at, sig, position):
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(assets, rows, straight, **length)
-    trainer, _ = train(assets, rows, split, reward=SignalAt(stop_at, sig), **length)
+    trainer, stopped = train(assets, rows, split, reward=SignalAt(stop_at, sig), **length)
     assert trainer.stop_signal == sig
+    assert isinstance(stopped, TrainingStopped) and (stopped.signal, stopped.step) == (sig, stop_at)
     assert {p.name for p in split.glob("checkpoint-*")} == {f"checkpoint-{i}" for i in range(1, stop_at + 1)}
     assert not (split / "final_model").exists()
     log = (split / "train.log").read_text()
-    assert f"Stopped at step {stop_at} of" in log and f"grpo train --resume --output-dir {split} " in log
+    assert f"Stopped at step {stop_at} of" in log and "trainer.train(resume_from_checkpoint=True)" in log
     state = torch.load(split / f"checkpoint-{stop_at}" / "training_state.pt", weights_only=True)
     assert {k: state["data"][k] for k in ("epoch", "position")} == position
-    train(assets, rows, split, resume="latest", **length)
+    # the same reward object as the stopped run (config.yaml records it: issue 33), signalling no more
+    train(assets, rows, split, reward=SignalAt(0), resume="latest", **length)
     assert same_weights(straight / "final_model", split / "final_model")  # bitwise
     assert metrics(split) == metrics(straight)  # every logged value, steps appended once each
     total = length.get("steps") or 6
@@ -89,7 +95,7 @@ def test_a_second_signal_stops_at_once_without_saving(assets, tmp_path):
         train(assets, 6, out, steps=4, reward=SignalAt(2, signal.SIGINT, signal.SIGINT))
     assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-1"]
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
-    train(assets, 6, out, steps=4, resume="latest")
+    train(assets, 6, out, steps=4, reward=SignalAt(0), resume="latest")
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
 
 

@@ -1,30 +1,85 @@
-"""The multi-turn seam left single-turn training bitwise as it was: the same 3-step run gives the same final
-weights, byte for byte, as at commit 091d311 (before the seam), measured on this machine type (x86-64 AVX2,
-torch 2.13.0+cpu, one thread). Regenerate only for a deliberate numerics change: run this file's `run` at the
-old and the new commit and compare."""
+"""Refactors left training bitwise as it was, compared on this host (tests/reference.py says why not with
+numbers recorded elsewhere): the same run at a reference commit and at the working tree gives the same
+losses, the same final weights byte for byte and the same config.yaml (less settings added since, which
+are new lines, not changes).
+
+* 091d311: before the multi-turn seam; single-turn training must not have moved since.
+* e11bfc4: before issue 30's redesign (trainer/train split, settings resolved once); the presets' runs and
+  config.yaml must not have moved since.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import shutil
+from pathlib import Path
 
-from grpo import GRPOConfig, GRPOTrainer
-from tests import tiny_run
+import pytest
 
-# Recorded at 091d311 with this same code (git worktree of that commit, PYTHONPATH=src).
-WEIGHTS_SHA256_AT_091D311 = "6bc62dda96fc89f6288238cfa71aa15f546b885007e3048a96477b5d5f75d8f0"
-LOSSES_AT_091D311 = [0.0, 5.185604e-06, 2.4020672e-05]
+from tests import reference, tiny_run
 
-
-def run(root):
-    model = tiny_run.make_model_dir(root / "model")
-    data = tiny_run.write_dataset(root / "data.jsonl", 6)
-    cfg = GRPOConfig(**tiny_run.config(model, data, root / "run", steps=3, save_steps=0, report=False))
-    GRPOTrainer(config=cfg).train()
-    digest = hashlib.sha256((root / "run/final_model/model.safetensors").read_bytes()).hexdigest()
-    return digest, [round(m["loss"], 12) for m in tiny_run.metrics(root / "run")]
+BEFORE_THE_SEAM = "091d311"
+BEFORE_ISSUE_30 = "e11bfc4"
 
 
 def test_single_turn_training_is_bitwise_what_it_was(tmp_path):
-    digest, losses = run(tmp_path)
-    assert losses == LOSSES_AT_091D311
-    assert digest == WEIGHTS_SHA256_AT_091D311
+    model = tiny_run.make_model_dir(tmp_path / "model")
+    data = tiny_run.write_dataset(tmp_path / "data.jsonl", 6)
+    runs = {}
+    for side, src in (("before", reference.source_at(BEFORE_THE_SEAM)), ("now", None)):
+        out = tmp_path / side
+        reference.run_python(tiny_run.config(model, data, out, steps=3, save_steps=0, report=False), src)
+        runs[side] = reference.losses(out), reference.weights_sha256(out / "final_model")
+    assert runs["now"] == runs["before"]
+    assert len(runs["now"][0]) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny_math", "tiny_tools"])
+def test_preset_runs_are_bitwise_what_they_were(preset, tmp_path):
+    seen = {}
+    for side, src in (("before", reference.source_at(BEFORE_ISSUE_30)), ("now", None)):
+        run = tmp_path / "run"  # one path for both sides: config.yaml records it
+        argv = ["train", "--config", preset, "--output-dir", str(run), "train.steps=2"]
+        reference.run_cli([*argv, "train.eval_before=false", "train.eval_after=false"], src)
+        seen[side] = (run / "config.yaml").read_bytes(), reference.weights_sha256(run / "final_model")
+        shutil.rmtree(run)
+    before_yaml, now_yaml = seen["before"][0].decode(), seen["now"][0].decode()
+    # config.yaml byte for byte, less the settings added since (their defaults change nothing run before)
+    assert reference.without_new_settings(now_yaml, before_yaml) == before_yaml
+    assert seen["now"][1] == seen["before"][1]  # model.safetensors' sha256
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+# Every preset, with local data where the preset's is on the hub (this host may be offline), and the task
+# detection that rewrites the rewards and evaluation set (IFEval rows under the tiny_math preset).
+DRY_RUNS = {
+    "tiny_math": ["--config", "tiny_math"],
+    "tiny_tools": ["--config", "tiny_tools"],
+    "gsm8k": ["--config", "gsm8k", "data.dataset=tiny_math", "data.eval_dataset=tiny_math:test"],
+    "ifeval": [
+        "--config",
+        "ifeval",
+        f"data.dataset={FIXTURES / 'ifeval_sample.jsonl'}",
+        "data.eval_dataset=holdout",
+    ],
+    "task_detected": ["--config", "tiny_math", f"data.dataset={FIXTURES / 'ifeval_sample.jsonl'}"],
+}
+
+
+def test_preset_configs_are_what_they_were():
+    """`grpo train --dry-run` prints the config.yaml a run writes (and the plan) from the data alone."""
+    argvs = [["train", *argv, "--dry-run"] for argv in DRY_RUNS.values()]
+    before = reference.cli_outputs(argvs, reference.source_at(BEFORE_ISSUE_30))
+    now = reference.cli_outputs(argvs)
+    for name, shown_before, shown_now in zip(DRY_RUNS, before, now, strict=True):
+        assert shown_before[0] == 0 and "plan:" in shown_before[1], name
+        assert shown_now[0] == 0, name
+        assert reference.without_new_settings(shown_now[1], shown_before[1]) == shown_before[1], name
+
+
+def test_a_setting_added_since_is_new_lines_and_any_other_difference_is_a_change():
+    before = "model:\n  a: 1\n  b:\n  - x\nenv:\n  tools: []\n  max_turns: 4\n"
+    now = "model:\n  a: 1\n  b:\n  - x\n  c:\n  - y\nenv:\n  tools: []\n  max_turns: 4\n  agent: null\n"
+    assert reference.without_new_settings(now, before) == before
+    assert reference.without_new_settings(now.replace("a: 1", "a: 2"), before) != before
+    assert reference.without_new_settings(now.replace("  - x\n", "  - w\n", 1), before) != before

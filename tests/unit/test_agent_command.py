@@ -146,3 +146,9 @@ def test_close_kills_running_episodes(tmp_path):
     thread.join(10)
     assert not thread.is_alive() and not alive(process.pid)
     assert errors and isinstance(errors[0], AgentCommandError)  # killed: a non-zero exit, not a reward
+
+
+def test_python_is_the_interpreter_running_grpo():
+    assert AgentCommand("python -c 'import sys; print(sys.executable)'").argv[0] == sys.executable
+    assert AgentCommand(["python3", "x.py"]).argv == [sys.executable, "x.py"]
+    assert AgentCommand(["/usr/bin/env", "python"]).argv == ["/usr/bin/env", "python"]

@@ -57,7 +57,7 @@ def test_the_holdout_is_a_seeded_tenth_disjoint_from_training_and_capped():
 
 def test_a_users_file_is_trained_on_less_its_holdout_which_is_evaluated(my_jsonl):
     cfg = load_config("tiny_math", {"hf_path": str(my_jsonl)})
-    train, held, _ = load_data_and_rewards(cfg)
+    train, held, _, _ = load_data_and_rewards(cfg)
     assert (len(train), len(held)) == (58, 6)
     file_prompts = {json.loads(line)["question"] for line in my_jsonl.read_text().splitlines()}
     assert {r["prompt"] for r in held} <= file_prompts  # not the preset's tiny_math:test
@@ -73,20 +73,20 @@ def test_the_python_api_with_its_own_training_data_does_not_evaluate_on_the_buil
     questions = [f"What is {i} + 1?" for i in range(20)]
     dataset = SimplePromptDataset(questions, answer=[f"#### {i + 1}" for i in range(20)])
     cfg = GRPOConfig(eval_before=True)
-    train, held, _ = load_data_and_rewards(cfg, train_dataset=dataset)
-    assert cfg.data.eval_dataset == "holdout" and (len(train), len(held)) == (18, 2)
+    train, held, _, decided = load_data_and_rewards(cfg, train_dataset=dataset)
+    assert decided["data.eval_dataset"] == "holdout" and (len(train), len(held)) == (18, 2)
     assert {r["prompt"] for r in held} <= set(questions)
 
 
 def test_training_data_that_cannot_be_scored_runs_without_evaluation_and_says_so(caplog):
     cfg = GRPOConfig(eval_before=True)
     with caplog.at_level(logging.WARNING, logger="grpo"):
-        train, held, _ = load_data_and_rewards(
+        train, held, _, decided = load_data_and_rewards(
             cfg,
             train_dataset=SimplePromptDataset(["a", "b", "c"]),
             reward_funcs=[lambda p, c, **_: [0.0] * len(c)],
         )
-    assert (len(train), held, cfg.data.eval_dataset) == (3, [], None)
+    assert (len(train), held, decided["data.eval_dataset"]) == (3, [], None)
     assert "No evaluation: the training data cannot be scored" in caplog.text
 
 
@@ -99,7 +99,7 @@ def test_a_local_ifeval_file_under_the_ifeval_preset_needs_no_hub(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", no_hub)
     fixture = str(Path(__file__).parents[1] / "fixtures" / "ifeval_sample.jsonl")
     cfg = load_config("grpo_ifeval", {"env.dataset": fixture})
-    train, held, _ = load_data_and_rewards(cfg)
+    train, held, _, _ = load_data_and_rewards(cfg)
     assert (len(train), len(held)) == (3, 1) and "instruction_id_list" in held[0]
 
 

@@ -284,6 +284,7 @@ def test_transformers_broken_by_vllm_cpus_torchvision_prints_the_fix(monkeypatch
 def test_step_bytes_counts_records_and_one_generation_batch():
     from types import SimpleNamespace
 
+    from grpo.config.settings import RunSettings
     from grpo.run.sizes import BYTES_PER_POSITION, check_memory, step_bytes
 
     model = SimpleNamespace(
@@ -292,12 +293,12 @@ def test_step_bytes_counts_records_and_one_generation_batch():
     cfg = GRPOConfig(
         batch_size=2, num_generations=2, max_new_tokens=8, max_prompt_length=8, max_total_length=None
     )
-    records, generation = step_bytes(cfg, model, dtype_bytes=4)
+    records, generation = step_bytes(RunSettings.resolve(cfg, {}, False), model, dtype_bytes=4)
     assert records == 4 * 16 * BYTES_PER_POSITION  # 4 completions × 16 positions
     assert generation == 4 * 16 * 2 * 2 * 2 * 8 * 4 + 4 * 100 * 4  # KV: layers × (k, v) × kv heads × head_dim
     huge = GRPOConfig(batch_size=10**7, num_generations=8, max_new_tokens=8, max_prompt_length=8)
     with pytest.raises(ConfigError, match=r"GiB is free on the host and 1\.0 GiB on the GPU"):
-        check_memory(huge, model, 4, device_memory=1 << 30)
+        check_memory(RunSettings.resolve(huge, {}, False), model, 4, device_memory=1 << 30)
 
 
 def test_eval_flags_are_range_checked_too(capsys):

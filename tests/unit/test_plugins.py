@@ -120,3 +120,13 @@ def test_importing_the_reward_registry_loads_no_model_code():
     from grpo.rewards.model import reward_from_model as home
 
     assert reward_from_model is home
+
+
+def test_a_file_path_works_as_the_module_part_and_is_loaded_once(tmp_path):
+    agent = tmp_path / "my_agent.py"
+    agent.write_text("CALLS = []\nCALLS.append(1)\n\ndef run(client, row):\n    return 1.0\n")
+    run = load(f"{agent}:run", "env.agent", call=True)
+    assert run(None, {}) == 1.0
+    assert load(f"{agent}:run") is run and load(f"{agent}:CALLS") == [1]  # executed once
+    with pytest.raises(ImportError, match="there is no file"):
+        load(f"{tmp_path / 'missing.py'}:run", "env.agent")

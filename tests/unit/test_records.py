@@ -97,3 +97,30 @@ def test_generate_in_chunks_matches_one_call():
     chunked = generate_in_chunks(generate, prompts, 2, sampling, 2, PAD)  # [2] [3] | [4] [6] | [7]
     for name in ("group_ids", "completion_ids", "completion_mask", "sampling_logprobs", "truncated"):
         assert torch.equal(getattr(whole, name), getattr(chunked, name)), name
+
+
+def test_prompt_batches_and_scores_are_cut_and_joined_by_their_declared_fields():
+    from dataclasses import dataclass
+
+    from grpo.records import RewardScores, join_rows, per_row, take_rows
+
+    @dataclass
+    class Tagged(PromptBatch):  # a new per-row field is one declaration, carried by cut and join
+        difficulty: list = per_row(default_factory=list)  # noqa: RUF009 - a field declaration, as in records.py
+
+    batch = Tagged(["a", "b", "c"], [[1], [2], [3]], {"answer": ["1", "2", "3"]}, [], ["easy", "hard", "mid"])
+    kept = take_rows(batch, torch.tensor([2, 0]))
+    assert (kept.prompts, kept.prompt_token_ids, kept.columns) == (
+        ["c", "a"],
+        [[3], [1]],
+        {"answer": ["3", "1"]},
+    )
+    assert kept.indices == [] and kept.difficulty == ["mid", "easy"]  # untracked indices stay empty
+    joined = join_rows([kept, take_rows(batch, slice(1, 2))])
+    assert joined.prompts == ["c", "a", "b"] and joined.columns == {"answer": ["3", "1", "2"]}
+    assert joined.difficulty == ["mid", "easy", "hard"] and len(joined) == 3
+
+    scores = RewardScores(torch.arange(6.0).reshape(3, 2), ["f", "g"], torch.tensor([1.0, 5.0, 9.0]), 0)
+    rows = take_rows(scores, torch.tensor([2]))
+    assert rows.names == ["f", "g"] and torch.equal(rows.per_function, torch.tensor([[4.0, 5.0]]))
+    assert torch.equal(join_rows([rows, scores]).total, torch.tensor([9.0, 1.0, 5.0, 9.0]))

@@ -8,6 +8,16 @@ the generation prompt) minus render(history), plus what the template writes afte
 token (Qwen's "\\n" after <|im_end|>), tokenized on their own. That is exact because the sampled turn ends
 with a special token, where every tokenizer splits.
 
+Text never becomes control tokens. A tool's output, the text `reset` returns, a step environment's messages,
+a tool's docstring, a prompt or a system prompt may hold the string of a special token (a web page with
+"<|im_end|>\n<|im_start|>assistant"): tokenized with the rendering, it would close the turn and open a fake
+one. ``LiteralText`` masks every special-token string inside the messages and tool schemas before the
+template renders them, and tokenizes the rendering with the template's own special tokens as control tokens
+and the masked strings as text (split, as ``split_special_tokens=True`` splits them). Where no text holds a
+special-token string, the ids are exactly the plain tokenization. Every path that renders messages uses it
+(``ChatRenderer``, the prompt formatter); the gateway's messages go through ``ChatRenderer`` or
+``LiteralText.mask`` + ``LiteralText.encode`` in the same way.
+
 It needs the template to be prefix-preserving: rendering a longer conversation must not change how the earlier
 turns render. Qwen2.5 is; Qwen3 is not (it drops the <think> blocks of assistant turns before the last user
 query, and the empty one of a last assistant turn once more messages follow). ``prefix_problem()`` finds out
@@ -16,6 +26,7 @@ at start-up.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from grpo.config.errors import ConfigError
@@ -41,6 +52,89 @@ def _describe_change(before: str, after: str) -> str:
     return f"at character {at} the earlier text {was!r} became {now!r}"
 
 
+# Each special-token string in user text is replaced by one character of Unicode's plane-15 private use area
+# before rendering (no template changes such a character), and restored as text after.
+_MARK_BASE = 0xF0000
+_MARK_LIMIT = 0xFFFFD - _MARK_BASE
+
+
+def special_token_strings(tokenizer: Any) -> list[str]:
+    """The tokenizer's special tokens: named ones and added tokens marked special (Llama 3 names only
+    bos/eos), longest first."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    found = set(getattr(tokenizer, "all_special_tokens", ())) | {t.content for t in added if t.special}
+    return sorted((t for t in found if t), key=lambda t: (-len(t), t))
+
+
+class LiteralText:
+    """Text that is not the chat template's own structure goes in as text (see the module docstring).
+
+    ``mask(value)``: `value` (a message list, a tool schema, a string) with every special-token string in its
+    strings (keys included) replaced by a mark. ``encode(text)``: the ids of a rendering of masked values
+    (no bos/eos added: the template writes them): the template's special tokens as control tokens, marked
+    strings as their text. ``encode_many`` does the same for a batch, in one tokenizer call where no text
+    holds a mark.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        specials = special_token_strings(tokenizer)[:_MARK_LIMIT]
+        self._specials = set(specials)
+        self._find = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._marks = {token: chr(_MARK_BASE + i) for i, token in enumerate(specials)}
+        self._texts = {mark: token for token, mark in self._marks.items()}
+        self._marked = re.compile(f"[{chr(_MARK_BASE)}-{chr(_MARK_BASE + max(len(specials), 1) - 1)}]")
+
+    def mask(self, value: Any) -> Any:
+        if self._find is None:
+            return value
+        if isinstance(value, str):
+            return (
+                self._find.sub(lambda m: self._marks[m.group(0)], value)
+                if self._find.search(value)
+                else value
+            )
+        if isinstance(value, dict):
+            return {self.mask(k): self.mask(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(self.mask(v) for v in value)
+        return value
+
+    def encode(self, text: str) -> list[int]:
+        if not self._marked.search(text):
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._encode_marked(text)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        marked = [bool(self._marked.search(t)) for t in texts]
+        plain = [t for t, m in zip(texts, marked, strict=True) if not m]
+        plain_ids = iter(self.tokenizer(plain, add_special_tokens=False)["input_ids"] if plain else [])
+        return [
+            self._encode_marked(t) if m else list(next(plain_ids)) for t, m in zip(texts, marked, strict=True)
+        ]
+
+    def _encode_marked(self, text: str) -> list[int]:
+        """Split where the template wrote a special token (as the tokenizer itself splits there); the pieces
+        between are tokenized with special-token strings as text."""
+        ids: list[int] = []
+        pos = 0
+        for found in self._find.finditer(text):
+            ids += self._text_ids(text[pos : found.start()])
+            ids.append(self.tokenizer.convert_tokens_to_ids(found.group(0)))
+            pos = found.end()
+        return ids + self._text_ids(text[pos:])
+
+    def _text_ids(self, piece: str) -> list[int]:
+        if not piece:
+            return []
+        piece = self._marked.sub(lambda m: self._texts[m.group(0)], piece)
+        return list(self.tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    def holds_special(self, text: str) -> bool:
+        """Whether `text` holds the string of a special token."""
+        return self._find is not None and self._find.search(text) is not None
+
+
 class ChatRenderer:
     """Renders conversations with the tokenizer's chat template, as token ids (see the module docstring).
 
@@ -53,14 +147,16 @@ class ChatRenderer:
         self, tokenizer: Any, tool_schemas: list[dict] | None = None, **template_kwargs: Any
     ) -> None:
         self.tokenizer = tokenizer
-        self.tools = list(tool_schemas) if tool_schemas else None
+        self.literal = LiteralText(tokenizer)
+        self.tools = self.literal.mask(list(tool_schemas)) if tool_schemas else None
         self.template_kwargs = template_kwargs
         self.end_of_turn, self.turn_tail = self._end_of_turn()
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """The template's text for `messages`, their special-token strings masked (``encode`` reads it)."""
         try:
             return self.tokenizer.apply_chat_template(
-                messages,
+                self.literal.mask(messages),
                 tools=self.tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
@@ -74,7 +170,7 @@ class ChatRenderer:
 
     def encode(self, text: str) -> list[int]:
         # The rendered text already holds the template's special tokens (bos included): add none.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.literal.encode(text)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The ids the policy continues from: `messages` rendered with the generation prompt."""
@@ -110,11 +206,9 @@ class ChatRenderer:
         if _PROBE_TEXT not in text:
             raise ChatTemplateError("the chat template does not render an assistant message's content.")
         after = text[text.rindex(_PROBE_TEXT) + len(_PROBE_TEXT) :]
-        # Named special tokens, and added tokens marked special (Llama 3 lists only bos/eos by name).
-        added = getattr(self.tokenizer, "added_tokens_decoder", {}).values()
-        special = set(self.tokenizer.all_special_tokens) | {t.content for t in added if t.special}
         # The first special token after the content is what the policy samples to end its turn.
-        found = [(after.find(tok), tok) for tok in special if tok and after.find(tok) >= 0]
+        special = special_token_strings(self.tokenizer)
+        found = [(after.find(tok), tok) for tok in special if after.find(tok) >= 0]
         if not found:
             raise ChatTemplateError(
                 "the chat template writes no special end-of-turn token after an assistant message (it "

@@ -182,10 +182,13 @@ class EnvironmentFactory:
 
 
 def _close_pools(pools: dict) -> None:
+    from grpo.agents.workers import end_worker
+
     for key in list(pools):
         instances = pools.pop(key)
         for instance in instances:
             close_instance(instance)
+            end_worker(instance)  # an instance living in a worker process (reward_isolation): its process too
 
 
 def _where(name: str | None) -> str:

@@ -28,8 +28,10 @@ from transformers.utils.chat_template_utils import DocstringParsingException, Ty
 
 from grpo.agents.parsing import ParsedTurn, ToolCall
 from grpo.config.errors import ConfigError
+from grpo.rewards.isolation import stop_overdue
 
 ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout")
+_STOP_POLL_S = 0.25  # how often a wait for tool answers looks for a stop signal
 
 
 # Schemas by function, and by the function under a bound method: an environment's tools are the methods of a
@@ -310,6 +312,7 @@ class ToolBox:
         """Run the chains' jobs (a chain's jobs one after another, chains concurrently) within the limits."""
         done: queue.SimpleQueue = queue.SimpleQueue()
         ready, running, out = deque(range(len(chains))), {}, []
+        stop_seen: list[float | None] = [None]
         while ready or running:
             while ready and len(running) < self.max_workers:
                 chain = ready.popleft()
@@ -324,7 +327,9 @@ class ToolBox:
             if not running:
                 break
             deadline = min(job.started for job in running.values()) + self.timeout_s
-            for job, value, ok, seconds in _answers(done, deadline):
+            # A stop signal ends the wait within the grace, however long the calls' limit (the loop saves).
+            stop_overdue(stop_seen, "a tool call")
+            for job, value, ok, seconds in _answers(done, min(deadline, time.monotonic() + _STOP_POLL_S)):
                 if running.get(job.chain) is job:  # else a late answer from a call that already timed out
                     out.append((job.slot, self._finish(job.call, value, ok, seconds)))
                     del running[job.chain]

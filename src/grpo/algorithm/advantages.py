@@ -8,6 +8,11 @@ GRPO (DeepSeekMath, arXiv 2402.03300) replaces PPO's value baseline with the gro
 Groups are found by id, never by position: ids may be non-contiguous, unsorted or interleaved
 (after shuffling, dynamic sampling or a gather across processes), so nothing here assumes that
 group members sit next to each other. See docs/algorithm.md for the sources of every default.
+
+The loop asks `ADVANTAGE_ESTIMATORS` for advantages: an estimator takes the scored batch and the algorithm
+settings and returns one value per completion [N] (spread over the tokens with γ credit when the learner's
+batch is built) or one per completion token [N, T] (its own credit, e.g. per-turn rewards; taken as is on
+the sampled tokens). Today's path is the "group" entry.
 """
 
 from __future__ import annotations
@@ -18,11 +23,17 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from grpo.plugins import Registry
+from grpo.records import ScoredRollouts
+
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "ADVANTAGE_SCALINGS",
     "discounted_token_advantages",
+    "estimate_advantages",
     "group_advantages",
     "group_reward_stats",
+    "per_row_advantages",
 ]
 
 
@@ -155,3 +166,38 @@ def discounted_token_advantages(advantages: Tensor, mask: Tensor, gamma: float) 
     exponent = (tokens_left - 1).clamp(min=0)  # [B, T]
     credit = torch.pow(gamma, exponent)  # [B, T]
     return advantages[:, None] * credit * mask_f  # [B, T]
+
+
+# -- estimators: (scored batch, algorithm settings) -> [N] or [N, T] ---------------------------------------
+AdvantageEstimator = Callable[[ScoredRollouts, object], Tensor]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+@ADVANTAGE_ESTIMATORS.register("group")
+def group_estimator(scored: ScoredRollouts, algorithm) -> Tensor:
+    """GRPO's: one scalar per completion from its group's rewards (`group_advantages`)."""
+    a = algorithm
+    return group_advantages(
+        scored.rewards, scored.rollouts.group_ids, a.advantage_scale, a.advantage_eps
+    )  # [N]
+
+
+def estimate_advantages(scored: ScoredRollouts, algorithm, estimator: str = "group") -> Tensor:
+    """The registered estimator's advantages: [N], or [N, T] aligned with the completion columns."""
+    advantages = ADVANTAGE_ESTIMATORS[estimator](scored, algorithm)
+    n, t = scored.rollouts.completion_ids.shape
+    if tuple(advantages.shape) not in ((n,), (n, t)):
+        raise ValueError(
+            f"advantage estimator {estimator!r} returned shape {tuple(advantages.shape)}; it must return "
+            f"[N] = ({n},) or [N, T] = ({n}, {t})"
+        )
+    return advantages
+
+
+def per_row_advantages(advantages: Tensor, loss_mask: Tensor) -> Tensor:
+    """One number per completion for metrics and samples: [N] as is; [N, T] averaged over the sampled
+    tokens (loss_mask [N, T]; a row with none gets 0)."""
+    if advantages.dim() == 1:
+        return advantages  # [N]
+    mask = loss_mask.to(advantages.dtype)  # [N, T]
+    return (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [N]

@@ -4,7 +4,10 @@
 
 Each choice lives in one dict and a new variant is one more entry there:
 POLICY_LOSSES (how the ratio is formed and clipped), KL_ESTIMATORS (k1/k2/k3),
-LOSS_AGGREGATIONS (how per-token losses become one scalar).
+LOSS_AGGREGATIONS (how per-token losses become one scalar). `make_policy_loss` binds every option of the
+algorithm settings once, so the learner calls the loss with the tensors and the batch's normalisers only; a
+policy loss's own keyword options are read from the settings fields named `<variant>_<option>` (SAPO's
+`temperature_pos` from `algorithm.sapo_temperature_pos`).
 
 Aggregations are written so that micro-batching is only a memory knob: every normaliser is a
 *global* count of the whole optimisation batch (`LossNorm`), so a micro-batch returns its
@@ -14,6 +17,8 @@ additive contribution and the contributions of any split of the rows sum to the 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeVar
@@ -34,6 +39,7 @@ __all__ = [
     "clipped_surrogate",
     "grpo_loss",
     "kl_penalty",
+    "make_policy_loss",
     "per_token_policy_loss",
     "sapo_policy_loss",
     "sequence_policy_loss",
@@ -386,6 +392,50 @@ def grpo_loss(
             clipped_high_sum=(ratio_stats.clipped_high * mask_f).sum(),  # []
             num_tokens=mask_f.sum(),  # []
         )
+
+
+# The arguments every policy loss takes (PolicyLoss); any other keyword parameter is the variant's option.
+_CONTRACT = frozenset({"logp", "old_logp", "advantages", "mask", "clip_low", "clip_high"})
+
+
+def variant_options(policy_loss: PolicyLoss) -> tuple[str, ...]:
+    """The keyword options a policy loss declares beyond the shared contract (SAPO: its temperatures)."""
+    return tuple(
+        name
+        for name, parameter in inspect.signature(policy_loss).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name not in _CONTRACT
+    )
+
+
+def make_policy_loss(algorithm) -> Callable[..., LossOutput]:
+    """`grpo_loss` with every option of the algorithm settings (config's `algorithm` section) bound once:
+    call it as `loss(logp, old_logp, ref_logp, advantages, mask, norm=..., entropy=...)`.
+
+    A variant's own options come from the fields `<variant>_<option>`, so a new loss with options is its
+    function, its POLICY_LOSSES entry and its fields; nothing in the learner changes."""
+    variant = algorithm.loss_variant
+    policy_loss = _lookup(POLICY_LOSSES, variant, "policy loss variant")
+    missing = [
+        f"{variant}_{name}"
+        for name in variant_options(policy_loss)
+        if not hasattr(algorithm, f"{variant}_{name}")
+    ]
+    if missing:
+        raise ValueError(f"policy loss {variant!r} reads settings that do not exist: {', '.join(missing)}")
+    return functools.partial(
+        grpo_loss,
+        variant=variant,
+        clip_low=algorithm.epsilon_low,
+        clip_high=algorithm.epsilon_high,
+        beta=algorithm.beta,
+        kl_estimator=algorithm.kl_estimator,
+        aggregation=algorithm.loss_aggregation,
+        entropy_coef=algorithm.entropy_coef,
+        kl_bias_correction=algorithm.use_bias_correction_kl,
+        variant_options={
+            name: getattr(algorithm, f"{variant}_{name}") for name in variant_options(policy_loss)
+        },
+    )
 
 
 def apply_truncation_mask(mask: Tensor, truncated: Tensor) -> Tensor:

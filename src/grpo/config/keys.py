@@ -47,6 +47,7 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "steps": "train.steps",
     "seed": "train.seed",
     "resume": "train.resume",
+    "resume_from_checkpoint": "train.resume",  # TRL (TrainingArguments): True = the newest checkpoint
     "reward_model": "algorithm.reward_model",
     "reward_funcs": "algorithm.reward_funcs",
     # MaxText / Tunix demo
@@ -105,6 +106,18 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "epsilon": ("algorithm.epsilon_low", "algorithm.epsilon_high"),
     "model": "model.name_or_path",
 }
+
+
+# TorchRL's names under `env.` (its "environment" is the prompt stream) that mean other sections' settings,
+# while this package's env.* section configures agent environments (env.tools, env.max_turns, ...). Each use
+# is said in the log; no alias may be a field's own path (tests/unit/test_config.py checks), so a spelling
+# never has two meanings.
+TORCHRL_ENV_ALIASES = frozenset(k for k in ALIASES if k.startswith("env."))
+
+
+def normalise_key(key: str) -> str:
+    """A key as resolve_key reads it: no leading dashes, '-' == '_'."""
+    return str(key).strip().lstrip("-").replace("-", "_")
 
 
 # Seed settings with no counterpart, and what to use instead.
@@ -176,7 +189,7 @@ def all_paths() -> list[str]:
 def resolve_key(key: str, trl: bool = False) -> tuple[str, ...]:
     """Map a user-facing key (dotted path, unique leaf name or alias; '-' == '_') to dotted paths.
     `trl`: the key comes from a TRL-style config, where TRL's names come first."""
-    k = str(key).strip().lstrip("-").replace("-", "_")
+    k = normalise_key(key)
     if trl and k in TRL_ALIASES:
         return (TRL_ALIASES[k],)
     if k in ALIASES:
@@ -231,6 +244,8 @@ def set_path(cfg: Any, path: str, value: Any) -> None:
 def coerce(path: str, value: Any) -> Any:
     """Convert `value` (possibly a string from the command line) to the field's type, or explain."""
     hint, optional = _without_none(hint_of(path))
+    if path == "train.resume" and isinstance(value, bool):  # TRL's resume_from_checkpoint=True
+        return "latest" if value else None
     if isinstance(value, str):
         value = _from_text(value, hint, optional, path)
     origin = typing.get_origin(hint)

@@ -8,6 +8,7 @@ seeds' and TRL's keyword arguments, user precedence, `validate()`), so the two n
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any, Self
 import yaml
 
 from grpo.config.errors import ConfigError
-from grpo.config.keys import coerce, resolve_key
+from grpo.config.keys import TORCHRL_ENV_ALIASES, coerce, normalise_key, resolve_key
 from grpo.config.schema import (
     SECTIONS,
     AlgorithmConfig,
@@ -31,6 +32,8 @@ from grpo.config.schema import (
 )
 from grpo.redact import REDACTED, is_secret, remember
 from grpo.redact import redact as redact_text
+
+log = logging.getLogger("grpo")
 
 
 @dataclass(init=False)
@@ -72,6 +75,13 @@ class ConfigTree:
         for key, value in pairs:
             paths = resolve_key(key)
             broad = len(paths) > 1
+            if normalise_key(key) in TORCHRL_ENV_ALIASES:
+                log.info(
+                    "Config: %s is TorchRL's name for %s (this package's env.* settings are the agent "
+                    "environment's: env.tools, env.environment, env.max_turns, ...).",
+                    key,
+                    paths[0],
+                )
             for path in paths:
                 if path in given:
                     first, first_broad = given[path]

@@ -1,4 +1,5 @@
-"""The configuration schema: nine section dataclasses, each field with its default and its `help`.
+"""The configuration schema: nine section dataclasses, each field with its default and its `help` (the env
+section, agents' settings, is in env_section.py).
 
 This file holds only the fields; keys.py maps the names users type onto them, validate.py checks their
 values and tree.py assembles the sections into `GRPOConfig`. A new setting is one field here (plus, when
@@ -7,29 +8,11 @@ the constraint is not a choice or a type, one line in validate.py's section vali
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from grpo import plugins
-
-
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
-
-
-@dataclass(frozen=True)
-class Registry:
-    """`choices=` that are the keys of a registry dict, so a new variant is one dict entry and no edit here.
-    The dict is looked up when a config is validated, not when this module is imported: the registries
-    live with the code they register, which imports torch."""
-
-    path: str  # "module:NAME"
-
-    def keys(self) -> tuple[str, ...]:
-        return tuple(plugins.load(self.path, "registry"))
-
+from grpo.config.env_section import EnvConfig
+from grpo.config.fields import Registry
+from grpo.config.fields import setting as _f
 
 BUNDLED_MODEL = "tiny-math-lm"  # the default policy: a name that resolves to a model in grpo/assets
 # Every model shipped in grpo/assets, by the name that resolves to it (tiny-tools-lm: the tiny_tools task).
@@ -185,7 +168,9 @@ class GenerationConfig:
         "inference_model.gpu_memory_utilization).",
     )
     vllm_max_model_len: int | None = _f(
-        None, "vllm: longest prompt + completion; default: max prompt + max_new_tokens."
+        None,
+        "vllm: longest prompt + completion; default: data.max_prompt_length + the run's completion limit "
+        "(a whole episode's for agents), within the model's positions.",
     )
     vllm_tensor_parallel_size: int = _f(
         1, "vllm: GPUs one engine shards the model over (TorchRL inference_model.tensor_parallel_size)."
@@ -536,44 +521,6 @@ class LoraSettings:
         True,
         "final_model/ holds the merged model (adapters folded into the base weights) "
         "with the adapters alone in final_model/adapter/; false: adapters only.",
-    )
-
-
-@dataclass
-class EnvConfig:
-    """Multi-turn episodes: tools and environments (docs/agents.md). Unset tools and environment: one turn."""
-
-    tools: list[str] = _f(
-        [],
-        "Tool functions as package.module:function import paths (typed arguments and a docstring become "
-        "the schema the chat template shows the model), e.g. grpo.agents.calculator:calculator.",
-    )
-    environment: str | None = _f(
-        None,
-        "An environment class as package.module:Class: TRL's form (reset(**row), public methods are "
-        "tools, optional get_reward()) or the step form (reset(row) -> messages, step(messages) -> "
-        "(messages, reward, done)); one instance per episode.",
-    )
-    max_turns: int = _f(4, "Assistant turns per episode; an episode still calling tools then ends truncated.")
-    max_tokens: int | None = _f(
-        None,
-        "Completion tokens per episode, sampled and injected together (the overlong shaping limit); "
-        "default: max_turns × generation.max_new_tokens.",
-    )
-    tool_timeout_s: float = _f(
-        10.0, "Seconds a tool call may run; past it the model reads a timeout message."
-    )
-    tool_max_chars: int = _f(
-        4000, "Characters of a tool's output the model reads; longer output is cut with a marker."
-    )
-    tool_parser: str = _f(
-        "auto",
-        "How tool calls are written: auto (what the tokenizer's chat template declares), hermes "
-        "(<tool_call> JSON: Qwen, Hermes), llama3_json or mistral.",
-    )
-    reward_weight: float = _f(
-        1.0,
-        "Weight of the environment's own reward (step rewards or get_reward()) beside the reward functions.",
     )
 
 

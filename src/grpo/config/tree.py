@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from grpo import plugins
 from grpo.config.errors import ConfigError
 from grpo.config.keys import field_of, get_path, set_path
 from grpo.config.root import ConfigTree
@@ -21,7 +22,7 @@ from grpo.config.schema import (
     EVAL_HOLDOUT,
     SECTIONS,
 )
-from grpo.config.trl import is_trl_style, translate
+from grpo.config.trl import is_trl_style, trl_settings
 from grpo.config.validate import validate
 from grpo.config.yaml_limits import load_yaml
 from grpo.redact import REDACTED
@@ -38,7 +39,9 @@ class GRPOConfig(ConfigTree):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
         if is_trl_style(kwargs):  # TRL's field names and defaults (docs/trl.md)
-            kwargs = translate(kwargs)
+            implied, kwargs, names = trl_settings(kwargs)
+            self.update(implied, explicit=False, origin="TRL's defaults")  # not "given" by the user
+            object.__setattr__(self, "_trl_names", names)  # messages name settings as the user did
         flat: list[tuple[str, Any]] = []
         for key, value in kwargs.items():
             if key in SECTIONS and isinstance(value, (dict, SECTIONS[key])):
@@ -49,6 +52,10 @@ class GRPOConfig(ConfigTree):
         self.update(flat, origin="the keyword arguments")
         if flat:
             apply_user_precedence(self)
+
+    def name_of(self, path: str) -> str:
+        """What the user calls `path`: the TRL name they wrote in a TRL-style config, else the path."""
+        return getattr(self, "_trl_names", {}).get(path, path)
 
     def validate(self) -> GRPOConfig:
         """Check every constraint that needs no model (config/validate.py); raise ConfigError naming the
@@ -141,7 +148,11 @@ COMPETING_KEYS = (
     ("train.num_epochs", "train.steps"),
     ("train.gradient_accumulation_steps", "train.micro_batch_size"),
     ("algorithm.reward_funcs", "algorithm.reward_weights"),
+    ("env.agent_command", "env.agent"),  # --agent-command on the tiny_tools_agent preset runs the command
 )
+# Pairs of COMPETING_KEYS that compete only with a preset's value: given both, the user's weights are the
+# weights of the user's functions, and both are used.
+_USED_TOGETHER = {("algorithm.reward_funcs", "algorithm.reward_weights")}
 
 
 def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
@@ -149,9 +160,10 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
 
     * Competing keys: `--num-epochs 3` under a preset with `train.steps: 80` would run 80 steps (steps win
       over epochs), so the preset's steps are dropped. When the user gives both, the winner is named.
-    * Task switch: a dataset set to a registered task (`env.dataset=ifeval`) brings that task's rewards,
-      evaluation split and system prompt, except where the user set those too (grpo.data.tasks)."""
-    from grpo.data.tasks import task_settings
+    * Task switch: a dataset set to a registered task (`data.dataset=ifeval`, TorchRL's `env.dataset=ifeval`)
+      brings that task's rewards, evaluation split and system prompt, except where the user set those too
+      (grpo.data.tasks)."""
+    task_settings = plugins.load("grpo.data.tasks:task_settings")  # by path: tasks sit above config
 
     notes = []
     explicit = cfg.explicit_keys
@@ -160,9 +172,12 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
         if given not in explicit or rival_value is None:
             continue
         if rival in explicit:
+            if (given, rival) in _USED_TOGETHER:
+                continue
+            mine, theirs = cfg.name_of(given), cfg.name_of(rival)  # as the user wrote them
             notes.append(
-                f"both {given} = {get_path(cfg, given)} and {rival} = {rival_value} were given; "
-                f"{rival} wins, {given} is not used."
+                f"both {mine} = {get_path(cfg, given)} and {theirs} = {rival_value} were given; "
+                f"{theirs} wins, {mine} is not used."
             )
             continue
         set_path(cfg, rival, field_of(rival).default)
@@ -188,7 +203,7 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
 def _holdout_for_new_data(cfg: GRPOConfig, key: str) -> list[str]:
     """Training data the user chose that is not a task keeps no preset's evaluation set: held-out accuracy
     on the preset's problems would say nothing about the user's data. A slice of theirs is held out."""
-    from grpo.data.tasks import find_task
+    find_task = plugins.load("grpo.data.tasks:find_task")
 
     spec, current = get_path(cfg, key), cfg.data.eval_dataset
     if find_task(spec) or "data.eval_dataset" in cfg.explicit_keys or current in (None, EVAL_HOLDOUT):

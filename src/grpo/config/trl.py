@@ -126,7 +126,6 @@ NO_EFFECT: dict[str, tuple[tuple | None, str]] = {
     "use_adaptive_entropy": ((False,), "the adaptive entropy controller is not implemented"),
     "num_generations_eval": ((None,), "evaluation is greedy, one completion per prompt (grpo eval --k)"),
     "use_liger_kernel": ((False,), "Liger kernels are not used"),
-    "max_tool_calling_iterations": ((None,), "tool calling is not implemented"),
     "cache_implementation": (None, "the native engine keeps its own KV cache"),
     "pad_to_multiple_of": (None, "training packs rows without padding"),
     "disable_tqdm": (None, "see train.progress_bar"),
@@ -150,6 +149,7 @@ TRL_ONLY = {
     "shuffle_dataset",
     "activation_checkpointing",
     "use_cpu",
+    "max_tool_calling_iterations",
     *NO_EFFECT,
     *VLLM,
 } - {"disable_tqdm"}
@@ -161,6 +161,69 @@ TRL_NAMES = (
 
 
 _NO_COUNTERPART = "a vLLM setting with no counterpart here, or one of loss_type='vespo' (not implemented)"
+
+
+# TRL names that set more than a renamed key (see _loss, _batch, _schedule, _vllm): name -> our keys.
+DERIVED: dict[str, tuple[str, ...]] = {
+    "per_device_train_batch_size": ("train.prompts_per_step", "train.micro_batch_size"),
+    "gradient_accumulation_steps": ("train.prompts_per_step",),
+    "steps_per_generation": ("train.prompts_per_step",),
+    "generation_batch_size": ("train.prompts_per_step",),
+    "num_generations": ("train.prompts_per_step",),
+    "loss_type": ("algorithm.loss_variant", "algorithm.loss_aggregation", "algorithm.epsilon_high"),
+    "importance_sampling_level": ("algorithm.loss_variant",),
+    "epsilon": ("algorithm.epsilon_low", "algorithm.epsilon_high"),
+    "epsilon_high": ("algorithm.epsilon_high",),
+    "scale_rewards": ("algorithm.advantage_scale",),
+    "lr_scheduler_type": ("optim.lr_scheduler",),
+    "max_steps": ("train.steps",),
+    "report_to": ("train.use_wandb",),
+    "top_k": ("generation.top_k",),
+    "use_cpu": ("model.device",),
+    "disable_tqdm": ("train.progress_bar",),
+    "save_strategy": ("train.save_steps",),
+    "use_vllm": ("generation.engine", "distributed.importance_cap"),
+    "vllm_mode": ("generation.vllm_server_url",),
+    "vllm_server_base_url": ("generation.vllm_server_url",),
+    "vllm_server_host": ("generation.vllm_server_url",),
+    "vllm_server_port": ("generation.vllm_server_url",),
+    "vllm_importance_sampling_correction": ("distributed.importance_correction",),
+    "vllm_importance_sampling_mode": ("distributed.importance_correction",),
+    "max_tool_calling_iterations": ("env.max_turns",),  # N rounds of tool calls: N + 1 turns
+}
+
+
+# Settings messages name the user's TRL way (beside TRL_ALIASES): our key -> TRL's name.
+SPELLED = {
+    "train.steps": "max_steps",
+    "train.micro_batch_size": "per_device_train_batch_size",
+    "train.gradient_accumulation_steps": "gradient_accumulation_steps",
+    "optim.lr_scheduler": "lr_scheduler_type",
+    "algorithm.advantage_scale": "scale_rewards",
+    "generation.top_k": "top_k",
+}
+
+
+def trl_settings(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """A TRL-style config's settings as (TRL's defaults the user did not set, what the user set, {our key:
+    the TRL name the user wrote}). The defaults count as a preset's (not "given": `num_train_epochs=3`
+    beside the user's `max_steps` is not "both were given"), and messages name settings the user's way.
+    TRL's gradient_accumulation_steps is in prompts_per_step already; our key of that name, which
+    micro_batch_size overrides, is never reported as given."""
+    out = translate(kwargs)
+    touched = {key for name in kwargs for key in DERIVED.get(name, ())}
+    names = {key: name for key, name in SPELLED.items() if name in kwargs}
+    for name in kwargs:
+        if name in TRL_ALIASES:
+            touched.add(resolve_key(name, trl=True)[0])
+            names.setdefault(resolve_key(name, trl=True)[0], name)
+    own = {k for k in kwargs if k not in TRL_NAMES and not k.startswith(("vllm_", "vespo_"))}
+    given = {k for k in out if k in touched or k in own} - {"train.gradient_accumulation_steps"}
+    return (
+        {k: v for k, v in out.items() if k not in given},
+        {k: v for k, v in out.items() if k in given},
+        names,
+    )
 
 
 def is_trl_style(kwargs: dict[str, Any]) -> bool:
@@ -192,6 +255,7 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
     _vllm(trl, out)
     if "top_k" in trl:
         out["generation.top_k"] = trl["top_k"] or 0  # TRL: None or 0 = off
+    _tool_calling(trl, out)
     if trl.get("use_cpu"):
         out["model.device"] = "cpu"
     if "disable_tqdm" in trl:
@@ -202,6 +266,21 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
         log.info("TRL settings with no effect here (docs/trl.md says why): %s", ", ".join(sorted(ignored)))
     out.update(rest)
     return out
+
+
+def _tool_calling(trl: dict[str, Any], out: dict[str, Any]) -> None:
+    """max_tool_calling_iterations = N → env.max_turns = N + 1: TRL counts the rounds of tool calls, each
+    followed by one more sampled turn, so N rounds are N + 1 assistant turns. None (TRL: no limit) keeps
+    env.max_turns, as every episode here has a turn cap."""
+    n = trl.get("max_tool_calling_iterations")
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TRLConfigError(
+            f"GRPOConfig(max_tool_calling_iterations={n!r}) must be a whole number ≥ 0 (rounds of tool calls "
+            "per completion), or None."
+        )
+    out["env.max_turns"] = n + 1
 
 
 def _vllm(trl: dict[str, Any], out: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import re
 import shutil
 from typing import TYPE_CHECKING
 
+from grpo import plugins
 from grpo.config.errors import ConfigError
 from grpo.config.keys import choices_of, get_path
 from grpo.config.schema import SECTIONS
@@ -183,9 +184,9 @@ def _rewards(cfg: ConfigTree) -> None:
     if not a.reward_funcs and not a.reward_model:
         raise ConfigError("No reward: set algorithm.reward_funcs and/or algorithm.reward_model.")
     if a.reward_weights is not None:
-        from grpo.rewards.schemes import REWARD_SCHEMES  # a scheme name stands for several functions
-
-        n_funcs = sum(len(REWARD_SCHEMES.get(f, [f])) for f in a.reward_funcs) + (1 if a.reward_model else 0)
+        # a scheme name stands for several functions; the registry is read by path (config imports no rewards)
+        schemes = plugins.load("grpo.rewards.schemes:REWARD_SCHEMES")
+        n_funcs = sum(len(schemes.get(f, [f])) for f in a.reward_funcs) + (1 if a.reward_model else 0)
         if len(a.reward_weights) != n_funcs:
             raise ConfigError(
                 f"algorithm.reward_weights has {len(a.reward_weights)} entries but there are "
@@ -460,12 +461,6 @@ def _env(cfg: ConfigTree) -> None:
         raise ConfigError(f"env.tool_timeout_s must be in (0, 86400] seconds, got {e.tool_timeout_s}.")
     if e.tool_max_chars < 1:
         raise ConfigError(f"env.tool_max_chars must be at least 1, got {e.tool_max_chars}.")
-    if e.tool_parser == "auto":
-        return
-    from grpo.agents.parsing import PARSERS
-
-    if e.tool_parser not in PARSERS:
-        raise ConfigError(f"env.tool_parser = {e.tool_parser!r} is not one of auto, {', '.join(PARSERS)}.")
 
 
 def _runtime_values(cfg: ConfigTree) -> None:

@@ -64,7 +64,24 @@ def _check_size(root: yaml.Node, what: str) -> None:
         if isinstance(node, yaml.SequenceNode):
             stack.extend((child, depth + 1) for child in node.value)
         elif isinstance(node, yaml.MappingNode):
+            _refuse_duplicate_keys(node, what)
             stack.extend((part, depth + 1) for pair in node.value for part in pair)
+
+
+def _refuse_duplicate_keys(node: yaml.MappingNode, what: str) -> None:
+    """YAML resolves a key written twice to its last value, silently (`optim:` twice keeps the second)."""
+    seen: dict[tuple[str, str], int] = {}
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":  # `<<:` merges
+            continue
+        line = key.start_mark.line + 1
+        first = seen.get((key.tag, key.value))
+        if first is not None:
+            raise ConfigError(
+                f"{what}: the key '{key.value}' is written twice (lines {first} and {line}); YAML would "
+                "keep only the last. Merge them into one."
+            )
+        seen[key.tag, key.value] = line
 
 
 def _short(text: str, limit: int = 500) -> str:

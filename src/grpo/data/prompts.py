@@ -10,6 +10,7 @@ import logging
 import random
 from typing import Any
 
+from grpo.agents.chat import LiteralText
 from grpo.config import ConfigError, DataConfig
 from grpo.data.sources import row_numbers
 from grpo.records import PromptBatch
@@ -25,6 +26,8 @@ class PromptFormatter:
         self.cfg = cfg
         self.templated = cfg.use_chat_template and bool(getattr(tokenizer, "chat_template", None))
         self.truncated_count = 0
+        # A prompt's or system prompt's special-token strings are text, never control tokens (agents/chat.py).
+        self.literal = LiteralText(tokenizer)
 
     def text(self, prompt: str | list[dict[str, str]]) -> str:
         if (
@@ -49,7 +52,10 @@ class PromptFormatter:
 
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **(self.cfg.chat_template_kwargs or {})
+                self.literal.mask(messages),
+                tokenize=False,
+                add_generation_prompt=True,
+                **(self.cfg.chat_template_kwargs or {}),
             )
         except jinja2.TemplateError as e:
             roles = [m.get("role") if isinstance(m, dict) else type(m).__name__ for m in messages]
@@ -83,10 +89,19 @@ class PromptFormatter:
             self._template_head = rendered.partition(marker)[0]
         return bool(self._template_head.strip()) and prompt.startswith(self._template_head)
 
+    def ids(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of `text()` outputs. The chat template already places any BOS token (adding special
+        tokens again would double it); the template's own special tokens are control tokens, the messages'
+        special-token strings are text. Without a template the text is all the prompt's: bos/eos added, no
+        special token read from it."""
+        if self.templated:
+            return self.literal.encode_many(texts)
+        if any(self.literal.holds_special(t) for t in texts):
+            return self.tokenizer(texts, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+        return self.tokenizer(texts, add_special_tokens=True)["input_ids"]
+
     def encode(self, prompts: list, indices: list[int] | None = None) -> list[list[int]]:
-        # The chat template already places any BOS token; adding special tokens again would double it.
-        texts = [self.text(p) for p in prompts]
-        ids = self.tokenizer(texts, add_special_tokens=not self.templated)["input_ids"]
+        ids = self.ids([self.text(p) for p in prompts])
         limit = self.cfg.max_prompt_length
         too_long = [i for i, x in enumerate(ids) if len(x) > limit]
         if too_long and self.cfg.long_prompt_policy == "error":
@@ -107,10 +122,7 @@ class PromptFormatter:
         """The most tokens any row's prompt takes, formatted as the run sends it (every row tokenized)."""
         if not rows:
             return 0
-        texts = [self.text(r["prompt"]) for r in rows]
-        return max(
-            len(ids) for ids in self.tokenizer(texts, add_special_tokens=not self.templated)["input_ids"]
-        )
+        return max(len(ids) for ids in self.ids([self.text(r["prompt"]) for r in rows]))
 
     def check_lengths(self, rows: list[dict[str, Any]], margin: int = 8) -> None:
         """Measure every prompt before training, so an over-long one stops the run at start-up, not hours in.
@@ -125,21 +137,16 @@ class PromptFormatter:
             prefix + r["prompt"] + suffix if isinstance(r["prompt"], str) and marker else None for r in rows
         ]
         unsure = [i for i, t in enumerate(fast) if t is None or len(t.encode()) + 2 > limit]  # +2: bos/eos
-        rough = (
-            self.tokenizer([fast[i] or "" for i in unsure], add_special_tokens=not self.templated)[
-                "input_ids"
-            ]
-            if unsure
-            else []
-        )
+        # Bytes counted as written; tokenized as the run tokenizes them (special-token strings as text).
+        mask = self.literal.mask if self.templated else str
+        texts = [prefix + mask(rows[i]["prompt"]) + suffix if fast[i] is not None else "" for i in unsure]
+        rough = self.ids(texts) if unsure else []
         lengths = {}
         near = [
             i for i, ids in zip(unsure, rough, strict=True) if fast[i] is None or len(ids) > limit - margin
         ]
         if near:
-            exact = self.tokenizer(
-                [self.text(rows[i]["prompt"]) for i in near], add_special_tokens=not self.templated
-            )["input_ids"]
+            exact = self.ids([self.text(rows[i]["prompt"]) for i in near])
             lengths = {i: len(ids) for i, ids in zip(near, exact, strict=True)}
         too_long = sorted(i for i, n in lengths.items() if n > limit)
         if too_long and self.cfg.long_prompt_policy == "error":

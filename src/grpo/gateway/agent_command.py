@@ -7,6 +7,9 @@
                  leaves the reward to what the process posted, else to the run's reward functions
          exit    non-zero: the episode failed (counted as agent_error, scored per env.failed_episode)
 
+A leading `python` (or `python3`) is the interpreter running grpo, so a Python agent imports what grpo's
+environment has installed (openai, the agent's own packages) whatever `python` is first on PATH.
+
 `AgentCommand` is an agent function (`run(client, row)`), so the gateway's runner drives it like a Python
 agent: same sessions, same timeout. The command runs in its own process group, without a shell unless it
 is given as one string that needs one; at the time limit, on close, or when the run ends, the whole group
@@ -24,7 +27,9 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -43,6 +48,8 @@ class AgentCommand:
         argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
         if not argv:
             raise ValueError('the agent command is empty; give the program to run, e.g. "python my_agent.py"')
+        if argv[0] in ("python", "python3"):
+            argv[0] = sys.executable  # the Python running grpo: the agent sees the packages grpo sees
         if timeout_s <= 0:
             raise ValueError(f"the agent command's time limit must be positive, got {timeout_s}")
         self.argv, self.timeout_s, self.cwd = argv, timeout_s, cwd
@@ -95,11 +102,17 @@ class AgentCommand:
         return last_line_reward(stdout)
 
     def close(self) -> None:
-        """Kill every episode's process still running (the run ended or was interrupted)."""
+        """Kill every episode's process group still running (the run ended or was interrupted). Signals
+        only: each episode's own thread, blocked reading its process's output, then reaps it."""
         with self._lock:
-            live, self._live = list(self._live), set()
+            live = [p for p in self._live if p.poll() is None]
         for process in live:
-            _kill_group(process)
+            _signal_group(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for process in live:
+            _signal_group(process.pid, signal.SIGKILL)  # the stragglers, and what the leaders left behind
 
 
 def last_line_reward(stdout: str) -> float | None:

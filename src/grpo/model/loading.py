@@ -123,7 +123,9 @@ def load_causal_lm(name_or_path: str, cfg: GRPOConfig, device: torch.device, tra
     if trainable:
         model.train()
         if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            # transformers 5 renamed it (the old name warns FutureWarning on every run); older ones lack it
+            new_name = getattr(model, "activation_checkpointing_enable", None)
+            (new_name or model.gradient_checkpointing_enable)()
             model.config.use_cache = False
     else:
         model.eval().requires_grad_(False)

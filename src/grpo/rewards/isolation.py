@@ -24,6 +24,7 @@ import os
 import pickle
 import select
 import signal
+import struct
 import sys
 import threading
 import time
@@ -37,10 +38,15 @@ _BY_PATH = "__grpo_named_by_path__"
 STOP_GRACE_S = 5.0
 _POLL_S = 0.05
 _interrupted = threading.Event()
+# A message between the trainer and a child: its length (8 bytes, little-endian), then a pickle. The reader
+# stops at the last byte, not at end-of-file: a grandchild the user's code forked may hold the pipe open.
+_HEADER = struct.Struct("<Q")
 
 
-class RewardInterrupted(RuntimeError):
-    """A stop signal arrived while a reward call ran, and the call did not finish within STOP_GRACE_S."""
+class RewardInterrupted(BaseException):
+    """A stop signal arrived while user code ran (a reward, a tool, an environment method), and the call did
+    not finish within STOP_GRACE_S. A BaseException, as KeyboardInterrupt is: code that turns a user's
+    exception into a message (`except Exception`) must let the stop through to the training loop."""
 
 
 def can_fork() -> bool:
@@ -70,6 +76,11 @@ def clear_stop() -> None:
     _interrupted.clear()
 
 
+def stop_requested() -> bool:
+    """Whether the trainer got SIGINT/SIGTERM (agents through the gateway get STOP_GRACE_S too)."""
+    return _interrupted.is_set()
+
+
 class ChildDied(RuntimeError):
     """The reward's process ended without an answer (killed, crashed, or it called os._exit)."""
 
@@ -97,7 +108,7 @@ def call_in_child(fn: Callable, kwargs: dict, timeout: float | None) -> tuple[st
         _child(fn, kwargs, write_fd)
     os.close(write_fd)
     try:
-        data = _read_until(read_fd, timeout)
+        data = read_frame(read_fd, timeout, "a reward call")
     except BaseException:
         _kill(pid)
         raise
@@ -116,24 +127,38 @@ def call_in_child(fn: Callable, kwargs: dict, timeout: float | None) -> tuple[st
     return kind, value
 
 
-def _read_until(fd: int, timeout: float | None) -> bytes | None:
-    """Everything the child writes (b"" when it died silently), or None at the deadline."""
-    chunks, start, stop_seen = [], time.monotonic(), None
+def stop_overdue(since: list[float | None], what: str) -> None:
+    """Raise RewardInterrupted once a stop signal is STOP_GRACE_S old. `since[0]` holds when this waiter
+    first saw it (None before)."""
+    if _interrupted.is_set() and since[0] is None:
+        since[0] = time.monotonic()
+    if since[0] is not None and time.monotonic() - since[0] > STOP_GRACE_S:
+        raise RewardInterrupted(f"{what} still ran {STOP_GRACE_S:g} s after the stop signal")
+
+
+def read_frame(fd: int, timeout: float | None, what: str) -> bytes | None:
+    """One message from a child (see _HEADER), as soon as its last byte is in: b"" when the child closed the
+    pipe (died) before it was complete, None at the deadline. Raises RewardInterrupted (see stop_overdue)."""
+    data, start, since = bytearray(), time.monotonic(), [None]
     while True:
-        now = time.monotonic()
-        if _interrupted.is_set() and stop_seen is None:
-            stop_seen = now
-        if stop_seen is not None and now - stop_seen > STOP_GRACE_S:
-            raise RewardInterrupted(f"a reward call still ran {STOP_GRACE_S:g} s after the stop signal")
-        if timeout is not None and now - start > timeout:
+        if len(data) >= _HEADER.size and len(data) >= _HEADER.size + _HEADER.unpack_from(data)[0]:
+            return bytes(data[_HEADER.size :])
+        stop_overdue(since, what)
+        if timeout is not None and time.monotonic() - start > timeout:
             return None
         with contextlib.suppress(InterruptedError):
             ready, _, _ = select.select([fd], [], [], _POLL_S)
             if ready:
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
-                    return b"".join(chunks)
-                chunks.append(chunk)
+                    return b""
+                data += chunk
+
+
+def write_frame(fd: int, payload: bytes) -> None:
+    view = memoryview(_HEADER.pack(len(payload)) + payload)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _child(fn: Callable, kwargs: dict, write_fd: int) -> None:
@@ -153,9 +178,7 @@ def _child(fn: Callable, kwargs: dict, write_fd: int) -> None:
             payload = _packed("value", fn(**kwargs), logged)
         except BaseException as error:  # noqa: BLE001 (reported by the parent, SystemExit included)
             payload = _packed("error", error, logged)
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(write_fd, view) :]
+        write_frame(write_fd, payload)
     except BaseException:  # noqa: BLE001 (the parent reports a silent death; nothing may escape the fork)
         code = 1
     finally:

@@ -64,9 +64,12 @@ class ColocatedRollout:
         return self.feed.stream.state_dict()
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        own = getattr(self.episodes, "metrics", None)  # the agent gateway's (rows, forks, batching)
+        return own() if own is not None else {}
 
     def close(self) -> None:
+        if (stop := getattr(self.episodes, "close", None)) is not None:  # the agent gateway's server
+            stop()
         close = getattr(self.engine, "close", None)  # an engine a caller made before engines had close()
         if close is not None:
             close()
@@ -89,7 +92,8 @@ def build(cfg, parts, rt: Runtime, feed: PromptFeed, sampling: SamplingParams, c
             parts.tokenizer,
             g.compile_decode,
             parts.compute_dtype,
-            generation=g,
+            # vLLM's max_model_len from the run's one completion limit (config/settings.py)
+            generation=parts.settings.generation if getattr(parts, "settings", None) else g,
             seed=cfg.train.seed,
         )
     return ColocatedRollout(

@@ -6,9 +6,11 @@ A runner is chosen by name from RUNNERS (a new one is a module with a `build` fu
     multi_turn     rollout/multi_turn.py: tools or an environment (agents/environments.py's protocol), every
                    episode of the step advancing together, one batched engine call per turn
     rollout_func   rollout/rollout_func.py: TRL's `rollout_func(prompts, trainer)` (TRL 1.16's contract)
+    agent          gateway/runner.py: the user's own agent code through the OpenAI-compatible gateway
 
 `build(cfg, formatter, **objects)` → an EpisodeRunner; objects are what GRPOTrainer was given (tools=,
-environment=, rollout_func=). The rollout source calls only the EpisodeRunner protocol below.
+environment=, rollout_func=, agent=) and `max_tokens`, the run's one completion limit. The rollout source
+calls only the EpisodeRunner protocol below.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ RUNNERS: dict[str, str] = {
     "single_turn": "grpo.rollout.episodes:build_single_turn",
     "multi_turn": "grpo.rollout.multi_turn:build",
     "rollout_func": "grpo.rollout.rollout_func:build",
+    "agent": "grpo.rollout.episodes:build_agent",
 }
 
 
@@ -73,8 +76,17 @@ def build_single_turn(cfg, formatter, **objects) -> SingleTurn:
     return SingleTurn()
 
 
-def runner_name(cfg, tools=None, environment=None, rollout_func=None) -> str:
+def build_agent(cfg, formatter, agent=None, **objects):
+    del objects
+    from grpo.gateway.runner import build_agent_runner
+
+    return build_agent_runner(cfg, formatter, agent)
+
+
+def runner_name(cfg, tools=None, environment=None, rollout_func=None, agent=None) -> str:
     """The runner a run's settings and objects call for."""
+    if agent is not None or cfg.env.agent or cfg.env.agent_command:
+        return "agent"
     if rollout_func is not None:
         return "rollout_func"
     if tools or environment is not None or cfg.env.tools or cfg.env.environment:
@@ -83,17 +95,19 @@ def runner_name(cfg, tools=None, environment=None, rollout_func=None) -> str:
 
 
 def build_episodes(
-    cfg, formatter, tools=None, environment=None, rollout_func=None, runner=None
+    cfg, formatter, tools=None, environment=None, rollout_func=None, agent=None, max_tokens=None, runner=None
 ) -> EpisodeRunner:
-    """The runner `runner` names (default: the one the settings call for, see runner_name)."""
+    """The runner `runner` names (default: the one the settings call for, see runner_name). `max_tokens`:
+    the run's one completion limit (RunSettings.completion_limit), which the preflights checked."""
     from grpo.config import ConfigError
 
-    name = runner or runner_name(cfg, tools, environment, rollout_func)
+    name = runner or runner_name(cfg, tools, environment, rollout_func, agent)
     if name not in RUNNERS:
         raise ConfigError(f"No episode runner named {name!r}; the runners are {', '.join(RUNNERS)}.")
     module, _, function = RUNNERS[name].partition(":")
     build = getattr(importlib.import_module(module), function)
-    return build(cfg, formatter, tools=tools, environment=environment, rollout_func=rollout_func)
+    objects = dict(tools=tools, environment=environment, rollout_func=rollout_func, agent=agent)
+    return build(cfg, formatter, max_tokens=max_tokens, **objects)
 
 
 def answer_texts(rollouts: Rollouts, tokenizer) -> list[str]:

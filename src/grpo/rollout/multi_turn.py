@@ -27,7 +27,7 @@ from grpo.agents.chat import ChatRenderer
 from grpo.agents.environments import Environment, EnvironmentContractError
 from grpo.agents.factory import EnvironmentFactory, build_factory
 from grpo.agents.messages import assistant_message, tool_messages
-from grpo.agents.parsing import ParsedTurn, ToolCallParser, detect_parser
+from grpo.agents.parsing import ParsedTurn, ToolCallParser, detect_parser, parse_turn
 from grpo.agents.tools import ToolBox
 from grpo.config import ConfigError
 from grpo.records import Episode, PromptBatch, Rollouts
@@ -172,7 +172,7 @@ class MultiTurn:
         # Special tokens stay: some formats mark calls with them (Mistral's [TOOL_CALLS]); the end-of-turn
         # token is not content.
         body = new[:-1] if new and new[-1] in self.special_ids else new
-        parsed = self.parser.parse(self.tokenizer.decode(body, skip_special_tokens=False))
+        parsed = parse_turn(self.parser, self.tokenizer.decode(body, skip_special_tokens=False))
         e.messages.append(assistant_message(parsed, turn))
         if cut < length or (bool(out.truncated[r]) and cut >= budget):
             e.end("max_tokens")
@@ -324,20 +324,29 @@ def refuse_rewriting_template(renderer: ChatRenderer, name: str, opening: list[d
         )
 
 
-def build(cfg, formatter, tools=None, environment=None, **objects) -> MultiTurn:
+def build(cfg, formatter, tools=None, environment=None, max_tokens=None, **objects) -> MultiTurn:
     """Multi-turn episodes with tools or an environment (objects from GRPOTrainer(tools=,
     environment_factory=), else env.tools / env.environment import paths). Refuses at start-up a model whose
-    tool-call format is unknown or whose chat template rewrites earlier turns."""
+    tool-call format is unknown or whose chat template rewrites earlier turns. `max_tokens`: the run's one
+    completion limit (RunSettings.completion_limit) that the preflights checked."""
+    from grpo.agents.workers import isolate_factory
+
     del objects
-    factory = build_factory(tools or cfg.env.tools, environment or cfg.env.environment)
+    tool_specs, environment_spec = tools or cfg.env.tools, environment or cfg.env.environment
+    factory = build_factory(tool_specs, environment_spec)
     if factory is None:
         raise ConfigError("Multi-turn episodes need tools or an environment (env.tools / env.environment).")
+    isolate_factory(
+        factory, tool_specs, environment_spec, cfg.algorithm.reward_isolation, cfg.env.tool_timeout_s
+    )
     name = cfg.model.name_or_path
     parser = detect_parser(formatter.tokenizer, name, cfg.env.tool_parser)
     schemas = factory.any_schemas()
     kwargs = dict(cfg.data.chat_template_kwargs or {})
     refuse_rewriting_template(ChatRenderer(formatter.tokenizer, schemas or None, **kwargs), name)
-    limits = EpisodeLimits(cfg.env.max_turns, cfg.episode_max_tokens, cfg.effective_max_new_tokens)
+    limits = EpisodeLimits(
+        cfg.env.max_turns, max_tokens or cfg.episode_max_tokens, cfg.effective_max_new_tokens
+    )
     log.info(
         "Episodes: up to %d turns and %d tokens each; tools %s; tool calls parsed as %s.",
         limits.max_turns,

@@ -70,10 +70,19 @@ class NativeEngine:
         n: int,
         sampling: SamplingParams,
         chunk_prompts: int | None = None,
+        on_step=None,
     ) -> Rollouts:
+        if on_step is not None:  # the gateway: one call, each step's tokens reported (see continue_rows)
+            with torch.no_grad():
+                return self._generate(prompt_token_ids, n, sampling, on_step)
         return generate_in_chunks(self._generate, prompt_token_ids, n, sampling, chunk_prompts, self.pad_id)
 
-    def continue_rows(self, rows: list[list[int]], sampling: SamplingParams) -> Rollouts:
+    def continue_rows(self, rows: list[list[int]], sampling: SamplingParams, on_step=None) -> Rollouts:
+        """on_step(rows, tokens), when given, receives each decode step's sampled tokens (the gateway
+        streams them as they are sampled)."""
+        if on_step is not None:
+            with torch.no_grad():
+                return self._generate(rows, 1, sampling, on_step)
         return self.generate(rows, 1, sampling)  # each row its own prompt: prefill, then decode
 
     def close(self) -> None:
@@ -105,7 +114,7 @@ class NativeEngine:
             )
         return fits
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, on_step=None) -> Rollouts:
         dec, device = self.decoder, self.decoder.device
         p, t_max = len(prompts), sampling.max_new_tokens
         rows = p * n
@@ -137,6 +146,8 @@ class NativeEngine:
             live = active[alive]
             ids[live, step] = tokens[alive].cpu()
             logprobs[live, step] = lp[alive].float().cpu()
+            if on_step is not None:
+                on_step(live.tolist(), ids[live, step].tolist())
             done = torch.isin(tokens, eos_ids).cpu() & alive
             if stops.active:
                 hit = stops.hits(ids, live, step)  # [n_alive]

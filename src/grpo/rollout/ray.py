@@ -22,7 +22,7 @@ import os
 import pickle
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -381,6 +381,8 @@ def build(cfg, parts, rt: Runtime, feed: PromptFeed, sampling: SamplingParams, c
         parts.policy, parts.compute_dtype, parts.tokenizer, cfg, rt.rank, getattr(parts, "episodes", None)
     )
     spec.environments = environments_travel(parts.episodes, parts.reward_funcs)
+    if getattr(parts, "settings", None):  # vLLM's max_model_len from the run's one completion limit
+        spec = replace(spec, generation=parts.settings.generation)
     g = cfg.generation
     return RayRollout(
         cfg.distributed, spec, placement(cfg, rt), feed, g.num_generations, sampling, rt, chunk_prompts

@@ -22,7 +22,7 @@ import torch
 
 from grpo.distributed.runtime import Runtime
 from grpo.plugins import Registry
-from grpo.records import PromptBatch, Rollouts, SamplingParams
+from grpo.records import PromptBatch, Rollouts, SamplingParams, join_rows, take_rows
 
 if TYPE_CHECKING:  # grpo.data reads the config, whose choices for rollout.mode are SOURCES' keys
     from grpo.data import PromptFormatter, PromptStream
@@ -90,23 +90,11 @@ class PromptFeed:
 
 def prompt_rows(batch: PromptBatch, rows: slice) -> PromptBatch:
     """Some prompts of a batch (a rollout actor's share)."""
-    return PromptBatch(
-        prompts=batch.prompts[rows],
-        prompt_token_ids=batch.prompt_token_ids[rows],
-        columns={k: v[rows] for k, v in batch.columns.items()},
-        indices=batch.indices[rows],
-    )
+    return take_rows(batch, rows)
 
 
 def join_prompts(parts: list[PromptBatch]) -> PromptBatch:
-    if len(parts) == 1:
-        return parts[0]
-    return PromptBatch(
-        prompts=[x for p in parts for x in p.prompts],
-        prompt_token_ids=[x for p in parts for x in p.prompt_token_ids],
-        columns={k: [x for p in parts for x in p.columns[k]] for k in parts[0].columns},
-        indices=[x for p in parts for x in p.indices],
-    )
+    return join_rows(parts)
 
 
 def build_source(cfg, parts, rt: Runtime, stream: PromptStream, sampling: SamplingParams) -> RolloutSource:

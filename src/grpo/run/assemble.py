@@ -6,6 +6,7 @@ reward names) is checked before the first model loads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -16,10 +17,10 @@ from typing import Any
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
-from grpo.data import PromptFormatter
+from grpo.config.settings import RunSettings, is_multi_turn
+from grpo.data import PromptFormatter, rows_from_dataset
 from grpo.model.loading import (
     float32_masters,
-    load_causal_lm,
     load_policy,
     load_reference,
     load_tokenizer,
@@ -31,7 +32,9 @@ from grpo.model.loading import (
 )
 from grpo.rollout import RolloutEngine
 from grpo.rollout.episodes import EpisodeRunner, SingleTurn, build_episodes
+from grpo.run import provenance
 from grpo.run.datasets import describe_eval_set, eval_set_name, load_data_and_rewards, planned_steps
+from grpo.run.models import frozen_copy, model_config_of, model_reward
 from grpo.run.preflight import check_model_paths, plan_resume
 from grpo.run.rundir import (
     holds_a_run,
@@ -43,7 +46,8 @@ from grpo.run.rundir import (
     write_run_config,
 )
 from grpo.run.runlock import lock_run_dir
-from grpo.run.sizes import check_context, check_memory
+from grpo.run.sizes import check_context, check_memory, model_context
+from grpo.run.startup import cpu_threads, start_decisions
 
 # Callers import these from here too (the CLI, tests): run/datasets.py and run/rundir.py are their homes.
 __all__ = [
@@ -80,26 +84,7 @@ class RunParts:
     # An engine the caller made (tests, embedding); None: the rollout source builds and owns its own.
     engine: RolloutEngine | None = None
     eval_name: str = ""  # the evaluation set in words (logs, closing line)
-
-
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # what torch itself reads at start-up
-
-
-def cpu_threads(cfg: GRPOConfig, environ) -> tuple[int | None, str]:
-    """torch's CPU thread count for the run and where it comes from: train.num_threads when the user set
-    it; else the environment's OMP_NUM_THREADS / MKL_NUM_THREADS, which a preset's value must not silently
-    override (the tiny_math preset's 2 assumes an idle 2-core machine); else the preset's; else torch's
-    own choice (None)."""
-    n = cfg.train.num_threads
-    if n and "train.num_threads" in cfg.explicit_keys:
-        return n, "train.num_threads"
-    for name in THREAD_ENV:
-        value = environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value), f"{name}={value}" + (
-                f"; the preset's train.num_threads = {n} is not used" if n and n != int(value) else ""
-            )
-    return n, "train.num_threads from the config; OMP_NUM_THREADS or train.num_threads=N changes it"
+    settings: RunSettings | None = None  # what the start decided (config/settings.py); the run reads it
 
 
 def build_run(
@@ -116,29 +101,36 @@ def build_run(
     tools=None,
     environment=None,
     rollout_func=None,
+    agent=None,
 ) -> RunParts:
+    """The parts of a run from the validated `cfg`, which is only read: its start-up decisions are in
+    `RunParts.settings` (config/settings.py)."""
+    given = {"data.dataset": train_dataset, "data.eval_dataset": eval_dataset, "env.tools": tools or None,
+             "algorithm.reward_funcs": reward_funcs, "algorithm.reward_model": reward_model,
+             "env.environment": environment, "model.name_or_path": model}  # fmt: skip
+    provenance.refuse_unrebuildable(cfg, given)  # a CLI --resume of a run built in Python
+    decided = start_decisions(cfg, os.environ, model=model, tokenizer=tokenizer, ref_model=ref_model)
+    skip = cfg.data.skip_invalid_rows
+    decided |= provenance.record_objects(
+        train_rows=None if train_dataset is None else rows_from_dataset(train_dataset, skip),
+        eval_rows=None if eval_dataset is None else rows_from_dataset(eval_dataset, split="test"),
+        reward_funcs=reward_funcs, reward_model=reward_model, tools=tools, environment=environment,
+    )  # fmt: skip
+    early = RunSettings.resolve(cfg, decided, is_multi_turn(cfg, tools, environment, agent))
     threads, why = cpu_threads(cfg, os.environ)
     if threads:
-        cfg.train.num_threads = threads  # what ran, in config.yaml and for Ray's workers
         torch.set_num_threads(threads)
         log.info("CPU threads: %d (%s).", threads, why)
     torch.manual_seed(cfg.train.seed)
-    for key, value in (("tokenizer_path", tokenizer), ("name_or_path", model), ("ref_model_path", ref_model)):
-        if isinstance(value, str):  # a name or path passed in place of an object
-            setattr(cfg.model, key, value)
-        elif value is not None:  # an object: config.yaml records where it came from, not the bundled default
-            setattr(
-                cfg.model, key, getattr(value, "name_or_path", None) or f"<{type(value).__name__} object>"
-            )
-    created = not run_dir_of(cfg).exists()
-    run_dir = make_run_dir(cfg)
+    created = not run_dir_of(early.config).exists()
+    run_dir = make_run_dir(early.config)
     held_a_run = holds_a_run(run_dir)  # looked at before the lock file is created
     refuse_users_files(run_dir, held_a_run)  # before the lock too, which leaves run.lock behind
     # Before anything in run_dir is read or written: a second run on a live directory stops here.
     lock = lock_run_dir(run_dir, rt)
     try:
         parts = _build_parts(
-            cfg,
+            early,
             run_dir,
             model=model,
             ref_model=ref_model,
@@ -151,6 +143,7 @@ def build_run(
             tools=tools,
             environment=environment,
             rollout_func=rollout_func,
+            agent=agent,
         )
     except BaseException:
         lock.release()
@@ -162,7 +155,7 @@ def build_run(
 
 
 def _build_parts(
-    cfg: GRPOConfig,
+    early: RunSettings,
     run_dir: Path,
     *,
     model,
@@ -176,10 +169,12 @@ def _build_parts(
     tools=None,
     environment=None,
     rollout_func=None,
+    agent=None,
 ) -> RunParts:
     setup_logging(run_dir)
     # Cheap checks first: paths, the checkpoint to resume from, data and reward names, before any
     # weights are read.
+    cfg = early.config
     resume_from = plan_resume(cfg, run_dir, clean_up=is_main)
     if resume_from is not None:  # absolute, like run_dir: a reward's os.chdir must not move it
         resume_from = Path(os.path.abspath(resume_from))
@@ -188,13 +183,11 @@ def _build_parts(
         model_given=model is not None and not isinstance(model, str),
         tokenizer_given=tokenizer is not None and not isinstance(tokenizer, str),
     )
-    token = cfg.hf_token()
-
-    train_rows, eval_rows, funcs = load_data_and_rewards(
-        cfg, train_dataset, eval_dataset, reward_funcs, reward_model, token
-    )
+    data = load_data_and_rewards(cfg, train_dataset, eval_dataset, reward_funcs, reward_model, cfg.hf_token())
+    settings = early.extend(data.decided)  # resolved: from here on the run reads settings.config
+    cfg, train_rows, eval_rows, funcs = settings.config, data.train_rows, data.eval_rows, data.reward_funcs
     if is_main:  # rank 0 writes for the group; after the data, which may settle the rewards and eval set
-        write_run_config(run_dir, cfg.to_yaml())
+        write_run_config(run_dir, settings.to_yaml())
     source = "train_dataset" if train_dataset is not None else (cfg.data.hf_path or cfg.data.dataset)
     eval_name = "eval_dataset" if eval_dataset is not None else eval_set_name(cfg, source)
     log.info("Evaluation: %s", describe_eval_set(cfg, eval_name, eval_rows, len(train_rows)))
@@ -208,12 +201,16 @@ def _build_parts(
     # Prompts and episodes are checked before any weights are read.
     formatter = PromptFormatter(tokenizer, cfg.data)
     formatter.check_lengths(train_rows)
-    model_config = _model_config(cfg, model)
+    model_config = model_config_of(cfg, model)
     if model_config is not None:  # before any weight is read: positions and memory the run needs
-        check_context(cfg, model_config, lambda: formatter.longest(train_rows))
+        settings = dataclasses.replace(settings, model_context=model_context(model_config))
+        check_context(settings, model_config, lambda: formatter.longest(train_rows))
         gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        check_memory(cfg, model_config, torch.finfo(compute).bits // 8, gpu)
-    episodes = build_episodes(cfg, formatter, tools=tools, environment=environment, rollout_func=rollout_func)
+        check_memory(settings, model_config, torch.finfo(compute).bits // 8, gpu)
+    episodes = build_episodes(
+        cfg, formatter, tools=tools, environment=environment, rollout_func=rollout_func, agent=agent,
+        max_tokens=settings.completion_limit,
+    )  # fmt: skip
     episodes.check_prompts(train_rows)
     policy = _policy(cfg, model, device, compute)
     ref = _reference(cfg, ref_model, model, policy, device, compute)
@@ -221,14 +218,15 @@ def _build_parts(
     reward_spec = reward_model if reward_model is not None else cfg.algorithm.reward_model
     if reward_spec is not None:
         funcs.append(
-            _model_reward(
+            model_reward(
                 reward_spec,
                 tokenizer,
                 cfg,
                 resolve_device(cfg.algorithm.reward_model_device or cfg.model.device),
             )
         )
-    if not funcs and not (tools or environment or cfg.env.environment):
+    agents = agent or cfg.env.agent or cfg.env.agent_command  # an agent may give its episodes' rewards
+    if not funcs and not (tools or environment or cfg.env.environment or agents):
         raise ConfigError(
             "No reward: pass reward_funcs=[...] or reward_model=..., or set algorithm.reward_funcs."
         )
@@ -272,24 +270,8 @@ def _build_parts(
         compute,
         episodes=episodes,
         eval_name=eval_name,
+        settings=settings,
     )
-
-
-def _model_config(cfg: GRPOConfig, model):
-    """The policy's config without its weights: a given model's own, else config.json (local or hub);
-    None when it cannot be read (loading the model then says why)."""
-    if model is not None and not isinstance(model, str):
-        return getattr(model, "config", None)
-    from transformers import AutoConfig
-
-    from grpo.model.loading import hub_kwargs, resolve_path
-
-    try:
-        return AutoConfig.from_pretrained(
-            resolve_path(cfg.model.load_parameters_path or cfg.model.name_or_path), **hub_kwargs(cfg)
-        )
-    except Exception:  # noqa: BLE001 (offline, gated, unknown architecture: the model load reports it)
-        return None
 
 
 def _policy(cfg: GRPOConfig, model, device: torch.device, compute: torch.dtype):
@@ -321,36 +303,12 @@ def _reference(cfg: GRPOConfig, ref_model, model, policy, device: torch.device, 
 
         return ReferenceWithoutAdapters(policy)
     if ref_model is None or isinstance(ref_model, str):
-        ref = load_reference(cfg, device) if (ref_model or model is None) else _frozen_copy(policy, compute)
+        ref = load_reference(cfg, device) if (ref_model or model is None) else frozen_copy(policy, compute)
     else:
         ref = ref_model.to(device=device, dtype=compute).eval().requires_grad_(False)
     from grpo.distributed.roles import place_reference
 
     return place_reference(ref, cfg.distributed.ref_device, device)
-
-
-def _frozen_copy(policy, dtype: torch.dtype):
-    import copy
-
-    return copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
-
-
-def _model_reward(spec, tokenizer, cfg: GRPOConfig, device):
-    from grpo.rewards.model import reward_from_model
-
-    if not isinstance(spec, str):
-        return reward_from_model(spec, tokenizer)
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    path = resolve_path(spec)
-    kw = {"token": cfg.hf_token(), "trust_remote_code": cfg.model.trust_remote_code}
-    arch = (AutoConfig.from_pretrained(path, **kw).architectures or [""])[0]
-    if arch.endswith("ForSequenceClassification"):
-        model = AutoModelForSequenceClassification.from_pretrained(path, use_safetensors=True, **kw)
-    else:
-        model = load_causal_lm(spec, cfg, device, trainable=False)
-    model.to(device).eval().requires_grad_(False)
-    return reward_from_model(model, prepare_tokenizer(AutoTokenizer.from_pretrained(path, **kw)))
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers' fork warning in DataLoader-free runs

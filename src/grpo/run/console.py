@@ -13,10 +13,31 @@ import logging
 import sys
 from pathlib import Path
 
+FILE_ONLY = {"file_only": True}  # log(..., extra=FILE_ONLY): train.log's copy of what a progress bar shows
+_startup: dict[str, list | None] = {"records": None}
+
+
+def begin_startup_log() -> None:
+    """A trainer starts: keep the console's lines (device roles, threads) until its train.log opens."""
+    _startup["records"] = []
+
+
+def take_startup_log() -> list[logging.LogRecord]:
+    """The lines kept since begin_startup_log(), for the run's train.log; keeping stops."""
+    records, _startup["records"] = _startup["records"] or [], None
+    return records
+
 
 class StderrHandler(logging.StreamHandler):
     def __init__(self) -> None:
         super().__init__(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "file_only", False):
+            return
+        super().emit(record)
+        if _startup["records"] is not None:
+            _startup["records"].append(record)
 
     @property
     def stream(self):
@@ -26,6 +47,33 @@ class StderrHandler(logging.StreamHandler):
     def stream(self, value) -> None:
         # StreamHandler.__init__ and setStream assign the stream; the property always reads it afresh.
         pass
+
+
+# -- how a person resumes: the command line's way, or Python's ------------------------------------------
+_front = {"name": "python"}  # `grpo train` sets "cli": messages then show the command to type
+
+
+def set_front(name: str) -> None:
+    """Which front end is running: "cli" (`grpo train`) or "python" (a GRPOTrainer built in user code)."""
+    _front["name"] = name
+
+
+def from_cli() -> bool:
+    return _front["name"] == "cli"
+
+
+def resume_hint(run_dir: Path | str) -> str:
+    """How to continue the run in `run_dir`, in the words of the front end that started it."""
+    if from_cli():
+        return (
+            f"grpo train --resume --output-dir {run_dir} (the run's own config.yaml; add overrides to "
+            "change it)"
+        )
+    return (
+        "trainer.train(resume_from_checkpoint=True) on a GRPOTrainer built as this one was (the same "
+        f"model, data, rewards and tools; output_dir={str(run_dir)!r}), or GRPOConfig(..., "
+        "resume_from_checkpoint=True)"
+    )
 
 
 # -- what a person reads at the end ---------------------------------------------------------------------
@@ -78,10 +126,29 @@ def sweep_table(runs: list[tuple[dict[str, str], dict[str, float], Path]]) -> st
     keys = [k for k in runs[0][0] if len({r[0].get(k) for r in runs}) > 1] or list(runs[0][0])[:1]
     names = {final_metric(summary)[0] for _, summary, _ in runs}
     metric = names.pop() if len(names) == 1 else "final metric"
-    rows = [[*keys, metric, "run dir"]]
+    # Equal headline numbers (a tiny eval set, a hard task) hide what tells runs apart: then the training
+    # reward and, for agents, how often episodes called a tool are shown beside them.
+    values = [final_metric(summary)[1] for _, summary, _ in runs]
+    tied = len(runs) > 1 and len(set(values)) == 1
+    extra = [
+        (key, label)
+        for key, label in (("reward", "final reward"), ("episode/tool_call_frac", "tool-call rate"))
+        if tied
+        and (key != "reward" or metric != "final reward")  # not the reward twice
+        and any(summary.get(key) is not None for _, summary, _ in runs)
+    ]
+    rows = [[*keys, metric, *(label for _, label in extra), "run dir"]]
     for overrides, summary, run_dir in runs:
         name, value = final_metric(summary)
         shown = "-" if value is None else f"{value:.1%}" if name == "held-out accuracy" else f"{value:.3f}"
-        rows.append([*(str(overrides.get(k, "")) for k in keys), shown, str(run_dir)])
+        more = [
+            "-"
+            if summary.get(key) is None
+            else f"{summary[key]:.1%}"
+            if key == "episode/tool_call_frac"
+            else f"{summary[key]:.3f}"
+            for key, _ in extra
+        ]
+        rows.append([*(str(overrides.get(k, "")) for k in keys), shown, *more, str(run_dir)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)

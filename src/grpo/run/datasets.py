@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from grpo.config import EVAL_HOLDOUT, ConfigError, GRPOConfig
 from grpo.data import load_rows, rows_from_dataset
@@ -16,11 +16,20 @@ from grpo.rewards import resolve_rewards
 log = logging.getLogger("grpo")
 
 
+class RunData(NamedTuple):
+    train_rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+    reward_funcs: list[Callable]
+    # What the data decided (RunSettings.decided): the task's rewards and weights, the evaluation set.
+    decided: dict[str, Any]
+
+
 def load_data_and_rewards(
     cfg: GRPOConfig, train_dataset=None, eval_dataset=None, reward_funcs=None, reward_model=None, token=None
-) -> tuple[list[dict], list[dict], list[Callable]]:
+) -> RunData:
     """Training rows, evaluation rows and the reward functions, checked against each other: every column a
-    reward needs is in the data. Needs no model, so a bad combination stops the run before one loads."""
+    reward needs is in the data. Needs no model, so a bad combination stops the run before one loads.
+    `cfg` is only read: what the data decides comes back in `decided`."""
     source = "train_dataset" if train_dataset is not None else (cfg.data.hf_path or cfg.data.dataset)
     train_rows = (
         rows_from_dataset(train_dataset, cfg.data.skip_invalid_rows)
@@ -43,6 +52,8 @@ def load_data_and_rewards(
         raise ConfigError(clash)
     missing = missing_reward_columns(funcs, columns)
     task = task_of_rows(train_rows)
+    decided: dict[str, Any] = {}
+    eval_spec = cfg.data.eval_dataset
     if missing and task is not None and not chosen:
         # A local copy of a task's data (an IFEval .jsonl) is scored the way the task is.
         log.info(
@@ -53,21 +64,26 @@ def load_data_and_rewards(
             ", ".join(task.reward_funcs),
         )
         funcs = resolve_rewards(list(task.reward_funcs))
-        cfg.algorithm.reward_funcs = list(task.reward_funcs)
-        cfg.algorithm.reward_weights = list(task.reward_weights) if task.reward_weights else None
+        decided["algorithm.reward_funcs"] = list(task.reward_funcs)
+        decided["algorithm.reward_weights"] = list(task.reward_weights) if task.reward_weights else None
         if (
             train_dataset is None
             and "data.eval_dataset" not in cfg.explicit_keys
-            and cfg.data.eval_dataset not in (None, EVAL_HOLDOUT)
+            and eval_spec not in (None, EVAL_HOLDOUT)
         ):
-            cfg.data.eval_dataset = source  # as the task's own preset does: IFEval evaluates on its prompts
+            eval_spec = source  # as the task's own preset does: IFEval evaluates on its prompts
         missing = missing_reward_columns(funcs, columns)
     if missing:
         raise ConfigError(_missing_columns_message(source, missing, columns, has_model))
-    if _holds_out(cfg, train_dataset, eval_dataset, train_rows):
+    eval_spec, holds_out = _holdout_choice(cfg, eval_spec, train_dataset, eval_dataset, train_rows)
+    if eval_spec != cfg.data.eval_dataset:
+        decided["data.eval_dataset"] = eval_spec
+    if holds_out:
         train_rows, held_out = split_holdout(train_rows)
-        return train_rows, _scorable(cfg, held_out, f"the held-out slice of {source}"), funcs
-    return train_rows, _eval_rows(cfg, eval_dataset, token), funcs
+        return RunData(
+            train_rows, _scorable(cfg, held_out, f"the held-out slice of {source}"), funcs, decided
+        )
+    return RunData(train_rows, _eval_rows(cfg, eval_spec, eval_dataset, token), funcs, decided)
 
 
 def _evaluates(cfg: GRPOConfig) -> bool:
@@ -75,18 +91,20 @@ def _evaluates(cfg: GRPOConfig) -> bool:
     return bool(t.eval_before or t.eval_after or t.eval_steps)
 
 
-def _holds_out(cfg: GRPOConfig, train_dataset, eval_dataset, train_rows: list[dict]) -> bool:
-    """Whether evaluation runs on a held-out slice of the training rows: data.eval_dataset = holdout, or a
-    train_dataset object given without an evaluation set while evaluation is on (the built-in default
-    set, tiny_math's problems, would say nothing about it). A slice chosen for the user (not set by them)
-    that cannot be scored (no answer column) turns evaluation off instead, said in the log."""
+def _holdout_choice(
+    cfg: GRPOConfig, spec: str | None, train_dataset, eval_dataset, train_rows: list[dict]
+) -> tuple[str | None, bool]:
+    """(the evaluation set's spec, whether it is a held-out slice of the training rows): data.eval_dataset =
+    holdout, or a train_dataset object given without an evaluation set while evaluation is on (the built-in
+    default set, tiny_math's problems, would say nothing about it). A slice chosen for the user (not set by
+    them) that cannot be scored (no answer column) turns evaluation off instead, said in the log."""
     if eval_dataset is not None or not _evaluates(cfg):
-        return False
+        return spec, False
     chosen = "data.eval_dataset" in cfg.explicit_keys
-    if train_dataset is not None and not chosen and cfg.data.eval_dataset:
-        cfg.data.eval_dataset = EVAL_HOLDOUT
-    if cfg.data.eval_dataset != EVAL_HOLDOUT:
-        return False
+    if train_dataset is not None and not chosen and spec:
+        spec = EVAL_HOLDOUT
+    if spec != EVAL_HOLDOUT:
+        return spec, False
     try:
         scorer_for_rows(train_rows)
     except ValueError as e:
@@ -97,9 +115,8 @@ def _holds_out(cfg: GRPOConfig, train_dataset, eval_dataset, train_rows: list[di
             "data.eval_dataset to an evaluation set to have one.",
             e,
         )
-        cfg.data.eval_dataset = None
-        return False
-    return True
+        return None, False
+    return spec, True
 
 
 def eval_set_name(cfg: GRPOConfig, train_source: str) -> str:
@@ -159,8 +176,7 @@ def planned_steps(cfg: GRPOConfig, num_rows: int) -> int:
     return steps
 
 
-def _eval_rows(cfg: GRPOConfig, eval_dataset, token) -> list[dict[str, Any]]:
-    spec = cfg.data.eval_dataset
+def _eval_rows(cfg: GRPOConfig, spec: str | None, eval_dataset, token) -> list[dict[str, Any]]:
     if eval_dataset is not None:
         return _scorable(cfg, rows_from_dataset(eval_dataset, split="test"), "eval_dataset")
     if not spec or not _evaluates(cfg):

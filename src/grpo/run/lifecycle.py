@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from grpo.config import GRPOConfig
+from grpo.config import ConfigError, GRPOConfig
 from grpo.data import PromptStream
 from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
 from grpo.distributed.runtime import Runtime
@@ -34,6 +36,8 @@ from grpo.run.checkpoint import (
     seed_everything,
     set_rng_state,
 )
+from grpo.run.console import result_line, resume_hint
+from grpo.run.preflight import plan_resume
 
 log = logging.getLogger("grpo")
 
@@ -43,6 +47,17 @@ SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # train.sa
 class TrainingHalted(RuntimeError):
     """Training stopped itself (after saving a checkpoint) because it could not go on; the message says
     why."""
+
+
+class TrainingStopped(KeyboardInterrupt):
+    """A stop signal (Ctrl-C, SIGTERM) ended train() early, after saving a checkpoint: raised as TRL's
+    trainer lets KeyboardInterrupt through, so the code after `trainer.train()` (save, evaluate, push) does
+    not run as if training had finished. `signal`, `step`, `checkpoint` say where it stopped; `summary` is
+    what train() would have returned."""
+
+    def __init__(self, message: str, signal: int, step: int, checkpoint: Path, summary: dict[str, float]):
+        super().__init__(message)
+        self.signal, self.step, self.checkpoint, self.summary = signal, step, checkpoint, summary
 
 
 class StopRequests:
@@ -106,10 +121,91 @@ def running(
             close()
 
 
+def plan_train(cfg: GRPOConfig, parts: RunParts, rt: Runtime, resume_from_checkpoint, first: bool) -> None:
+    """TRL's `trainer.train(resume_from_checkpoint=True | "path")`: the checkpoint to continue from, chosen
+    (and its settings compared) now. Without it, the first train() of a Python run refuses a directory
+    that already holds a run's checkpoints, saying how to continue it (the CLI refused at start-up)."""
+    if parts.episodes.multi_turn:
+        log_episode_lengths(cfg)
+        warn_untaught_tools(cfg, parts.episodes)
+    if resume_from_checkpoint not in (None, False):
+        cfg.train.resume = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+        found = plan_resume(cfg, parts.run_dir, clean_up=rt.is_main)
+        parts.resume_from = None if found is None else Path(os.path.abspath(found))
+        return
+    existing = list_checkpoints(parts.run_dir)
+    if first and parts.resume_from is None and not cfg.train.resume and existing:
+        raise ConfigError(
+            f"{parts.run_dir} already holds a run ({', '.join(p.name for _, p in existing[-3:])}). "
+            "Continue it with trainer.train(resume_from_checkpoint=True) (or GRPOConfig(..., "
+            "resume_from_checkpoint=True)), or pass another output_dir to start afresh."
+        )
+
+
+BUNDLED_TOOL_MODEL = "tiny-tools-lm"
+TAUGHT_TOOL = {"name": "calculator", "parameters": ["expression"]}  # all tiny-tools-lm was shown calling
+
+
+def warn_untaught_tools(cfg: GRPOConfig, episodes) -> None:
+    """The bundled tool model only ever calls calculator(expression): given other tools it calls that one
+    anyway, every call fails as an unknown tool and nothing is learned. Say so before the first step, with
+    the change that makes the user's own tool work with it."""
+    from grpo.model.loading import bundled_model_path
+
+    name = cfg.model.name_or_path
+    if name != BUNDLED_TOOL_MODEL and os.path.abspath(name) != bundled_model_path(BUNDLED_TOOL_MODEL):
+        return
+    factory = getattr(episodes, "factory", None)
+    schemas = list(getattr(factory, "fixed_schemas", None) or [])
+    for more in getattr(factory, "_schemas", {}).values():  # an environment's methods
+        schemas += more
+    tools = {
+        s["function"]["name"]: list(s["function"].get("parameters", {}).get("properties", {}))
+        for s in schemas
+    }
+    if tools == {TAUGHT_TOOL["name"]: TAUGHT_TOOL["parameters"]}:
+        return
+    shown = ", ".join(f"{n}({', '.join(args)})" for n, args in tools.items()) or "none"
+    one_text_argument = [n for n, args in tools.items() if args == ["expression"]]
+    change = (
+        f"{one_text_argument[0]}.__name__ = 'calculator' before passing tools=[{one_text_argument[0]}]"
+        if one_text_argument
+        else "def calculator(expression: str) -> str, with a docstring, that parses the expression and calls "
+        "your tool, passed as tools=[calculator]"
+    )
+    log.warning(
+        "%s (the bundled tool model) was only ever shown calling calculator(expression); it will call "
+        "that, not your tools (%s): each call gets 'unknown tool', rewards stay flat and the weights barely "
+        "move. To try your own tool with it, expose it under that name and argument: %s (docs/agents.md). "
+        "Any chat model trained on tool calls (Qwen2.5-Instruct) calls the tools its prompt lists.",
+        BUNDLED_TOOL_MODEL,
+        shown,
+        change,
+    )
+
+
+def log_episode_lengths(cfg: GRPOConfig) -> None:
+    """Multi-turn: the completion cap is per assistant turn, not per episode (in TRL, max_completion_length
+    caps the whole episode), so say both numbers in the user's words."""
+    name = cfg.name_of("generation.max_new_tokens")
+    trl = " (in TRL it caps the whole episode: set env.max_tokens to the same number for that)"
+    how = "env.max_tokens" if cfg.env.max_tokens else f"env.max_turns {cfg.env.max_turns} × {name}"
+    log.info(
+        "Lengths: %s = %d tokens per assistant turn%s; an episode holds up to %d tokens after its prompt "
+        "(%s), sampled and injected together.",
+        name,
+        cfg.effective_max_new_tokens,
+        trl if name == "max_completion_length" else "",
+        cfg.episode_max_tokens,
+        how,
+    )
+
+
 def resume(cfg: GRPOConfig, parts: RunParts, rt: Runtime, learner, stream: PromptStream) -> tuple[int, int]:
     """Load the checkpoint preflight chose (weights, learner, data position, RNG), or seed a fresh run.
     Returns (the step to continue after, non-finite steps so far)."""
     path = parts.resume_from  # verified, settings compared: preflight.plan_resume
+    parts.clock = (time.perf_counter(), 0.0)  # (this piece's start, seconds of the pieces before it)
     if path is None:
         if cfg.train.resume:
             log.info("No checkpoint in %s yet; starting from step 0.", parts.run_dir)
@@ -117,12 +213,21 @@ def resume(cfg: GRPOConfig, parts: RunParts, rt: Runtime, learner, stream: Promp
         rt.seed(cfg.train.seed)  # several processes: different sampling noise per rank
         return 0, 0
     state = load_training_state(path)
-    load_policy_weights(rt, path, parts.policy, state)
-    learner.load_state_dict(state["learner"])
+    try:
+        load_policy_weights(rt, path, parts.policy, state)
+        learner.load_state_dict(state["learner"])
+    except (RuntimeError, ValueError, KeyError) as err:  # shapes, names or optimizer groups that differ
+        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"{path} holds the weights of a different model than {cfg.model.name_or_path} ({detail}). "
+            "train.allow_config_change lets settings change, not the model's architecture: resume with the "
+            "model it was trained from, or start afresh in another --output-dir."
+        ) from None
     learner.nonfinite_in_a_row = state["nonfinite_in_a_row"]
     stream.load_state_dict(state["data"], strict=not cfg.train.allow_config_change)
     rngs = state["rng"]
     set_rng_state(rngs[rt.rank] if isinstance(rngs, list) else rngs)
+    parts.clock = (parts.clock[0], float(state.get("elapsed_s", 0.0)))
     log.info("Resumed from %s (step %d).", path, state["step"])
     return state["step"], state["nonfinite_total"]
 
@@ -140,7 +245,46 @@ def training_state(rt: Runtime, step: int, learner, data_state: dict, nonfinite_
     }
 
 
+def run_seconds(parts: RunParts) -> float:
+    """Seconds the run has trained, over every piece a resume joined (checkpoints carry the sum)."""
+    started, before = getattr(parts, "clock", (time.perf_counter(), 0.0))  # set by resume()
+    return before + time.perf_counter() - started
+
+
+def closing_line(
+    parts: RunParts, summary: dict[str, float], first_reward: float | None, page: Path | None
+) -> str:
+    """The result line of the whole run: after a resume, 'before →' and the first reward come from the
+    earlier pieces' metrics.jsonl, and the time is every piece's."""
+    whole = dict(summary)
+    if parts.resume_from is not None:
+        earlier = _logged(parts.run_dir)
+        before = next((r["eval/accuracy_before"] for r in earlier if "eval/accuracy_before" in r), None)
+        if before is not None:
+            whole.setdefault("eval/accuracy_before", before)
+        first_reward = next((r["reward"] for r in earlier if "reward" in r), first_reward)
+    return result_line(whole, first_reward, run_seconds(parts), parts.run_dir / "final_model", page)
+
+
+def _logged(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's lines in order (a line cut short by a kill is skipped)."""
+    rows = []
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def save_checkpoint(cfg: GRPOConfig, parts: RunParts, rt: Runtime, step: int, state: dict) -> Path:
+    state = {**state, "elapsed_s": run_seconds(parts)}
     path = save_policy_dir(
         rt, parts.run_dir / f"checkpoint-{step}", parts.policy, parts.tokenizer, cfg.to_yaml(), state
     )
@@ -155,36 +299,40 @@ def save_final(cfg: GRPOConfig, parts: RunParts, rt: Runtime, state: Callable[[]
     (train.save_dtype), which no longer holds the float32 masters."""
     merged = cfg.lora.enabled and cfg.lora.save_merged
     export = SAVE_DTYPES.get(cfg.train.save_dtype)
+    timed = lambda: {**state(), "elapsed_s": run_seconds(parts)}  # noqa: E731
     save_policy_dir(
         rt,
         parts.run_dir / "final_model",
         parts.policy,
         parts.tokenizer,
         cfg.to_yaml(),
-        None if merged or export else state(),
+        None if merged or export else timed(),
         merge_lora=cfg.lora.save_merged,
         dtype=export,
     )
 
 
 def stopped_early(
-    run_dir: Path, step: int, total_steps: int, stop_signal: int | None, where: Path, nonfinite: int
+    run_dir: Path,
+    step: int,
+    total_steps: int,
+    stop_signal: int | None,
+    where: Path,
+    nonfinite: int,
+    summary: dict[str, float] | None = None,
 ):
-    """After the checkpoint of a run that stopped before its last step: raise (non-finite steps) or warn
-    (a signal)."""
-    how = (
-        f"Resume it with: grpo train --resume --output-dir {run_dir} (the run's own config.yaml; add "
-        "overrides to change it)."
-    )
+    """After the checkpoint of a run that stopped before its last step: raise TrainingHalted (non-finite
+    steps) or, after a warning saying how to resume, TrainingStopped (a signal)."""
+    how = f"Resume it with: {resume_hint(run_dir)}."
     if stop_signal is None:
         raise TrainingHalted(
             f"{nonfinite} steps in a row had a non-finite loss or gradient (last: step {step}); stopped with "
             f"checkpoint {where}. Lower optim.learning_rate, check the reward functions for NaN/inf, or "
             f"raise train.stop_after_nonfinite_steps. {how}"
         )
-    log.warning(
-        "Stopped at step %d of %d (signal %d); checkpoint %s. %s", step, total_steps, stop_signal, where, how
-    )
+    message = f"Stopped at step {step} of {total_steps} (signal {stop_signal}); checkpoint {where}. {how}"
+    log.warning("%s", message)
+    raise TrainingStopped(message, stop_signal, step, where, summary or {})
 
 
 def between_steps(
@@ -272,8 +420,7 @@ class Progress:
 def explain_failure(run_dir: Path, rank: int, step: int, error: Exception) -> None:
     found = list_checkpoints(run_dir)
     where = (
-        f"the latest checkpoint is {found[-1][1]}; resume with: grpo train --resume --output-dir {run_dir} "
-        "(the run's own config.yaml)"
+        f"the latest checkpoint is {found[-1][1]}; resume with: {resume_hint(run_dir)}"
         if found
         else "no checkpoint was saved yet"
     )

@@ -28,6 +28,7 @@ from grpo.files import append_text, open_append, own_dir, refuse_link, write_tex
 from grpo.records import Rollouts, ScoredRollouts
 from grpo.redact import argv_redacted
 from grpo.run.checkpoint import CheckpointError
+from grpo.run.console import FILE_ONLY
 
 log = logging.getLogger("grpo")
 
@@ -127,8 +128,8 @@ class MetricsLogger:
                     self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
-        if console:
-            log.info("step %d | %s", step, format_metrics(clean))
+        # train.log always has the step's line; the console has it unless a progress bar stands for it
+        log.info("step %d | %s", step, format_metrics(clean), extra=None if console else FILE_ONLY)
 
     def log_samples(self, step: int, records: list[dict[str, Any]]) -> None:
         """Append sample completions (with rewards and advantages) to samples.jsonl, for the report."""
@@ -153,7 +154,7 @@ def keep_until_step(path: Path, step: int) -> None:
     refuse_link(path)
     if not path.is_file():
         return
-    kept, unreadable = [], 0
+    kept, unreadable, logged_steps = [], 0, 0
     for raw in path.read_bytes().splitlines():
         try:
             line = raw.decode("utf-8")
@@ -165,6 +166,7 @@ def keep_until_step(path: Path, step: int) -> None:
             continue
         if step and logged <= step:
             kept.append(line + "\n")
+        logged_steps += 1
     if unreadable and step:
         log.warning(
             "%s: dropped %d line(s) that were not JSON objects with a step number (cut short by a "
@@ -172,7 +174,27 @@ def keep_until_step(path: Path, step: int) -> None:
             path,
             unreadable,
         )
+    if not step and logged_steps:
+        _set_aside(path, logged_steps)
+        return
     write_text(path, "".join(kept))
+
+
+def _set_aside(path: Path, lines: int) -> None:
+    """A fresh start where a run was killed before its first checkpoint (nothing to resume): its log is
+    kept under a new name, never emptied."""
+    n = 1
+    while (aside := path.with_name(f"{path.stem}.before-{n}{path.suffix}")).exists() or aside.is_symlink():
+        n += 1
+    path.rename(aside)
+    log.warning(
+        "%s held %d line(s) of an earlier run with no checkpoint to resume; kept as %s, and this run "
+        "starts a new %s.",
+        path,
+        lines,
+        aside.name,
+        path.name,
+    )
 
 
 def format_metrics(metrics: dict[str, Any], keys: tuple[str, ...] = CONSOLE_KEYS) -> str:

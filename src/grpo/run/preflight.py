@@ -22,6 +22,7 @@ from grpo.run.checkpoint import (
     read_saved_config,
     remove_partial_saves,
 )
+from grpo.run.console import from_cli
 
 log = logging.getLogger("grpo")
 
@@ -189,7 +190,7 @@ def plan_resume(cfg: GRPOConfig, run_dir: Path, clean_up: bool = True) -> Path |
         log.info("Removed %s, left by a save that was interrupted.", ", ".join(removed))
     if not cfg.train.resume:
         existing = list_checkpoints(run_dir)
-        if existing:
+        if existing and from_cli():  # Python asks at train(): trainer.train(resume_from_checkpoint=...)
             raise ConfigError(
                 f"{run_dir} already holds a run ({', '.join(p.name for _, p in existing[-3:])}). "
                 "Pass --resume latest to continue it, or another --output-dir to start afresh."

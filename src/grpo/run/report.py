@@ -130,7 +130,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
             continue
         fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
         for label, steps, values in drawn:
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=_plain(label))
         if panel.file == "accuracy.png":
             _mark_eval_phases(ax, rows)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -148,6 +148,13 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     page = out_dir / "index.html"
     write_text(page, _html(run_dir, out_dir, rows, figures))
     return page
+
+
+def _plain(label: str) -> str:
+    """A metric name as matplotlib shows it literally: a `$` pair would be parsed as mathtext (and raise on
+    `reward/$\\frac$`); a leading `_` hides a legend entry."""
+    label = label.replace("$", r"\$")
+    return f" {label}" if label.startswith("_") else label
 
 
 def _mark_eval_phases(ax, rows: list[dict[str, Any]]) -> None:
@@ -180,6 +187,7 @@ def _summary(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple[str, str]]
         ("dataset", trained_on),
         ("evaluation set", _eval_set(data.get("eval_dataset"), trained_on, rows)),
         ("rewards", ", ".join(map(str, section_of("algorithm").get("reward_funcs") or [])) or "?"),
+        *[(name, str(value)) for name, value in _agent_parts(section_of("env"))],
         (
             "prompts × generations",
             f"{get('train', 'prompts_per_step')} × {get('generation', 'num_generations')}",
@@ -204,6 +212,13 @@ def _summary(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple[str, str]]
         if isinstance(last.get(key), int | float):
             items.append((f"last {key}", f"{last[key]:.4g}"))
     return items
+
+
+def _agent_parts(env: dict) -> list[tuple[str, str]]:
+    """The tools and environment episodes ran with, when there were any (a one-turn run shows neither)."""
+    tools = env.get("tools") or []
+    shown = [("tools", ", ".join(map(str, tools)))] if tools else []
+    return shown + ([("environment", env["environment"])] if env.get("environment") else [])
 
 
 def _completion_html(sample: dict) -> str:

@@ -12,17 +12,23 @@ from pathlib import Path
 from grpo.config import ConfigError, GRPOConfig
 from grpo.files import LogFileHandler, open_fd, write_text
 from grpo.redact import RedactingFilter
-from grpo.run.console import StderrHandler
+from grpo.run.console import StderrHandler, take_startup_log
 from grpo.run.runlock import LOCK_FILE
 
 
+def decide_run_name(cfg: GRPOConfig) -> str | None:
+    """train.run_name, a timestamp when unset; None when train.output_dir names the directory itself."""
+    if cfg.train.output_dir:
+        return None
+    return cfg.train.run_name or datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
 def run_dir_of(cfg: GRPOConfig) -> Path:
-    """train.output_dir, else base_output_directory/run_name (run_name: a timestamp unless given)."""
+    """train.output_dir, else base_output_directory/run_name (a config whose run name is decided)."""
     t = cfg.train
     if t.output_dir:
         return Path(t.output_dir)
-    t.run_name = t.run_name or datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    return Path(t.base_output_directory) / t.run_name
+    return Path(t.base_output_directory) / (t.run_name or decide_run_name(cfg))
 
 
 def make_run_dir(cfg: GRPOConfig) -> Path:
@@ -120,6 +126,8 @@ def setup_logging(run_dir: Path | None = None) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         handler.addFilter(RedactingFilter())
         logger.addHandler(handler)
+        for record in take_startup_log():  # what the console showed before the run directory was known
+            handler.handle(record)
 
 
 STARTUP_FILES = frozenset({RUN_CONFIG, "train.log", LOCK_FILE})  # all a start writes before training

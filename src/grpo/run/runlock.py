@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import functools
 import json
+import logging
 import os
 import socket
 import sys
@@ -30,9 +31,13 @@ from pathlib import Path
 from grpo.config import ConfigError
 from grpo.files import open_fd
 from grpo.redact import redact_argv
+from grpo.run.console import resume_hint
 
 LOCK_FILE = "run.lock"
 _held_fds: set[int] = set()  # every lock this process holds, closed in forked children
+_holders: dict[str, RunLock] = {}  # lock file (real path) -> the RunLock of this process that holds it
+
+log = logging.getLogger("grpo")
 
 
 def _drop_inherited_locks() -> None:
@@ -46,11 +51,17 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class RunLock:
-    """`acquire()` takes the lock (or raises ConfigError naming the holder); `release()` lets it go."""
+    """`acquire()` takes the lock (or raises ConfigError naming the holder); `release()` lets it go.
 
-    def __init__(self, run_dir: Path):
+    The lock keeps other processes out. Within one process it passes to the trainer that asks last (a
+    notebook cell that builds a GRPOTrainer again over the same output_dir, the old one still referenced),
+    unless the holder is `busy` (its train() is running, on another thread)."""
+
+    def __init__(self, run_dir: Path, shared_in_process: bool = False):
         self.path = Path(run_dir) / LOCK_FILE
         self._fd: int | None = None
+        self.busy = False  # set while the holder's train() runs (holding_run_lock)
+        self.shared_in_process = shared_in_process  # a trainer's lock: another trainer here may take it
 
     @property
     def held(self) -> bool:
@@ -59,23 +70,28 @@ class RunLock:
     def acquire(self) -> RunLock:
         if self._fd is not None:
             return self
+        self._take_over()
         fd = open_fd(self.path, os.O_RDWR | os.O_CREAT)  # a planted link is refused, its target untouched
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder, pid = _describe(self.path, fd)
             os.close(fd)
+            stop = (
+                f" (or stop it: kill {pid or 'PID'}, which saves a checkpoint)" if pid != os.getpid() else ""
+            )  # never advice to kill the process that reads it
             raise ConfigError(
                 f"{self.path.parent} is in use by another grpo run ({holder}); two runs writing one "
-                "directory would overwrite each other's checkpoints and logs. Wait for it to finish (or stop "
-                f"it: kill {pid or 'PID'}, which saves a checkpoint), then --resume latest "
-                "continues it; or pass another --output-dir."
+                f"directory would overwrite each other's checkpoints and logs. Wait for it to finish{stop}, "
+                f"then resume it ({resume_hint(self.path.parent)}); or pass another output directory."
             ) from None
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
         _held_fds.add(fd)
+        self._key = os.path.realpath(self.path)
+        _holders[self._key] = self
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -86,9 +102,27 @@ class RunLock:
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         return self
 
+    def _take_over(self) -> None:
+        """From another trainer of this process that holds this run directory, unless it is training."""
+        other = _holders.get(os.path.realpath(self.path))
+        if other is None or other is self or other._fd is None:
+            return
+        if not (self.shared_in_process and other.shared_in_process):
+            return  # not two trainers' locks: refused below like another process's
+        if other.busy:
+            raise ConfigError(
+                f"{self.path.parent} is in use by another GRPOTrainer of this process, whose train() is "
+                "running (on another thread). Wait for it to return, or pass another output_dir."
+            )
+        other.release()
+        log.info("%s: taken over from an earlier GRPOTrainer of this process.", self.path.parent)
+
     def release(self) -> None:
         if self._fd is not None:
-            _held_fds.discard(self._fd)
+            if _holders is not None and _holders.get(self._key) is self:  # None: interpreter shutdown
+                del _holders[self._key]
+            if _held_fds is not None:
+                _held_fds.discard(self._fd)
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
@@ -112,7 +146,7 @@ def lock_run_dir(run_dir: Path, rt=None) -> RunLock | NoLock:
     """Rank 0 (or the only process) locks `run_dir`; with several processes every rank raises the same
     ConfigError when rank 0 could not, so none of them goes on alone."""
     is_main = rt is None or rt.is_main
-    lock: RunLock | NoLock = RunLock(run_dir) if is_main else NoLock()
+    lock: RunLock | NoLock = RunLock(run_dir, shared_in_process=True) if is_main else NoLock()
     error = None
     try:
         lock.acquire()
@@ -136,9 +170,11 @@ def holding_run_lock(method):
     def wrapper(self, *args, **kwargs):
         lock = self.parts.lock
         lock.acquire()
+        lock.busy = True
         try:
             return method(self, *args, **kwargs)
         finally:
+            lock.busy = False
             lock.release()
 
     return wrapper

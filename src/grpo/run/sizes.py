@@ -3,8 +3,10 @@
 Two checks, each stopping with the numbers:
 - context: the longest prompt plus the longest completion must fit the model's positions
   (`max_position_embeddings`); a model asked for positions it does not have trains on garbage silently.
-  The caps (data.max_prompt_length + max_new_tokens) are compared first; when they exceed the context
-  the prompts themselves are measured, so a generous cap over short prompts still runs.
+  The caps (data.max_prompt_length + the completion limit) are compared first; when they exceed the
+  context the prompts themselves are measured, so a generous cap over short prompts still runs.
+  The completion limit is RunSettings.completion_limit: for a multi-turn run the whole episode's
+  (env.max_tokens, else env.max_turns × max_new_tokens), not one turn's.
 - memory: one step's records (ids, masks, log-probs, advantages: about BYTES_PER_POSITION per token
   position of every completion) and one generation batch's KV cache and logits must fit in the memory
   the machine has free now. This is a floor, not a forecast (activations come on top): it catches the
@@ -16,7 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from grpo.config import ConfigError, GRPOConfig
+from grpo.config import ConfigError
+from grpo.config.settings import RunSettings
 from grpo.model.memory import available_bytes
 
 log = logging.getLogger("grpo")
@@ -25,7 +28,13 @@ log = logging.getLogger("grpo")
 # log-probs, per-token advantages: 2·8 + 5·4 = 36 bytes, rounded up for the copies a step makes.
 BYTES_PER_POSITION = 48
 _LENGTH_KEYS = frozenset(
-    {"generation.max_new_tokens", "generation.max_total_length", "data.max_prompt_length"}
+    {
+        "generation.max_new_tokens",
+        "generation.max_total_length",
+        "data.max_prompt_length",
+        "env.max_turns",
+        "env.max_tokens",
+    }
 )
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
@@ -39,27 +48,51 @@ def model_context(model_config: Any) -> int | None:
     return None
 
 
-def check_context(cfg: GRPOConfig, model_config: Any, longest_prompt: callable) -> None:
+def _completion_words(settings: RunSettings) -> str:
+    """The completion limit and where it comes from, for messages."""
+    cfg, n = settings.config, settings.completion_limit
+    cap = cfg.name_of("generation.max_new_tokens")  # max_completion_length in a TRL-style config
+    if not settings.multi_turn:
+        return f"{cap} ({n})"
+    if cfg.env.max_tokens:
+        return f"the episode's env.max_tokens ({n})"
+    turns = f"{cfg.env.max_turns} × {settings.turn_limit} = {n}"
+    return f"the episode's env.max_turns × {cap} ({turns})"
+
+
+def _shorter_completions(settings: RunSettings, room: int) -> str:
+    """How to bring the completion limit down to `room` tokens."""
+    cfg = settings.config
+    cap = cfg.name_of("generation.max_new_tokens")
+    if not settings.multi_turn:
+        return f"Lower {cap} to {room} or less"
+    fewer = f"env.max_turns × {cap} (now {cfg.env.max_turns} × {settings.turn_limit})"
+    return (
+        f"Set env.max_tokens to {room} or less (an episode's sampled and injected tokens), or lower {fewer}"
+    )
+
+
+def check_context(settings: RunSettings, model_config: Any, longest_prompt: callable) -> None:
     """Raise when prompt + completion can exceed the model's positions. `longest_prompt()` measures the
     data (called only when the caps alone do not fit)."""
     context = model_context(model_config)
     if context is None:
         return
-    completion = cfg.effective_max_new_tokens
+    cfg, completion = settings.config, settings.completion_limit
     if cfg.data.max_prompt_length + completion <= context:
         return
     longest = min(longest_prompt(), cfg.data.max_prompt_length)
     if longest + completion <= context:
         log.info(
-            "data.max_prompt_length (%d) + max_new_tokens (%d) exceed the model's %d positions, but the "
-            "longest prompt has %d tokens, so every completion fits.",
+            "data.max_prompt_length (%d) + %s exceed the model's %d positions, but the longest prompt has %d "
+            "tokens, so every completion fits.",
             cfg.data.max_prompt_length,
-            completion,
+            _completion_words(settings),
             context,
             longest,
         )
         return
-    if longest < context and not (cfg.explicit_keys & _LENGTH_KEYS):
+    if longest < context and not (cfg.explicit_keys & _LENGTH_KEYS) and not settings.multi_turn:
         # Only the defaults overflow (the seed's max_new_tokens=256 on a 256-position model): say so, as a
         # run that set none of these could not know; a completion that reaches the cap is the rare case.
         log.warning(
@@ -81,17 +114,18 @@ def check_context(cfg: GRPOConfig, model_config: Any, longest_prompt: callable) 
         else ""
     )
     raise ConfigError(
-        f"The longest prompt ({longest} tokens) plus generation.max_new_tokens ({completion}) is "
-        f"{longest + completion} positions, but the model has {context} (max_position_embeddings). Lower "
-        f"generation.max_new_tokens to {max(context - longest, 1)} or less{shorter_prompts}, or use a model "
+        f"The longest prompt ({longest} tokens) plus {_completion_words(settings)} is "
+        f"{longest + completion} positions, but the model has {context} (max_position_embeddings). "
+        f"{_shorter_completions(settings, max(context - longest, 1))}{shorter_prompts}, or use a model "
         "with a longer context."
     )
 
 
-def step_bytes(cfg: GRPOConfig, model_config: Any, dtype_bytes: int) -> tuple[int, int]:
+def step_bytes(settings: RunSettings, model_config: Any, dtype_bytes: int) -> tuple[int, int]:
     """(bytes of one step's records, bytes of one generation batch's KV cache and logits)."""
+    cfg = settings.config
     n = cfg.completions_per_step
-    positions = cfg.data.max_prompt_length + cfg.effective_max_new_tokens
+    positions = cfg.data.max_prompt_length + settings.completion_limit
     records = n * positions * BYTES_PER_POSITION
     layers = getattr(model_config, "num_hidden_layers", 0) or 0
     heads = getattr(model_config, "num_attention_heads", 0) or 0
@@ -106,14 +140,15 @@ def step_bytes(cfg: GRPOConfig, model_config: Any, dtype_bytes: int) -> tuple[in
 
 
 def check_memory(
-    cfg: GRPOConfig, model_config: Any, dtype_bytes: int, device_memory: int | None = None
+    settings: RunSettings, model_config: Any, dtype_bytes: int, device_memory: int | None = None
 ) -> None:
     """Raise when one step's records (host memory) plus one generation batch (host memory, or the GPU's
     `device_memory` when the model runs on one) cannot fit."""
     free = available_bytes()
     if free is None:
         return
-    records, generation = step_bytes(cfg, model_config, dtype_bytes)
+    cfg = settings.config
+    records, generation = step_bytes(settings, model_config, dtype_bytes)
     on_host = records + (generation if device_memory is None else 0)
     if on_host <= free and (device_memory is None or generation <= device_memory):
         return
@@ -127,7 +162,7 @@ def check_memory(
     raise ConfigError(
         f"One step of train.prompts_per_step × generation.num_generations = {cfg.train.prompts_per_step} × "
         f"{cfg.generation.num_generations} = {n:,} completions of up to {cfg.data.max_prompt_length} + "
-        f"{cfg.effective_max_new_tokens} tokens needs at least {records / gib:,.1f} GiB for its records and "
+        f"{settings.completion_limit} tokens needs at least {records / gib:,.1f} GiB for its records and "
         f"{generation / gib:,.1f} GiB to generate (KV cache and logits of {batch:,} completions at once), "
         f"before any activation; {free / gib:,.1f} GiB {where}. Lower "
         "train.prompts_per_step or generation.num_generations (or generation.batch_size, which generates "

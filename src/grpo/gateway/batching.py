@@ -1,0 +1,186 @@
+"""The calls of all live episodes, batched into the engine by one thread.
+
+Requests queue while the engine decodes; when a batch ends, every request that arrived meanwhile goes into
+the next one (never one request at a time). The thread starts a batch as soon as every live session has a
+request waiting, else once no new request came for a while: `window_s`, or a quarter of the last engine
+call if longer (a batch split in two decodes twice, while a straggler costs only its own delay); at most
+`max_wait_s` after the first request. An episode that has not called yet is always waited for (up to
+`max_wait_s`): an agent's first act is to call the model. An agent running its tools joins the next batch.
+
+An engine whose `generate` / `continue_rows` take `on_step` (the native one) reports each decode step's
+tokens, which the waiting requests stream as they are sampled; another engine's arrive when its call ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from grpo.records import SamplingParams
+
+log = logging.getLogger("grpo")
+
+
+@dataclasses.dataclass
+class Job:
+    """One request's sampling: continue `ids` by at most `max_new` tokens. Its `events` queue receives
+    ("token", id) as tokens are sampled (streamed jobs only: a thread woken per token costs the decode
+    time), then ("done", ids, logprobs, truncated) or ("error", exception)."""
+
+    ids: list[int]
+    max_new: int
+    stream: bool = False  # the client streams: it gets each token as it is sampled
+    events: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+    cancelled: bool = False
+
+
+class Batcher:
+    def __init__(
+        self,
+        engine,
+        sampling: SamplingParams,
+        live: Callable[[], tuple[int, int]],
+        window_s: float = 0.2,
+        max_wait_s: float = 5.0,
+    ):
+        self.engine, self.sampling, self.live = engine, sampling, live
+        self.window_s, self.max_wait_s = window_s, max(window_s, max_wait_s)
+        self._last_call_s = 0.0
+        self._pending: list[Job] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self.batches: list[int] = []  # rows per engine call, since the last metrics()
+        self.engine_s = 0.0  # seconds in engine calls, since the last metrics()
+        self._thread = threading.Thread(target=self._loop, name="grpo-gateway-batcher", daemon=True)
+        self._thread.start()
+
+    def use(self, engine, sampling: SamplingParams) -> None:
+        """The engine and run sampling of the next calls (a step, or an evaluation with greedy sampling)."""
+        with self._cond:
+            self.engine, self.sampling = engine, sampling
+
+    def submit(self, job: Job) -> Job:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the gateway is closed")
+            self._pending.append(job)
+            self._cond.notify_all()
+        return job
+
+    def wake(self) -> None:
+        """A session ended: the batch waiting for it may start now."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    def _take(self) -> list[Job] | None:
+        with self._cond:
+            while not self._pending and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                for job in self._pending:
+                    job.events.put(("error", RuntimeError("the gateway closed")))
+                return None
+            # Wait while requests keep coming (each arrival restarts the window), at most max_wait_s.
+            start = time.monotonic()
+            seen, last = len(self._pending), start
+            while not self._closed:
+                live, fresh = self.live()
+                if len(self._pending) >= live:
+                    break
+                now = time.monotonic()
+                if len(self._pending) > seen:
+                    seen, last = len(self._pending), now
+                window = max(self.window_s, self._last_call_s / 4)
+                until = start + self.max_wait_s  # an episode yet to call: it will, wait for it
+                left = (until if fresh else min(until, last + window)) - now
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            jobs = [j for j in self._pending if not j.cancelled]
+            self._pending = []
+            return jobs
+
+    def _loop(self) -> None:
+        while (jobs := self._take()) is not None:
+            if jobs:
+                self._run(jobs)
+
+    def _run(self, jobs: list[Job]) -> None:
+        with self._cond:
+            engine, sampling = self.engine, self.sampling
+        sampling = dataclasses.replace(sampling, max_new_tokens=max(j.max_new for j in jobs))
+        self.batches.append(len(jobs))
+        started = time.perf_counter()
+        prompts, n, order = shared_prompts([j.ids for j in jobs])  # order[output row] = job index
+
+        def on_step(rows: list[int], tokens: list[int]) -> None:
+            for r, t in zip(rows, tokens, strict=True):
+                if (job := jobs[order[r]]).stream:
+                    job.events.put(("token", t))
+
+        streamed = any(j.stream for j in jobs)
+
+        try:
+            if n > 1:  # a group's first calls: the engine's shared-prompt path (one prefill per prompt)
+                call, args = engine.generate, (prompts, n, sampling)
+            else:
+                call, args = engine.continue_rows, ([j.ids for j in jobs], sampling)
+            with torch.no_grad():  # grad mode is per thread: the step's no_grad does not reach this one
+                out = call(*args, on_step=on_step) if streamed and takes_on_step(call) else call(*args)
+        except Exception as err:  # noqa: BLE001 - every waiting request gets the error; the server stays up
+            log.warning("The gateway's engine call failed: %s: %s", type(err).__name__, err)
+            for job in jobs:
+                job.events.put(("error", err))
+            return
+        self._last_call_s = time.perf_counter() - started
+        log.debug("Gateway: %d requests in one engine call (%.2f s).", len(jobs), self._last_call_s)
+        self.engine_s += self._last_call_s
+        lengths = out.completion_mask.sum(-1).long().tolist()
+        for r, k in enumerate(order):
+            ids = out.completion_ids[r, : lengths[r]].tolist()
+            logprobs = out.sampling_logprobs[r, : lengths[r]].tolist()
+            jobs[k].events.put(("done", ids, logprobs, bool(out.truncated[r])))
+
+    def metrics(self) -> dict[str, float]:
+        batches, self.batches = self.batches, []
+        seconds, self.engine_s = self.engine_s, 0.0
+        if not batches:
+            return {}
+        return {
+            "gateway/engine_s": seconds,  # of time/rollout; the rest: HTTP, templates, the agents, waiting
+            "gateway/engine_calls": float(len(batches)),
+            "gateway/batch_rows": sum(batches) / len(batches),
+        }
+
+
+def takes_on_step(method) -> bool:
+    try:
+        return "on_step" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def shared_prompts(rows: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
+    """(distinct rows, n, order) when the rows are n > 1 copies of each distinct row (a step's first calls:
+    a group's episodes send one prompt): row u·n + j of generate(distinct, n) answers job order[u·n + j].
+    Else (rows, 1, identity)."""
+    groups: dict[tuple, list[int]] = {}
+    for k, ids in enumerate(rows):
+        groups.setdefault(tuple(ids), []).append(k)
+    sizes = {len(g) for g in groups.values()}
+    if len(sizes) != 1 or (n := sizes.pop()) < 2:
+        return rows, 1, list(range(len(rows)))
+    return [list(key) for key in groups], n, [k for g in groups.values() for k in g]

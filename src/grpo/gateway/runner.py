@@ -1,0 +1,369 @@
+"""The agent runner: a step's episodes driven by the user's own agent code through the gateway.
+
+    GRPOTrainer(..., agent=run)          grpo train --agent pkg.module:run  (or path/to/file.py:run)
+
+`run(client, row)` gets an `openai.OpenAI` whose base URL and key address its episode's session (`async def
+run`: an `openai.AsyncOpenAI`, all episodes on one event loop) and the dataset row (prompt and columns). It
+runs its own loop, messages and tools, and returns the episode's reward, or None to have the run's reward
+functions score the conversation it had (TRL's contract: `completions` are the messages after the first
+request's, tool messages included; the row's columns as keyword arguments). It may also post the reward to
+the session's `/v1/reward`.
+
+Faults end an episode, not the run: an agent that raises (`agent_error`; `bad_request` after a malformed
+request), runs past env.episode_timeout_s (`timeout`), or never calls the model (`no_calls`); with
+env.strict_history a rewritten history ends it too (`history`). Each reason is counted
+(episode/ended_by/<reason>) and the episode scored per env.failed_episode: `zero` (reward 0) or `drop` (no
+reward: left out of its group's baseline, advantage 0). Sync mode: every episode of a step finishes (or
+times out) before the learner updates the weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import inspect
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from grpo import plugins
+from grpo.gateway.server import GatewayServer
+from grpo.gateway.service import Gateway, Limits
+from grpo.gateway.sessions import Session
+from grpo.records import Episode, PromptBatch, Rollouts
+from grpo.rewards.isolation import STOP_GRACE_S, stop_requested
+
+log = logging.getLogger("grpo")
+
+FAILURES = ("agent_error", "bad_request", "timeout", "no_calls", "history")
+
+
+def load_agent(spec):
+    """The agent callable: itself, or `package.module:function` / `path/to/file.py:function`."""
+    if callable(spec):
+        return spec
+    module_name, _, name = str(spec).rpartition(":")
+    path = Path(module_name)
+    if (module_name.endswith(".py") or "/" in module_name) and not path.is_absolute() and not path.is_file():
+        # a relative path not found here may be one of grpo's own examples (the tiny_tools_agent preset)
+        checkout = Path(__file__).resolve().parents[3] / path
+        spec = f"{checkout}:{name}" if checkout.is_file() else spec
+    return plugins.load(str(spec), "env.agent", call=True)
+
+
+class AgentRunner:
+    """An episode runner (rollout/episodes.py's protocol) over the gateway; see the module docstring."""
+
+    multi_turn = True
+    # The agent's own reward (returned by run() or posted to /v1/reward) is the column reward/agent; None
+    # where it left the scoring to the run's reward functions.
+    reward_names = ("agent",)
+    renders_prompts = False
+
+    def __init__(
+        self,
+        agent,
+        tokenizer,
+        parser,
+        limits: Limits,
+        *,
+        timeout_s: float = 300.0,
+        failed_episode: str = "zero",
+        strict_history: bool = False,
+        template_kwargs: dict | None = None,
+        model_name: str = "grpo-policy",
+        window_s: float = 0.2,
+    ):
+        self.agent = load_agent(agent)
+        self.is_async = inspect.iscoroutinefunction(self.agent)
+        self.tokenizer, self.parser, self.limits = tokenizer, parser, limits
+        self.timeout_s, self.failed_episode = timeout_s, failed_episode
+        self.gateway_args = dict(
+            strict_history=strict_history,
+            template_kwargs=template_kwargs,
+            model_name=model_name,
+            window_s=window_s,
+        )
+        self.gateway: Gateway | None = None
+        self.server: GatewayServer | None = None
+        self._http = None  # the sync agents' shared connection pool
+        self._previous: list[Session] = []
+        self._metrics: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    # -- the gateway lives as long as the runner ---------------------------------------------------------
+    def _serve(self, engine, sampling) -> Gateway:
+        if self.gateway is None:
+            self.gateway = Gateway(
+                self.tokenizer, self.parser, self.limits, engine, sampling, **self.gateway_args
+            )
+            self.server = GatewayServer(self.gateway)
+            log.info("Agent gateway: %s (one key per episode).", self.server.base_url)
+        self.gateway.batcher.use(engine, sampling)
+        return self.gateway
+
+    def close(self) -> None:
+        """Stop the server and the batcher: no thread keeps the port."""
+        if (stop := getattr(self.agent, "close", None)) is not None:  # an agent command's live processes
+            stop()
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+        if self.server is not None:
+            self.server.close()
+            self.gateway.batcher.close()
+            self.server = self.gateway = None
+
+    def check_prompts(self, rows: list[dict], sample: int = 64) -> None:
+        del rows, sample  # the agent writes its own prompts; each request is checked as it arrives
+
+    def metrics(self) -> dict[str, float]:
+        out, self._metrics = self._metrics, {}
+        if self.gateway is not None:
+            out.update(self.gateway.batcher.metrics())
+        return out
+
+    # -- one step ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, engine, prompts: PromptBatch, n: int, sampling, chunk_prompts=None):
+        del chunk_prompts  # the batcher bounds nothing: every live episode's call joins one engine call
+        gateway = self._serve(engine, sampling)
+        gateway.sessions.remove(self._previous)  # a late call of the step before this one is now a 401
+        sessions = []
+        for i, prompt in enumerate(prompts.prompts):
+            row = {"prompt": prompt, **{k: v[i] for k, v in prompts.columns.items()}}
+            for _ in range(n):
+                sessions.append(gateway.sessions.add(Session(len(sessions), i, row)))
+        results = self._drive_async(sessions) if self.is_async else self._drive(sessions)
+        episodes = [
+            self._episode(s, value, failure) for s, (value, failure) in zip(sessions, results, strict=True)
+        ]
+        self._previous = sessions
+        self._count(sessions)
+        return self._rollouts(prompts, sessions, episodes)
+
+    def _drive(self, sessions: list[Session]) -> list[tuple]:
+        import httpx
+        import openai
+
+        results: list[tuple] = [(None, "timeout")] * len(sessions)
+        if self._http is None:  # one connection pool for every episode's client: a client each costs ~0.1 s
+            self._http = httpx.Client(timeout=self.timeout_s, limits=httpx.Limits(max_connections=None))
+        clients = [
+            openai.OpenAI(base_url=self.server.base_url, api_key=s.key, max_retries=0, http_client=self._http)
+            for s in sessions
+        ]
+
+        def work(k: int, s: Session) -> None:
+            try:
+                results[k] = (self.agent(clients[k], copy.deepcopy(s.row)), None)
+            except Exception as err:  # noqa: BLE001 - the agent's fault ends its episode, not the run
+                late = time.monotonic() >= deadline - 0.1  # e.g. an agent command killed at its limit
+                results[k] = (None, "timeout" if late else self._failure(s, err))
+            finally:
+                self._ended(s, results[k][1])
+
+        threads = [
+            threading.Thread(target=work, args=(k, s), name=f"grpo-agent-{k}", daemon=True)
+            for k, s in enumerate(sessions)
+        ]
+        deadline = time.monotonic() + self.timeout_s
+        for t in threads:
+            t.start()
+        for k, t in enumerate(threads):
+            while t.is_alive() and (left := deadline - time.monotonic()) > 0:
+                t.join(min(left, 0.25))
+                if stop_requested() and deadline > time.monotonic() + STOP_GRACE_S:
+                    deadline = time.monotonic() + STOP_GRACE_S  # SIGINT/SIGTERM: the step ends soon
+            if t.is_alive():  # a thread cannot be stopped: its session ends, so its calls now get 409
+                self._ended(sessions[k], "timeout")
+        return results
+
+    def _drive_async(self, sessions: list[Session]) -> list[tuple]:
+        import httpx
+        import openai
+
+        async def one(s: Session, http):
+            client = openai.AsyncOpenAI(
+                base_url=self.server.base_url, api_key=s.key, max_retries=0, http_client=http
+            )
+            try:
+                return await asyncio.wait_for(self.agent(client, copy.deepcopy(s.row)), self.timeout_s), None
+            except TimeoutError:
+                return None, "timeout"
+            except Exception as err:  # noqa: BLE001
+                return None, self._failure(s, err)
+
+        async def everyone():
+            async def ended(s, http):
+                out = await one(s, http)
+                self._ended(s, out[1])
+                return out
+
+            async with httpx.AsyncClient(
+                timeout=self.timeout_s, limits=httpx.Limits(max_connections=None)
+            ) as http:
+                return await asyncio.gather(*(ended(s, http) for s in sessions))
+
+        box: list = []
+        # Its own thread and loop: the caller may be inside an event loop of its own (a notebook).
+        thread = threading.Thread(
+            target=lambda: box.append(asyncio.run(everyone())), name="grpo-agents", daemon=True
+        )
+        thread.start()
+        thread.join()
+        return list(box[0]) if box else [(None, "agent_error")] * len(sessions)
+
+    def _failure(self, s: Session, err: BaseException) -> str:
+        if s.ended in FAILURES:
+            return s.ended  # bad_request / history: the gateway ended it, the agent's client then raised
+        if not getattr(self, "_said_error", False):
+            self._said_error = True
+            log.warning(
+                "An agent raised %s: %s (its episode is scored as failed; said once).",
+                type(err).__name__,
+                err,
+            )
+        return "agent_error"
+
+    def _ended(self, s: Session, failure: str | None) -> None:
+        s.end(failure or "answer")
+        if self.gateway is not None:
+            self.gateway.batcher.wake()
+
+    def _episode(self, s: Session, value, failure: str | None) -> Episode:
+        if failure is None and s.ended in FAILURES:
+            failure = s.ended  # the agent caught the gateway's refusal and returned
+        if failure is None and not s.calls:
+            failure = "no_calls"
+        if failure is None and value is not None and not _is_number(value):
+            log.warning("An agent returned %r, not a number or None: its episode is scored as failed.", value)
+            failure = "agent_error"
+        reward = float(value) if failure is None and value is not None else s.reward
+        if reward is None and s.turn_rewards:
+            reward = sum(s.turn_rewards.values())
+        last = s.rows[-1] if s.rows else None
+        ep = Episode(messages=[] if last is None else [dict(m) for m in last.messages[last.first_messages :]])
+        ep.turns, ep.tool_calls = s.turns, s.tool_calls
+        if failure is not None:
+            ep.ended_by = failure
+            ep.final_reward = 0.0 if self.failed_episode == "zero" else math.nan
+        else:
+            ep.ended_by = "max_tokens" if s.last_finish == "length" else "answer"
+            ep.final_reward = reward
+        ep.env_reward = reward if failure is None else None
+        ep.env_class = "agent"  # its reward column
+        return ep
+
+    def _count(self, sessions: list[Session]) -> None:
+        n = max(len(sessions), 1)
+        self._metrics = {
+            "gateway/rows_per_episode": sum(max(len(s.rows), 1) for s in sessions) / n,
+            "gateway/forks": float(sum(s.forks for s in sessions)),
+            "gateway/drift_tokens": float(sum(s.drift_tokens for s in sessions)),
+            "gateway/calls_per_episode": sum(s.calls for s in sessions) / n,
+        }
+
+    # -- sessions → Rollouts -----------------------------------------------------------------------------
+    def _rollouts(self, prompts: PromptBatch, sessions: list[Session], episodes: list[Episode]):
+        """Every row of every session, grouped by prompt. A group's prompt is the token prefix all its rows
+        share (their own prompts may differ: the agent writes them); the rest of a row's prompt is injected
+        (loss_mask 0). An episode with no row (it never called the model) is one masked end-of-turn token."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else pad
+        prompt_ids = list(prompts.prompt_token_ids)
+        rows: list[tuple[int, Episode, list[int], list[float], list[float]]] = []
+        for i in range(len(prompts)):
+            members = [(s, e) for s, e in zip(sessions, episodes, strict=True) if s.group == i]
+            own = [r for s, _ in members for r in s.rows]
+            if own:
+                shared = min(r.prompt_len for r in own)
+                for r in own[1:]:
+                    shared = next((k for k in range(shared) if r.ids[k] != own[0].ids[k]), shared)
+                if shared == 0:
+                    raise ValueError(
+                        "An agent's episodes of one prompt share no first token: they cannot form a group."
+                    )
+                prompt_ids[i] = own[0].ids[:shared]
+            start = len(prompt_ids[i])
+            for s, e in members:
+                if not s.rows:
+                    rows.append((i, e, [eos], [0.0], [0.0]))
+                for r in s.rows:
+                    rows.append(
+                        (
+                            i,
+                            e,
+                            r.ids[start:] or [eos],
+                            r.sampled[start:] or [0.0],
+                            r.logprobs[start:] or [0.0],
+                        )
+                    )
+        width = max(len(ids) for _, _, ids, _, _ in rows)
+        count = len(rows)
+        ids_t = torch.full((count, width), pad, dtype=torch.long)
+        mask, loss, logprobs = torch.zeros(count, width), torch.zeros(count, width), torch.zeros(count, width)
+        for k, (_, _, ids, sampled, lps) in enumerate(rows):
+            ids_t[k, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[k, : len(ids)] = 1.0
+            loss[k, : len(ids)] = torch.tensor(sampled)
+            logprobs[k, : len(ids)] = torch.tensor(lps)
+        eps = [e for _, e, _, _, _ in rows]
+        return dataclasses.replace(prompts, prompt_token_ids=prompt_ids), Rollouts(
+            group_ids=torch.tensor([g for g, *_ in rows], dtype=torch.long),
+            completion_ids=ids_t,
+            completion_mask=mask,
+            sampling_logprobs=logprobs * loss,
+            truncated=torch.tensor([e.truncated for e in eps]),
+            loss_mask=loss,
+            episodes=eps,
+        )
+
+
+def _is_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def build_agent_runner(cfg, formatter, agent) -> AgentRunner:
+    """The runner for GRPOTrainer(agent=) or env.agent; the family's tool-call parser reads every turn."""
+    from grpo.agents.parsing import detect_parser
+
+    if agent is None:
+        agent = cfg.env.agent
+    if agent is None:  # env.agent_command: any language, one process per episode
+        from grpo.gateway.agent_command import AgentCommand
+
+        agent = AgentCommand(cfg.env.agent_command, timeout_s=cfg.env.episode_timeout_s)
+    tokenizer = formatter.tokenizer
+    parser = detect_parser(tokenizer, cfg.model.name_or_path, cfg.env.tool_parser)
+    limits = Limits(
+        max_tokens=cfg.episode_max_tokens,
+        turn_tokens=cfg.effective_max_new_tokens,
+        max_prompt_tokens=cfg.data.max_prompt_length + cfg.episode_max_tokens,
+    )
+    runner = AgentRunner(
+        agent,
+        tokenizer,
+        parser,
+        limits,
+        timeout_s=cfg.env.episode_timeout_s,
+        failed_episode=cfg.env.failed_episode,
+        strict_history=cfg.env.strict_history,
+        template_kwargs=dict(cfg.data.chat_template_kwargs or {}),
+        model_name=str(cfg.model.name_or_path),
+    )
+    log.info(
+        "Episodes: your agent %s through the gateway; up to %d tokens each; tool calls parsed as %s.",
+        getattr(runner.agent, "__qualname__", runner.agent),
+        limits.max_tokens,
+        parser.name,
+    )
+    return runner
+
+
+__all__ = ["AgentRunner", "build_agent_runner", "load_agent"]

@@ -1,0 +1,216 @@
+"""The HTTP endpoint: stdlib ThreadingHTTPServer on 127.0.0.1, a free port, one thread per connection.
+
+Routes (ROUTES, path → handler(gateway, session, body)) answer a dict as JSON, or an iterator as a
+server-sent event stream; GET /v1/models needs no body; /v1/responses is responses.py's translation. Every
+request must carry a live session's key as `Authorization: Bearer ...` (401 otherwise). A request that
+cannot be served gets an OpenAI-style error object and the server stays up: malformed JSON 400, a body
+over `max_body` bytes 413, an ended session 409. A session's malformed request (400/413) ends its episode
+(counted as `bad_request`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from grpo.gateway.responses import responses_route
+from grpo.gateway.service import Gateway, ended_error
+from grpo.gateway.sessions import Session
+from grpo.gateway.wire import ChatRequest, GatewayError, TurnDone, chat_completion, stream_chunks
+
+log = logging.getLogger("grpo")
+
+MAX_BODY = 8 * 2**20  # bytes of a request body
+
+
+def chat_completions(gateway: Gateway, session: Session, body: dict):
+    req = ChatRequest.parse(body)
+    request_id = "chatcmpl-" + uuid.uuid4().hex
+    events = gateway.complete(session, req)
+    first = next(events)  # errors in the request surface here, before any byte of a reply is sent
+    events = _chain(first, events)
+    if req.stream:
+        return stream_chunks(events, request_id, gateway.model_name, req.include_usage)
+    done = next(ev for ev in events if isinstance(ev, TurnDone))
+    return chat_completion(done, request_id, gateway.model_name)
+
+
+def reward(gateway: Gateway, session: Session, body: dict):
+    del gateway
+    value = body.get("reward") if isinstance(body, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise GatewayError(
+            400, 'The body must be {"reward": <number>} (and optionally "turn": <int>).', param="reward"
+        )
+    turn = body.get("turn")
+    if turn is not None and (isinstance(turn, bool) or not isinstance(turn, int) or turn < 1):
+        raise GatewayError(
+            400, "turn must be a positive integer (1 = the first assistant turn).", param="turn"
+        )
+    with session.lock:
+        if turn is None:
+            session.reward = float(value)
+        else:
+            session.turn_rewards[turn] = float(value)
+    return {"object": "reward", "reward": float(value), "turn": turn}
+
+
+def _chain(first, rest: Iterator) -> Iterator:
+    yield first
+    yield from rest
+
+
+ROUTES: dict[str, Callable] = {
+    "/v1/chat/completions": chat_completions,
+    "/v1/responses": responses_route,  # the Responses API, translated onto Gateway.complete
+    "/v1/reward": reward,
+}
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    # The listen backlog: a step's episodes connect at once, and the default (5) resets connections.
+    request_queue_size = 1024
+
+
+class GatewayServer:
+    """Serves `gateway` on host:port (port 0: a free one) from a daemon thread until close()."""
+
+    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, max_body: int = MAX_BODY):
+        self.gateway = gateway
+        handler = type("Handler", (_Handler,), {"gateway": gateway, "max_body": max_body})
+        self.httpd = _HTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.host, self.port = self.httpd.server_address[:2]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="grpo-gateway", daemon=True)
+        self._thread.start()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=10)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    gateway: Gateway
+    max_body: int
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format, *args):
+        log.debug("gateway: " + format, *args)
+
+    def do_GET(self):
+        session = self._session()
+        if session is None:
+            return
+        if self.path.rstrip("/") == "/v1/models":
+            model = {"id": self.gateway.model_name, "object": "model", "created": 0, "owned_by": "grpo"}
+            self._json(200, {"object": "list", "data": [model]})
+        else:
+            self._error(GatewayError(404, f"No route GET {self.path}.", code="not_found"))
+
+    def do_POST(self):
+        session = self._session()
+        if session is None:
+            return
+        route = ROUTES.get(self.path.split("?")[0].rstrip("/"))
+        if route is None:
+            self._error(GatewayError(404, f"No route POST {self.path}.", code="not_found"))
+            return
+        try:
+            body = self._body()
+            if session.ended is not None:
+                raise ended_error(session)
+            reply = route(self.gateway, session, body)
+        except GatewayError as err:
+            if err.status in (400, 413):
+                with session.lock:
+                    session.bad_requests += 1
+                session.end("bad_request")
+                self.gateway.batcher.wake()
+            self._error(err)
+            return
+        except Exception as err:  # noqa: BLE001 - one request fails; the server and the run go on
+            log.warning("Gateway: a request failed: %s: %s", type(err).__name__, err)
+            self._error(GatewayError(500, f"{type(err).__name__}: {err}", "server_error"))
+            return
+        if isinstance(reply, dict):
+            self._json(200, reply)
+        else:
+            self._stream(reply)
+
+    def _session(self) -> Session | None:
+        auth = self.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        session = self.gateway.sessions.get(key) if key else None
+        if session is None:
+            self._discard_body()
+            self._error(
+                GatewayError(
+                    401,
+                    "Incorrect API key: use the episode's own key.",
+                    "authentication_error",
+                    "invalid_api_key",
+                )
+            )
+        return session
+
+    def _discard_body(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if 0 < length <= self.max_body:
+            self.rfile.read(length)
+        elif length:
+            self.close_connection = True
+
+    def _body(self):
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise GatewayError(400, "Content-Length is not a number.") from None
+        if length > self.max_body:
+            self.close_connection = True  # the body is not read: the connection cannot be reused
+            raise GatewayError(413, f"The request body is {length} bytes, over the limit of {self.max_body}.")
+        raw = self.rfile.read(length)
+        try:
+            return json.loads(raw or b"null")
+        except ValueError as err:
+            raise GatewayError(400, f"The request body is not valid JSON ({err}).") from None
+
+    def _json(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, err: GatewayError) -> None:
+        self._json(err.status, err.body())
+
+    def _stream(self, items) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.close_connection = True  # the stream ends with the connection (no length to announce)
+        self.end_headers()
+        try:
+            for item in items:
+                if isinstance(item, tuple):
+                    frame = f"event: {item[0]}\ndata: {json.dumps(item[1])}\n\n"
+                elif isinstance(item, str):
+                    frame = f"data: {item}\n\n"
+                else:
+                    frame = f"data: {json.dumps(item)}\n\n"
+                self.wfile.write(frame.encode())
+                self.wfile.flush()
+        except GatewayError as err:  # after the reply began: an error event, then the stream ends
+            self.wfile.write(f"data: {json.dumps(err.body())}\n\n".encode())
+        except (BrokenPipeError, ConnectionResetError):
+            log.debug("gateway: a client closed its stream early")

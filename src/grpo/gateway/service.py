@@ -1,0 +1,265 @@
+"""The gateway's one operation: a chat turn of a session (`Gateway.complete`), and the sessions it serves.
+
+A turn: the request's messages become the ids to continue (sessions.Session.prepare), the batcher samples
+them with the other live episodes' calls, the tokens stream back as text while they are sampled, and the
+finished turn is parsed by the model family's tool-call parser (every turn: its calls come back as OpenAI
+`tool_calls`). The run's sampling settings win: temperature and top-p are the run's (a request's other
+values are said once in the log), a turn samples at most generation.max_new_tokens and the episode at most
+env.max_tokens (sampled and injected); past that a request gets finish_reason "length" at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Iterator
+
+from grpo.agents.chat import ChatRenderer, ChatTemplateError
+from grpo.agents.messages import call_id
+from grpo.agents.parsing import ParsedTurn, ToolCallParser
+from grpo.gateway.batching import Batcher, Job
+from grpo.gateway.sessions import Session, SessionTable
+from grpo.gateway.wire import ChatRequest, GatewayError, TextDelta, ToolCallDelta, TurnDone
+from grpo.records import SamplingParams
+
+log = logging.getLogger("grpo")
+
+# Where a tool call may start, per parser: streamed content stops there (the call comes as tool_calls).
+_CALL_MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",), "llama3_json": ("<|python_tag|>",)}
+
+
+@dataclasses.dataclass
+class Limits:
+    max_tokens: int  # completion tokens per episode, sampled and injected (env.max_tokens)
+    turn_tokens: int  # sampled tokens per turn (generation.max_new_tokens)
+    max_prompt_tokens: int  # longest rendering a request may start a row from
+
+
+class Gateway:
+    def __init__(
+        self,
+        tokenizer,
+        parser: ToolCallParser,
+        limits: Limits,
+        engine,
+        sampling: SamplingParams,
+        *,
+        strict_history: bool = False,
+        template_kwargs: dict | None = None,
+        model_name: str = "grpo-policy",
+        window_s: float = 0.2,
+    ):
+        self.tokenizer, self.parser, self.limits = tokenizer, parser, limits
+        self.strict_history, self.model_name = strict_history, model_name
+        self.template_kwargs = dict(template_kwargs or {})
+        self.sessions = SessionTable()
+        self.batcher = Batcher(engine, sampling, self.sessions.live, window_s)
+        self.special_ids = set(tokenizer.all_special_ids)
+        self._renderers: dict[str, ChatRenderer] = {}
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
+
+    def renderer(self, tools: list[dict] | None) -> tuple[str, ChatRenderer]:
+        key = json.dumps(tools, sort_keys=True)
+        with self._lock:
+            if key not in self._renderers:
+                self._renderers[key] = ChatRenderer(self.tokenizer, tools, **self.template_kwargs)
+            return key, self._renderers[key]
+
+    def _say_once(self, what: str, message: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            log.info(message)
+
+    def _overrides(self, req: ChatRequest) -> None:
+        run = self.batcher.sampling
+        if req.temperature is not None and req.temperature != run.temperature:
+            self._say_once(
+                "temperature",
+                f"Gateway: requests ask for temperature {req.temperature}; the run samples at "
+                f"{run.temperature} (training needs the group's own distribution).",
+            )
+        if req.top_p is not None and req.top_p != run.top_p:
+            self._say_once(
+                "top_p", f"Gateway: requests ask for top_p {req.top_p}; the run samples at {run.top_p}."
+            )
+        if req.seed is not None:
+            self._say_once("seed", "Gateway: requests' seed is ignored (the run's seed drives sampling).")
+
+    # -- one turn --------------------------------------------------------------------------------------------
+    def complete(self, session: Session, req: ChatRequest) -> Iterator[TextDelta | ToolCallDelta | TurnDone]:
+        """One chat turn of `session` (see the package docstring). Raises GatewayError before the first event
+        when the request cannot be served."""
+        job, row, cap = self._start(session, req)
+        if job is None:
+            yield TurnDone(
+                {"role": "assistant", "content": ""}, "length", _usage(len(row.ids) if row else 0, 0)
+            )
+            return
+        stream = _TextStream(self.tokenizer, self.special_ids, _CALL_MARKERS.get(self.parser.name, ()))
+        sampled: list[int] = []
+        while True:
+            event = job.events.get()
+            if event[0] == "token":
+                if len(sampled) < cap:
+                    sampled.append(event[1])
+                    if text := stream.feed(sampled):
+                        yield TextDelta(text)
+            elif event[0] == "error":
+                with session.lock:
+                    row.busy = False
+                raise GatewayError(500, f"The engine failed: {event[1]}", "server_error")
+            else:
+                break
+        _, ids, logprobs, truncated = event
+        done = self._finish(session, row, req, ids, logprobs, truncated, cap)
+        rest = done.message.get("content") or ""
+        if rest.startswith(stream.sent):
+            if rest[len(stream.sent) :]:
+                yield TextDelta(rest[len(stream.sent) :])
+        else:  # cannot happen with the known parsers (content is the text outside calls, stripped)
+            log.warning("Gateway: a streamed reply's text was not a prefix of its content.")
+        for k, call in enumerate(done.message.get("tool_calls") or []):
+            yield ToolCallDelta(k, call["id"], call["function"]["name"], call["function"]["arguments"])
+        yield done
+
+    def _start(self, session: Session, req: ChatRequest):
+        """Under the session's lock: the row to continue and its job submitted (None: the budget is spent)."""
+        self._overrides(req)
+        key, renderer = self.renderer(req.tools)
+        with session.lock:
+            if session.ended is not None:
+                raise ended_error(session)
+            if session.budget_used >= self.limits.max_tokens:
+                session.last_finish = "length"
+                return None, (session.rows[-1] if session.rows else None), 0
+            try:
+                row = session.prepare(req.messages, key, renderer, self.strict_history)
+            except ChatTemplateError as err:
+                raise GatewayError(
+                    400, f"The model's chat template cannot render these messages: {err}"
+                ) from None
+            if row.prompt_len > self.limits.max_prompt_tokens:
+                session.rows.remove(row)
+                raise GatewayError(
+                    400,
+                    f"The conversation renders to {row.prompt_len} tokens, more than the "
+                    f"{self.limits.max_prompt_tokens} a row may start from "
+                    "(data.max_prompt_length + env.max_tokens).",
+                    code="context_length_exceeded",
+                    param="messages",
+                )
+            left = self.limits.max_tokens - session.budget_used
+            if left <= 0:
+                session.last_finish = "length"
+                return None, row, 0
+            cap = min(self.limits.turn_tokens, left, req.max_tokens or left)
+            row.busy = True
+            session.calls += 1
+            job = Job(list(row.ids), cap, stream=req.stream)
+        self.batcher.submit(job)
+        return job, row, cap
+
+    def _finish(self, session, row, req, ids, logprobs, truncated, cap) -> TurnDone:
+        cut = min(len(ids), cap)
+        length = cut < len(ids) or (truncated and cut == len(ids))
+        new, lps = ids[:cut], logprobs[:cut]
+        body = new[:-1] if new and new[-1] in self.special_ids else new
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        if (
+            req.stop
+        ):  # the request's own stop strings: the turn ends at the first (the run's stop in the engine)
+            text, new, lps, stopped = self._cut_at_stop(text, new, lps, req.stop)
+            length = length and not stopped
+        parsed = self.parser.parse(text)
+        with session.lock:
+            session.turns += 1
+            turn = session.turns
+            row.add(new, lps)
+            stored, reply = _assistant(parsed, turn)
+            row.messages.append(stored)
+            row.busy = False
+            session.tool_calls += len(parsed.calls)
+            finish = "length" if length else "tool_calls" if parsed.calls else "stop"
+            session.last_finish = finish
+        return TurnDone(reply, finish, _usage(len(row.ids) - len(new), len(new)))
+
+    def _cut_at_stop(self, text, new, lps, stops):
+        at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if at < 0:
+            return text, new, lps, False
+        # Keep the sampled ids up to the token that completes the stop string (ids are never re-tokenized).
+        for k in range(1, len(new) + 1):
+            if len(self.tokenizer.decode(new[:k], skip_special_tokens=False)) >= at + 1:
+                return text[:at], new[:k], lps[:k], True
+        return text[:at], new, lps, True
+
+
+def ended_error(session: Session) -> GatewayError:
+    return GatewayError(
+        409,
+        f"This episode's session has ended ({session.ended}); its calls are no longer served.",
+        code="session_ended",
+    )
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _assistant(parsed: ParsedTurn, turn: int) -> tuple[dict, dict]:
+    """The assistant message as the session stores it (normalized, arguments a dict) and as the reply gives
+    it (OpenAI's: arguments a JSON string, content None beside tool calls)."""
+    stored: dict = {"role": "assistant", "content": parsed.content}
+    reply: dict = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        ids = [call_id(turn, k) for k in range(len(parsed.calls))]
+        stored["tool_calls"] = [
+            {"type": "function", "id": i, "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in zip(ids, parsed.calls, strict=True)
+        ]
+        reply["tool_calls"] = [
+            {"id": i, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            for i, c in zip(ids, parsed.calls, strict=True)
+        ]
+        reply["content"] = parsed.content or None
+    return stored, reply
+
+
+class _TextStream:
+    """Content text as tokens arrive: what is safe to send before the turn is parsed. It stops where a tool
+    call may begin, holds trailing whitespace and a partial character (the parsed content is stripped)."""
+
+    def __init__(self, tokenizer, special_ids: set[int], markers: tuple[str, ...]):
+        self.tokenizer, self.special_ids, self.markers = tokenizer, special_ids, markers
+        self.sent = ""
+        self.stopped = not markers  # an unknown format: nothing is safe before the parse
+
+    def feed(self, ids: list[int]) -> str:
+        if self.stopped:
+            return ""
+        body = ids[:-1] if ids[-1] in self.special_ids else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False).lstrip()
+        cut = len(text)
+        for marker in self.markers:
+            at = text.find(marker)
+            if at >= 0:
+                cut, self.stopped = min(cut, at), True
+            else:  # a marker may be starting at the end
+                for k in range(min(len(marker) - 1, len(text)), 0, -1):
+                    if marker.startswith(text[-k:]):
+                        cut = min(cut, len(text) - k)
+                        break
+        if self.tokenizer_name_json(text):
+            cut, self.stopped = 0, True
+        safe = text[:cut].rstrip().rstrip("\ufffd")
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        new, self.sent = safe[len(self.sent) :], safe
+        return new
+
+    def tokenizer_name_json(self, text: str) -> bool:
+        # Llama 3 calls without <|python_tag|> are a bare JSON object: hold a reply that opens with "{".
+        return "<|python_tag|>" in self.markers and text.startswith("{")

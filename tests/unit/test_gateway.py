@@ -1,0 +1,349 @@
+"""The agent gateway with a scripted policy on Qwen2.5's real chat template, driven through the real `openai`
+client: token exactness streamed and not, the HTTP errors, sessions and forks, batching, and faults."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+
+from grpo.agents import ChatRenderer, HermesParser
+from grpo.gateway.runner import AgentRunner
+from grpo.gateway.server import GatewayServer
+from grpo.gateway.service import Gateway, Limits
+from grpo.gateway.sessions import Session
+from grpo.records import PromptBatch, SamplingParams
+from tests import gateway_agents as agents
+from tests.chat_templates import family_tokenizer
+from tests.unit.test_episodes import ScriptedEngine, calls_then_answers
+
+SAMPLING = SamplingParams(max_new_tokens=200)
+LIMITS = Limits(max_tokens=2000, turn_tokens=200, max_prompt_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return family_tokenizer("qwen2.5")
+
+
+def runner(tokenizer, agent, **kw) -> AgentRunner:
+    return AgentRunner(agent, tokenizer, HermesParser(), kw.pop("limits", LIMITS), **kw)
+
+
+def batch(questions: list[str], **columns) -> PromptBatch:
+    return PromptBatch(prompts=list(questions), prompt_token_ids=[[1] for _ in questions], columns=columns,
+                       indices=list(range(len(questions))))  # fmt: skip
+
+
+@pytest.mark.parametrize("agent", [agents.calculator_agent, agents.streaming_agent, agents.async_agent])
+def test_an_agents_episode_is_the_chat_templates_rendering_of_its_conversation(qwen, agent):
+    run = runner(qwen, agent, window_s=2.0)  # both episodes' calls are batched however slow threads start
+    engine = ScriptedEngine(qwen, calls_then_answers)
+    try:
+        prompts, r = run.run(engine, batch(["What is 12 * 34?"]), 2, SAMPLING)
+    finally:
+        run.close()
+    episode = r.episodes[0]
+    assert [m["role"] for m in episode.messages] == ["assistant", "tool", "assistant"]
+    assert episode.messages[1]["content"] == "408" and episode.ended_by == "answer" and episode.turns == 2
+    chat = ChatRenderer(qwen, agents.TOOLS)
+    n = int(r.completion_mask[0].sum())
+    full = prompts.prompt_token_ids[0] + r.completion_ids[0, :n].tolist()
+    conversation = [{"role": "user", "content": "What is 12 * 34?"}, *episode.messages]
+    rendered = chat.encode(chat.render(conversation, add_generation_prompt=False))
+    assert full == rendered[: len(full)] and len(rendered) - len(full) == len(chat.encode(chat.turn_tail))
+    assert prompts.prompt_token_ids[0] == chat.prompt_ids(conversation[:1])  # the agent's first request
+    sampled = r.completion_ids[0][r.loss_mask[0].bool()].tolist()
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
+    turn1 = qwen(call, add_special_tokens=False)["input_ids"]
+    turn2 = qwen("The answer is 408.", add_special_tokens=False)["input_ids"]
+    assert sampled == [*turn1, engine.eos, *turn2, engine.eos]
+    assert (r.sampling_logprobs[0][r.loss_mask[0] == 0] == 0).all()
+    assert engine.calls == [2, 2]  # each turn: one engine call over both live episodes
+    expected = None if agent is not agents.async_agent else 1.0
+    assert [e.final_reward for e in r.episodes] == [expected, expected]
+
+
+@pytest.fixture
+def served(qwen):
+    gateway = Gateway(qwen, HermesParser(), LIMITS, ScriptedEngine(qwen, calls_then_answers), SAMPLING)
+    server = GatewayServer(gateway, max_body=10_000)
+    yield gateway, server
+    server.close()
+    gateway.batcher.close()
+
+
+def post(server, key, body, path="/v1/chat/completions", raw=None):
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    url = f"http://{server.host}:{server.port}{path}"
+    return httpx.post(url, content=raw if raw is not None else json.dumps(body), headers=headers, timeout=30)
+
+
+def test_a_streamed_reply_reassembles_to_the_non_streamed_one(served):
+    gateway, server = served
+    replies = []
+    for stream in (False, True):
+        s = gateway.sessions.add(Session(0, 0, {}))
+        client = openai.OpenAI(base_url=server.base_url, api_key=s.key, max_retries=0)
+        body = dict(model="m", messages=[{"role": "user", "content": "What is 12 * 34?"}], tools=agents.TOOLS)
+        if not stream:
+            r = client.chat.completions.create(**body)
+            replies.append(
+                (r.choices[0].message.model_dump(exclude_none=True), r.choices[0].finish_reason, r.usage)
+            )
+            continue
+        chunks = list(
+            client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True})
+        )
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        calls = [tc for d in deltas for tc in d.tool_calls or []]
+        message = {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": t.id,
+                    "type": "function",
+                    "function": {"name": t.function.name, "arguments": t.function.arguments},
+                }
+                for t in calls
+            ],
+        }
+        content = "".join(d.content or "" for d in deltas)
+        if content:
+            message["content"] = content
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        assert chunks[-1].usage is not None and not chunks[-1].choices  # the usage chunk comes last
+        replies.append((message, finish, chunks[-1].usage))
+    assert replies[0] == replies[1]
+    assert (
+        replies[0][1] == "tool_calls" and replies[0][0]["tool_calls"][0]["function"]["name"] == "calculator"
+    )
+
+
+def test_text_streams_as_it_is_sampled_and_stops_where_a_call_begins(qwen):
+    from grpo.gateway.service import _TextStream
+
+    stream = _TextStream(qwen, set(qwen.all_special_ids), ("<tool_call>",))
+    text = "  Let me compute. <tool_call>\n{}\n</tool_call>"
+    ids = qwen(text, add_special_tokens=False)["input_ids"]
+    sent = "".join(stream.feed(ids[:k]) for k in range(1, len(ids) + 1))
+    assert sent == "Let me compute." and HermesParser().parse(text).content.startswith(sent)
+
+
+def test_bad_requests_get_openai_style_errors_and_the_server_stays_up(served):
+    gateway, server = served
+    good = {"model": "m", "messages": [{"role": "user", "content": "What is 12 * 34?"}]}
+    assert post(server, "sk-wrong", good).status_code == 401
+    assert httpx.get(f"{server.base_url}/models").status_code == 401  # no key at all
+    for body, raw, status in (
+        (None, b"{not json", 400),
+        ({"model": "m", "messages": []}, None, 400),
+        ({**good, "n": 2}, None, 400),
+        ({**good, "messages": [{"role": "user", "content": "x" * 20_000}]}, None, 413),
+    ):
+        s = gateway.sessions.add(Session(0, 0, {}))
+        reply = post(server, s.key, body, raw=raw)
+        assert reply.status_code == status and reply.json()["error"]["message"]
+        assert s.ended == "bad_request"  # a malformed request ends its episode
+        assert post(server, s.key, good).status_code == 409  # an ended session's call
+    s = gateway.sessions.add(Session(0, 0, {}))
+    assert post(server, s.key, good).status_code == 200  # still serving
+    models = httpx.get(f"{server.base_url}/models", headers={"Authorization": f"Bearer {s.key}"})
+    assert models.json()["data"][0]["id"] == gateway.model_name
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url, api_key="sk-nobody", max_retries=0).models.list()
+
+
+def test_concurrent_requests_of_live_sessions_share_one_engine_call(qwen):
+    engine = ScriptedEngine(qwen, calls_then_answers)
+    gateway = Gateway(qwen, HermesParser(), LIMITS, engine, SAMPLING, window_s=5.0)
+    server = GatewayServer(gateway)
+    sessions = [gateway.sessions.add(Session(k, 0, {})) for k in range(6)]
+    body = {"model": "m", "messages": [{"role": "user", "content": "What is 12 * 34?"}]}
+    try:
+        threads = [threading.Thread(target=post, args=(server, s.key, body)) for s in sessions]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        server.close()
+        gateway.batcher.close()
+    # Every live session had a request waiting: one call, long before the 5 s window ran out.
+    assert engine.calls == [6]
+
+
+def test_a_rewritten_history_starts_a_new_row_of_the_same_episode(qwen):
+    run = runner(qwen, agents.rewriting_agent)
+    try:
+        _, r = run.run(ScriptedEngine(qwen, calls_then_answers), batch(["What is 12 * 34?"]), 2, SAMPLING)
+        metrics = run.metrics()
+    finally:
+        run.close()
+    assert r.completion_ids.shape[0] == 4 and r.group_ids.tolist() == [0, 0, 0, 0]  # 2 episodes × 2 rows
+    assert r.episodes[0] is r.episodes[1] and r.episodes[0].ended_by == "answer"
+    assert metrics["gateway/rows_per_episode"] == 2.0 and metrics["gateway/forks"] == 2.0
+    assert metrics["gateway/drift_tokens"] > 0
+    # The group's prompt is what its rows share; each row's own rest of its prompt is injected (no loss).
+    for k in range(4):
+        n = int(r.completion_mask[k].sum())
+        assert r.loss_mask[k, :n].sum() > 0 and r.completion_ids[k, n - 1] == qwen.convert_tokens_to_ids(
+            "<|im_end|>"
+        )
+
+    strict = runner(qwen, agents.rewriting_agent, strict_history=True)
+    try:
+        _, r = strict.run(ScriptedEngine(qwen, calls_then_answers), batch(["What is 12 * 34?"]), 1, SAMPLING)
+    finally:
+        strict.close()
+    assert r.episodes[0].ended_by == "history" and r.episodes[0].final_reward == 0.0
+
+
+@pytest.mark.parametrize(
+    ("agent", "reason"),
+    [
+        (agents.raising_agent, "agent_error"),
+        (agents.hanging_agent, "timeout"),
+        (agents.silent_agent, "no_calls"),
+    ],
+)
+@pytest.mark.parametrize("failed", ["zero", "drop"])
+def test_a_failing_agent_ends_its_episode_not_the_run(qwen, agent, reason, failed):
+    run = runner(qwen, agent, timeout_s=2.0, failed_episode=failed)
+    try:
+        _, r = run.run(ScriptedEngine(qwen, calls_then_answers), batch(["What is 12 * 34?"]), 2, SAMPLING)
+    finally:
+        run.close()
+    assert [e.ended_by for e in r.episodes] == [reason, reason]
+    assert all(
+        (e.final_reward == 0.0) if failed == "zero" else math.isnan(e.final_reward) for e in r.episodes
+    )
+    assert r.loss_mask.shape[0] == 2 and torch.isfinite(r.sampling_logprobs).all()
+
+
+def test_the_agents_reward_returned_or_posted_replaces_the_reward_functions(qwen):
+    for agent, expected in ((agents.rewarding_agent, 0.5), (agents.posting_agent, 0.75)):
+        run = runner(qwen, agent)
+        try:
+            _, r = run.run(ScriptedEngine(qwen, calls_then_answers), batch(["What is 12 * 34?"]), 2, SAMPLING)
+        finally:
+            run.close()
+        assert [e.final_reward for e in r.episodes] == [expected, expected]
+        assert [e.env_reward for e in r.episodes] == [expected, expected]
+
+
+def test_the_episode_token_budget_ends_in_finish_reason_length(qwen):
+    limits = Limits(max_tokens=30, turn_tokens=200, max_prompt_tokens=4096)
+    run = runner(qwen, agents.calculator_agent, limits=limits)
+    try:
+        _, r = run.run(ScriptedEngine(qwen, calls_then_answers), batch(["What is 12 * 34?"]), 1, SAMPLING)
+    finally:
+        run.close()
+    assert r.episodes[0].ended_by == "max_tokens" and bool(r.truncated[0])
+    assert int(r.loss_mask[0].sum()) == 30  # the turn was cut at the episode's budget
+
+
+def test_the_server_and_its_port_are_released_on_close(qwen):
+    run = runner(qwen, agents.calculator_agent)
+    run.run(ScriptedEngine(qwen, calls_then_answers), batch(["What is 12 * 34?"]), 1, SAMPLING)
+    port = run.server.port
+    run.close()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/v1/models")
+    assert not [t for t in threading.enumerate() if t.name.startswith("grpo-gateway")]
+
+
+def test_native_continue_rows_reports_each_step_as_it_is_sampled(tiny_model):
+    from grpo.rollout.native import NativeEngine
+    from tests.conftest import IdTokenizer
+
+    engine = NativeEngine(tiny_model, IdTokenizer())
+    rows, seen = [[5, 6, 7], [9, 3]], {0: [], 1: []}
+
+    def on_step(which, tokens):
+        for r, t in zip(which, tokens, strict=True):
+            seen[r].append(t)
+
+    greedy = SamplingParams(max_new_tokens=5, greedy=True)
+    out = engine.continue_rows(rows, greedy, on_step=on_step)
+    plain = engine.continue_rows(rows, greedy)
+    for r in range(2):
+        n = int(out.completion_mask[r].sum())
+        assert seen[r] == out.completion_ids[r, :n].tolist() == plain.completion_ids[r, :n].tolist()
+
+
+class SlowStepsEngine(ScriptedEngine):
+    """The scripted policy, reporting one token per decode step 0.05 s apart (as the native engine does)."""
+
+    def continue_rows(self, rows, sampling, on_step=None):
+        import time
+
+        out = super().continue_rows(rows, sampling)
+        for step in range(out.completion_ids.shape[1]):
+            time.sleep(0.05)
+            on_step(list(range(len(rows))), out.completion_ids[:, step].tolist())
+        self.finished = time.monotonic()
+        return out
+
+
+def test_streaming_is_real_chunks_leave_while_the_turn_is_sampled(qwen):
+    import time
+
+    engine = SlowStepsEngine(qwen, lambda text: "The answer is 408, since twelve times thirty-four is that.")
+    gateway = Gateway(qwen, HermesParser(), LIMITS, engine, SAMPLING)
+    server = GatewayServer(gateway)
+    s = gateway.sessions.add(Session(0, 0, {}))
+    client = openai.OpenAI(base_url=server.base_url, api_key=s.key, max_retries=0)
+    try:
+        stream = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "What is 12 * 34?"}], stream=True
+        )
+        arrivals = [(time.monotonic(), c.choices[0].delta.content) for c in stream if c.choices]
+    finally:
+        server.close()
+        gateway.batcher.close()
+    texts = [(t, text) for t, text in arrivals if text]
+    assert "".join(text for _, text in texts) == "The answer is 408, since twelve times thirty-four is that."
+    assert len(texts) > 5 and texts[0][0] < engine.finished - 0.3  # the first words came long before the end
+
+
+def test_an_agents_own_reward_replaces_the_reward_functions_total():
+    from grpo import trl_compat
+    from grpo.algorithm.advantages import group_advantages
+    from grpo.config import AlgorithmConfig
+    from grpo.records import Episode, Rollouts
+    from grpo.stages import score_rollouts
+
+    episodes = [Episode(messages=[{"role": "assistant", "content": "x"}]) for _ in range(4)]
+    episodes[0].final_reward, episodes[1].final_reward, episodes[3].final_reward = 0.5, 0.0, math.nan
+    mask = torch.ones(4, 2)
+    rollouts = Rollouts(torch.zeros(4, dtype=torch.long), torch.zeros(4, 2, dtype=torch.long), mask,
+                        torch.zeros(4, 2), torch.zeros(4, dtype=torch.bool), episodes=episodes)  # fmt: skip
+    prompts = PromptBatch(prompts=["q"], prompt_token_ids=[[1]], indices=[0])
+
+    def two(prompts, completions, **_):
+        return [2.0] * len(completions)
+
+    scored = score_rollouts(
+        prompts, rollouts, ["x"] * 4, 0, funcs=[two], weights=None, algorithm=AlgorithmConfig(),
+        max_new_tokens=8, trainer_state=trl_compat.RewardState(0, 0.0, 1),
+    )  # fmt: skip
+    assert scored.rewards[:3].tolist() == [0.5, 0.0, 2.0] and math.isnan(scored.rewards[3])
+    assert scored.scores.total.tolist() == [2.0] * 4  # what the functions said is still logged
+    advantages = group_advantages(scored.rewards, rollouts.group_ids)
+    assert advantages[3] == 0  # a dropped episode: no advantage, out of its group's baseline
+
+
+def test_a_groups_first_calls_take_the_engines_shared_prompt_path():
+    from grpo.gateway.batching import shared_prompts
+
+    a, b = [1, 2, 3], [1, 2, 4]
+    prompts, n, order = shared_prompts([a, b, b, a])
+    assert (prompts, n) == ([a, b], 2) and [[a, b, b, a][k] for k in order] == [a, a, b, b]
+    assert shared_prompts([a, b, b]) == ([a, b, b], 1, [0, 1, 2])  # unequal groups: row by row
+    assert shared_prompts([a, b]) == ([a, b], 1, [0, 1])
