@@ -364,12 +364,13 @@ def dry_run(cfg: GRPOConfig) -> str:
 def _episode_plan(cfg: GRPOConfig) -> dict:
     """env.tools / env.environment imported (a typo stops here, as a reward's does) and described: each
     tool's name, description and arguments as the chat template will show them, and the episode limits."""
-    from grpo.agents.environments import build_factory
+    from grpo.agents.factory import build_factory
 
     factory = build_factory(cfg.env.tools, cfg.env.environment)
     if factory is None:
         return {"episodes": "one turn (no env.tools or env.environment)"}
     schemas = list(factory.fixed_schemas) + [s for more in factory._schemas.values() for s in more]
+    factory.close()  # the instances made to read the environment's form
     tools = []
     for schema in schemas:
         function = schema["function"]

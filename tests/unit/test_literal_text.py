@@ -9,10 +9,10 @@ import pytest
 
 from grpo.agents import ChatRenderer, HermesParser
 from grpo.agents.chat import LiteralText
-from grpo.agents.environments import EnvironmentFactory
+from grpo.agents.factory import EnvironmentFactory
 from grpo.config import DataConfig
 from grpo.data import PromptFormatter
-from grpo.rollout.episodes import EpisodeLimits, MultiTurn
+from grpo.rollout.multi_turn import EpisodeLimits, MultiTurn
 from tests.chat_templates import family_tokenizer
 from tests.unit.test_episodes import SAMPLING, ScriptedEngine, batch, call_text
 

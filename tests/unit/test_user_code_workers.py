@@ -178,7 +178,7 @@ def episodes(factory, script, questions, n=1, **columns):
     from grpo.agents import HermesParser
     from grpo.config import DataConfig
     from grpo.data import PromptFormatter
-    from grpo.rollout.episodes import EpisodeLimits, MultiTurn
+    from grpo.rollout.multi_turn import EpisodeLimits, MultiTurn
     from tests.chat_templates import family_tokenizer
     from tests.unit.test_episodes import SAMPLING, ScriptedEngine, batch
 
@@ -202,7 +202,7 @@ def call_once(name, arguments):
     ],
 )
 def test_a_hanging_or_exiting_tool_is_a_message_and_the_episode_goes_on(tool, says):
-    from grpo.agents.environments import EnvironmentFactory
+    from grpo.agents.factory import EnvironmentFactory
     from grpo.agents.workers import isolate_factory
 
     factory = EnvironmentFactory([tool])
@@ -215,7 +215,7 @@ def test_a_hanging_or_exiting_tool_is_a_message_and_the_episode_goes_on(tool, sa
 
 
 def test_an_isolated_environment_gives_the_rewards_the_in_process_one_gives():
-    from grpo.agents.environments import EnvironmentFactory
+    from grpo.agents.factory import EnvironmentFactory
     from grpo.agents.workers import isolate_factory
     from tests.unit.test_episodes import Counter as TrlCounter
     from tests.unit.test_episodes import call_text
@@ -233,7 +233,7 @@ def test_an_isolated_environment_gives_the_rewards_the_in_process_one_gives():
 
 
 def test_python_objects_stay_in_process_under_auto():
-    from grpo.agents.environments import EnvironmentFactory
+    from grpo.agents.factory import EnvironmentFactory
     from grpo.agents.workers import isolate_factory
 
     factory = EnvironmentFactory([calculator])
@@ -244,7 +244,7 @@ def test_python_objects_stay_in_process_under_auto():
 def test_an_isolated_factory_travels_to_a_ray_actor_and_forks_its_own_workers_there():
     cloudpickle = pytest.importorskip("cloudpickle")
     from grpo.agents.calculator import calculator as calc
-    from grpo.agents.environments import EnvironmentFactory
+    from grpo.agents.factory import EnvironmentFactory
     from grpo.agents.workers import isolate_factory
     from tests.unit.test_episodes import Counter as TrlCounter
 
