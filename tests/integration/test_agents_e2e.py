@@ -273,3 +273,22 @@ def test_every_environment_is_closed_when_the_run_ends_however_it_ends(tmp_path,
         raised = err
     assert (raised is None) == (ending == "finished")
     assert len(Tracked.made) >= 4 and sorted(Tracked.closed) == sorted(Tracked.made)
+
+
+def test_an_environment_breaking_its_contract_stops_grpo_train_with_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": f"{root / 'src'}:{root}", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-m", "grpo.cli", "train", "--config", "tiny_tools", "train.steps=1",
+         "env.environment=tests.unit.test_environment_contracts:Raises", "train.eval_before=false",
+         "train.eval_after=false", "train.prompts_per_step=2", f"train.output_dir={tmp_path / 'run'}"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("grpo train: error: Raises.reset(**row) raised KeyError: 'no such task'"), last
+    assert "Traceback" not in out.stderr
