@@ -474,10 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(_assignments_first(parser, sys.argv[1:] if argv is None else list(argv)))
     # Imported only now: these pull in torch, which `grpo --help` and usage errors need not wait for.
     from grpo.agents.environments import EnvironmentContractError
+    from grpo.checkpoint.store import CheckpointError
     from grpo.learner import NonFiniteWeightsError
     from grpo.rewards import RewardError
     from grpo.run.assemble import setup_logging
-    from grpo.run.checkpoint import CheckpointError
     from grpo.train import TrainingHalted
 
     setup_logging()

@@ -325,6 +325,7 @@ class Learner:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.policy_forward.forget_casts()  # the masters moved: their compute-dtype casts are stale
         self._check_finite(params)
         return grad_norm, False
 

@@ -162,8 +162,8 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
         )
         return summary
     with trainer.stops.watching():  # a signal now lets the final saves finish; a second one: exit 130
-        lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step))
-        lifecycle.save_final(cfg, p, rt, lambda: checkpoint_state(step))
+        last = lifecycle.save_checkpoint(cfg, p, rt, step, checkpoint_state(step))
+        lifecycle.save_final(cfg, p, rt, lambda: checkpoint_state(step), same_as=last)
     last_eval = t.eval_after or (t.eval_steps and step % t.eval_steps == 0)  # the last step's, as TRL
     if last_eval and trainer.stop_signal is None:
         summary.update(trainer.log_eval(report, best, step, "after"))

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from grpo import train as loop
 from grpo import trl_compat
+from grpo.checkpoint.policy import save_policy_dir
 from grpo.config import GRPOConfig
 from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
 from grpo.distributed import init_runtime
-from grpo.distributed.checkpointing import save_policy_dir
 from grpo.distributed.roles import apply_role_plan
 from grpo.evaluation import EvalResult, evaluate
 from grpo.records import SamplingParams
@@ -147,7 +147,7 @@ class GRPOTrainer:
     def _sampling(self) -> SamplingParams:
         g = self.cfg.generation
         return SamplingParams(
-            self.cfg.effective_max_new_tokens, g.temperature, g.top_k, g.top_p, stop_strings=g.stop_strings
+            self.settings.turn_limit, g.temperature, g.top_k, g.top_p, stop_strings=g.stop_strings
         )
 
     def evaluate(self, progress: Callable[[int], object] | None = None) -> EvalResult | None:
@@ -156,7 +156,7 @@ class GRPOTrainer:
         p, t, g = self.parts, self.cfg.train, self.cfg.generation
         if not p.eval_rows:
             return None
-        max_new_tokens = t.eval_max_new_tokens or self.cfg.effective_max_new_tokens
+        max_new_tokens = t.eval_max_new_tokens or self.settings.turn_limit
         source = self.source
         if source is None:
             stream = PromptStream(p.eval_rows, seed=t.seed, shuffle=False)

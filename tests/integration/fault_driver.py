@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.run.checkpoint import list_checkpoints
+from grpo.checkpoint.store import list_checkpoints
 from tests import tiny_run
 
 STEPS = 24

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpo.run.checkpoint as ckpt
+import grpo.checkpoint.store as ckpt
 from grpo import GRPOConfig, GRPOTrainer, cli
+from grpo.checkpoint.store import CheckpointError, save_model_dir
 from grpo.config import ConfigError, load_config
 from grpo.model.loading import prepare_tokenizer
 from grpo.rewards import RewardError
-from grpo.run.checkpoint import CheckpointError, save_model_dir
 from grpo.run.runlock import RunLock
 from tests import tiny_run
 

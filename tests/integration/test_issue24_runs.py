@@ -15,11 +15,11 @@ import pytest
 import torch
 import yaml
 
+import grpo.checkpoint.store
 import grpo.run.assemble
-import grpo.run.checkpoint
 from grpo import GRPOConfig, GRPOTrainer, cli
+from grpo.checkpoint.store import CheckpointError, verify_checkpoint
 from grpo.config import ConfigError
-from grpo.run.checkpoint import CheckpointError, verify_checkpoint
 from grpo.train import TrainingHalted
 from tests import tiny_run
 
@@ -209,14 +209,14 @@ def test_sigterm_while_a_reward_is_stuck_in_c_saves_and_exits_143(assets, tmp_pa
 
 def test_sigterm_during_the_final_save_lets_it_finish_and_says_so(assets, tmp_path, monkeypatch, capsys):
     # 091d311: exit 143 with no message, and final_model.tmp left behind.
-    real_point = grpo.run.checkpoint._fault_point
+    real_point = grpo.checkpoint.store._fault_point
 
     def signal_inside_the_final_save(path, point):
         if path.name.startswith("final_model") and point == "state":
             signal.raise_signal(signal.SIGTERM)
         real_point(path, point)
 
-    monkeypatch.setattr(grpo.run.checkpoint, "_fault_point", signal_inside_the_final_save)
+    monkeypatch.setattr(grpo.checkpoint.store, "_fault_point", signal_inside_the_final_save)
     rc, lines = cli_run(assets, tmp_path, capsys, steps=1)
     assert rc == 143
     assert any("Signal 15 arrived during the final save, which completed: 1 steps" in x for x in lines)
@@ -267,7 +267,7 @@ def test_a_state_file_missing_its_learner_key_is_refused_by_name(assets, tmp_pat
     state = torch.load(state_file, weights_only=True)
     del state["learner"]
     torch.save(state, state_file)
-    grpo.run.checkpoint.write_manifest(out / "checkpoint-1")  # a consistent, hand-edited checkpoint
+    grpo.checkpoint.store.write_manifest(out / "checkpoint-1")  # a consistent, hand-edited checkpoint
     trainer = GRPOTrainer(
         config=GRPOConfig(**settings(assets, out, steps=2, resume=str(out / "checkpoint-1")))
     )

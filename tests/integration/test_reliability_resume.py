@@ -136,19 +136,19 @@ def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(
 ):
     import yaml
 
-    import grpo.run.checkpoint
+    import grpo.checkpoint.store
     from grpo import cli
 
     out, data = tmp_path / "run", tiny_run.write_dataset(tmp_path / "data.jsonl", 6)
     monkeypatch.setattr(__import__(__name__, fromlist=["_"]), "TERM_AT", SignalAt(3, signal.SIGTERM))
-    real_point = grpo.run.checkpoint._fault_point
+    real_point = grpo.checkpoint.store._fault_point
 
     def second_signal_inside_the_stop_save(path, point):
         if path.name == "checkpoint-3" and point == "state":  # weights and state written, no manifest yet
             signal.raise_signal(signal.SIGTERM)
         real_point(path, point)
 
-    monkeypatch.setattr(grpo.run.checkpoint, "_fault_point", second_signal_inside_the_stop_save)
+    monkeypatch.setattr(grpo.checkpoint.store, "_fault_point", second_signal_inside_the_stop_save)
     settings = tiny_run.config(
         assets["model"],
         data,
@@ -175,4 +175,4 @@ def test_a_second_signal_during_the_stop_checkpoint_exits_130_and_says_so(
         "run from its last checkpoint."
     )
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # no .tmp left behind
-    assert grpo.run.checkpoint.verify_checkpoint(out / "checkpoint-2") is None
+    assert grpo.checkpoint.store.verify_checkpoint(out / "checkpoint-2") is None

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -81,6 +82,8 @@ def test_short_run_trains_saves_and_reloads(tmp_path):
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) > len(before) // 2, "training left most weights untouched"
     assert "hf_token: null" in (out / "config.yaml").read_text()
+    for name in ("model.safetensors", "training_state.pt"):  # written once at the end, under two names
+        assert os.path.samefile(out / "final_model" / name, out / "checkpoint-4" / name)
 
 
 def test_resume_continues_exactly(tmp_path):
@@ -96,6 +99,22 @@ def test_resume_continues_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     straight_lines = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
     assert straight_lines[3]["reward"] == lines[3]["reward"] and straight_lines[3]["loss"] == lines[3]["loss"]
+
+
+def test_resume_from_a_linked_final_model_continues_exactly(tmp_path):
+    """final_model/ shares the last checkpoint's files (written once); resuming from it is resuming from
+    that checkpoint, and the new run's saves leave the old files as they were."""
+    straight = tmp_path / "straight"
+    run(straight, steps=3, save_steps=2)
+    split = tmp_path / "split"
+    run(split, steps=2, save_steps=2)
+    before = (split / "checkpoint-2" / "model.safetensors").read_bytes()
+    run(split, steps=3, save_steps=2, resume=str(split / "final_model"))
+    assert [json.loads(x)["step"] for x in (split / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    a = load_file(str(straight / "final_model" / "model.safetensors"))
+    b = load_file(str(split / "final_model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (split / "checkpoint-2" / "model.safetensors").read_bytes() == before
 
 
 def test_seed_quick_start_runs_as_written(tmp_path):

@@ -5,14 +5,15 @@ import errno
 import logging
 import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import grpo.run.checkpoint as ckpt
-from grpo.run.checkpoint import (
+import grpo.checkpoint.store as ckpt
+from grpo.checkpoint.store import (
     CheckpointError,
     find_resume_dir,
     load_training_state,
@@ -160,3 +161,25 @@ def test_training_state_loads_with_weights_only(run, monkeypatch):
     monkeypatch.setattr(ckpt.torch, "load", lambda *a, **k: calls.append(k) or real(*a, **k))
     assert load_training_state(run / "checkpoint-2")["step"] == 2
     assert calls[0]["weights_only"] is True
+
+
+def test_final_model_linked_to_the_last_checkpoint_shares_its_files_and_verifies(run):
+    final = ckpt.link_model_dir(run / "checkpoint-3", run / "final_model")
+    names = sorted(p.name for p in (run / "checkpoint-3").iterdir())
+    assert sorted(p.name for p in final.iterdir()) == names
+    for name in names:  # one copy on disk: the end of a run writes its weights and optimizer state once
+        assert os.path.samefile(final / name, run / "checkpoint-3" / name)
+    assert verify_checkpoint(final) is None
+    assert load_training_state(final)["step"] == 3  # resumable as the checkpoint is
+    shutil.rmtree(run / "checkpoint-3")  # pruned later: final_model keeps its files
+    assert verify_checkpoint(final) is None and not list(run.glob("*.tmp"))
+
+
+def test_final_model_is_copied_where_hard_links_fail(run, monkeypatch):
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "hard links not supported")
+
+    monkeypatch.setattr(ckpt.os, "link", no_links)
+    final = ckpt.link_model_dir(run / "checkpoint-3", run / "final_model")
+    assert not os.path.samefile(final / "model.safetensors", run / "checkpoint-3" / "model.safetensors")
+    assert verify_checkpoint(final) is None

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from grpo.model import decoder as decoder_module
 from grpo.model import packed as native_logprobs
+from grpo.model import shared_prompt as shared_prompt_module
 from grpo.model.decoder import GroupLayout, NativeDecoder, unsupported_reason
 from grpo.model.forward import token_logprobs
 from grpo.model.packed import ChunkedTokenLogprobs, shared_prompt_logprobs
@@ -143,7 +143,7 @@ def shared_prompt_batch(seed=0):
 @pytest.mark.parametrize("arch", ["qwen2", "llama3.1"])
 @pytest.mark.parametrize("query_chunk", [64, 2])  # one attention call; three causal query chunks
 def test_shared_prompt_loss_and_gradients_equal_unshared(arch, query_chunk, monkeypatch):
-    monkeypatch.setattr(decoder_module, "QUERY_CHUNK", query_chunk)
+    monkeypatch.setattr(shared_prompt_module, "QUERY_CHUNK", query_chunk)
     model = random_model(arch).train()
     batch = shared_prompt_batch()
     mask, adv = batch.completion_mask, batch.advantages

@@ -56,6 +56,18 @@ def test_sampler_never_picks_a_removed_token():
     assert (logp <= 0).all()
 
 
+def test_a_draw_that_rounds_up_to_the_total_takes_the_last_token_with_mass(monkeypatch):
+    """u = rand · total can round up to the total (p ≈ 1e-7); u = total exactly stands in for it. Tokens
+    after the last with mass are filtered (−inf): none of them, and no index past the vocabulary, comes
+    out."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.1, 0.2, 3.0, 0.3, 0.4]])  # [2, 5]
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape))
+    tokens, logp = sample_tokens(logits, SamplingParams(max_new_tokens=1, top_k=3))
+    kept = filter_logits(logits, 1.0, 3, 1.0).isfinite()  # [2, 5]
+    last = [max(i for i in range(5) if kept[r, i]) for r in range(2)]
+    assert tokens.tolist() == last and torch.isfinite(logp).all()
+
+
 def test_eos_truncation_logprobs_and_dropped_rows(tiny_model, id_tokenizer):
     # Eleven eos ids end a quarter of the rows each step, so finished rows get dropped many times.
     tiny_model.generation_config.eos_token_id = list(range(1, 12))
@@ -195,3 +207,18 @@ def test_engine_choice_and_fallback(tiny_model, id_tokenizer):
     assert isinstance(build_engine("transformers", tiny_model, id_tokenizer), TransformersEngine)
     tiny_model.config.model_type = "not-a-llama"
     assert isinstance(build_engine("native", tiny_model, id_tokenizer), TransformersEngine)
+
+
+def test_a_decode_step_copies_to_the_host_once(tiny_model, id_tokenizer, monkeypatch):
+    """On a GPU every device-to-host copy is a sync that stalls the next step's kernels: a step brings its
+    tokens, log-probs and eos flags back in one copy (it was three)."""
+    tiny_model.generation_config.eos_token_id = None  # no eos: every row runs to the limit, no compaction
+    engine = NativeEngine(tiny_model, id_tokenizer)
+    engine.eos_ids = torch.tensor([-1])
+    copies = []
+    real = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(1) or real(self, *a, **k))
+    torch.manual_seed(0)
+    out = engine.generate([[3, 4, 5], [6, 7]], 3, SamplingParams(max_new_tokens=10))
+    assert out.completion_mask.sum() == 6 * 10
+    assert len(copies) <= 10 + 2  # one a step, plus set-up

@@ -178,3 +178,26 @@ def test_trls_peft_config_is_applied_to_a_copy_not_the_callers_args(tmp_path):
     )
     assert args.to_yaml() == before and not args.lora.enabled
     assert trainer.args.lora.enabled and trainer.args.lora.r == 2
+
+
+def test_the_learner_of_an_agent_run_normalises_by_the_episode_limit(tmp_path, monkeypatch):
+    import grpo.train
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def learner(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    cfg = load_config("tiny_tools", {"output_dir": str(tmp_path / "run"), "eval_before": False, "steps": 1})
+    trainer = GRPOTrainer(config=cfg)
+    monkeypatch.setattr(grpo.train, "Learner", learner)
+    with pytest.raises(Stop):
+        trainer.train()
+    # env.max_tokens 160: the episode's limit, not one turn's max_new_tokens (48)
+    assert (
+        seen["completion_limit"] == trainer.settings.completion_limit == 160 != cfg.generation.max_new_tokens
+    )

@@ -35,6 +35,7 @@ import inspect
 import logging
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -118,6 +119,56 @@ async def _awaited(value: Any) -> Any:
     return await value
 
 
+# Workers are forked by one long-lived thread: the kernel's parent-death signal (PR_SET_PDEATHSIG, which
+# kills a worker when the trainer dies, SIGKILL included) fires when the *thread* that forked it ends, and a
+# tool call's thread ends with the call.
+_fork_requests: queue.SimpleQueue = queue.SimpleQueue()
+_forker: threading.Thread | None = None
+_forker_lock = threading.Lock()
+_open_fds: set[int] = set()  # every live worker's pipe ends in the trainer: a new worker closes its copies
+
+
+def _fork(make: Callable[[], Any]) -> tuple[int, int, int]:
+    global _forker
+    with _forker_lock:
+        if _forker is None or not _forker.is_alive():
+            _forker = threading.Thread(target=_forking, name="grpo-worker-forker", daemon=True)
+            _forker.start()
+    answer: queue.SimpleQueue = queue.SimpleQueue()
+    _fork_requests.put((make, answer))
+    result = answer.get()
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _forking() -> None:
+    while True:
+        make, answer = _fork_requests.get()
+        try:
+            answer.put(_fork_now(make))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller (e.g. out of processes)
+            answer.put(err)
+
+
+def _fork_now(make: Callable[[], Any]) -> tuple[int, int, int]:
+    requests_r, requests_w = os.pipe()
+    answers_r, answers_w = os.pipe()
+    with warnings.catch_warnings():  # 3.12+ warns about fork with threads; the child takes no lock of theirs
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        # Other workers' pipe ends stay with the trainer: a copy here would keep their pipes open.
+        for fd in (*_open_fds, requests_w, answers_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _serve(make, requests_r, answers_w)
+    os.close(requests_r)
+    os.close(answers_w)
+    _open_fds.update((requests_w, answers_r))
+    return pid, requests_w, answers_r
+
+
 class Worker:
     """One forked process holding `make()`'s result; `call` runs a method (or, for a dict, a function) of it.
 
@@ -128,19 +179,7 @@ class Worker:
         self.timeout, self.what = timeout, what
         self._lock = threading.Lock()
         self.pid: int | None = None
-        requests_r, requests_w = os.pipe()
-        answers_r, answers_w = os.pipe()
-        with (
-            warnings.catch_warnings()
-        ):  # 3.12+ warns about fork with threads; the child takes no lock of theirs
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:
-            os.close(requests_w)
-            os.close(answers_r)
-            _serve(make, requests_r, answers_w)
-        os.close(requests_r)
-        os.close(answers_w)
+        pid, requests_w, answers_r = _fork(make)
         self.pid, self._requests, self._answers = pid, requests_w, answers_r
         self._finalizer = weakref.finalize(self, _end, pid, requests_w, answers_r)
         self._answer(f"making {what}")  # raises what the factory raised
@@ -211,6 +250,7 @@ def _reap(pid: int | None) -> int | None:
 
 
 def _end(pid: int, requests: int, answers: int, kill: bool = True) -> None:
+    _open_fds.difference_update((requests, answers))
     for fd in (requests, answers):
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -123,6 +123,11 @@ class Runtime:
         shards (masters and AdamW state), all-gathers them in `param_dtype` for compute and
         reduce-scatters gradients in float32; DDP's forward runs under the learner's autocast."""
         if not self.active:
+            if self.strategy == "fsdp2":  # the config says FSDP2; say plainly that one process shards nothing
+                log.info(
+                    "distributed.strategy=fsdp2 in one process: nothing is sharded, the model trains whole "
+                    "on one device (shard it with torchrun --nproc_per_node N)."
+                )
             return model
         if self.strategy == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -132,9 +137,15 @@ class Runtime:
                 if param_dtype == torch.float32
                 else MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
             )
-            for layer in decoder_layers(model):
+            layers = decoder_layers(model)
+            for layer in layers:
                 fully_shard(layer, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
+            log.info(
+                "FSDP2: %d decoder layers and the root (embeddings, norm, head) sharded over %d processes.",
+                len(layers),
+                self.world_size,
+            )
             return model
         from torch.nn.parallel import DistributedDataParallel
 

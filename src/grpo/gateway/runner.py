@@ -120,7 +120,14 @@ class AgentRunner:
             self.server = self.gateway = None
 
     def check_prompts(self, rows: list[dict], sample: int = 64) -> None:
-        del rows, sample  # the agent writes its own prompts; each request is checked as it arrives
+        """At start-up: the chat template keeps earlier turns as sampled (else no row could be continued
+        token in, token out). The prompts are the agent's own: each request is checked as it arrives."""
+        from grpo.agents.chat import ChatRenderer
+        from grpo.rollout.episodes import refuse_rewriting_template
+
+        del rows, sample
+        renderer = ChatRenderer(self.tokenizer, None, **(self.gateway_args["template_kwargs"] or {}))
+        refuse_rewriting_template(renderer, self.gateway_args["model_name"])
 
     def metrics(self) -> dict[str, float]:
         out, self._metrics = self._metrics, {}
@@ -339,6 +346,14 @@ def build_agent_runner(cfg, formatter, agent) -> AgentRunner:
         from grpo.gateway.agent_command import AgentCommand
 
         agent = AgentCommand(cfg.env.agent_command, timeout_s=cfg.env.episode_timeout_s)
+    if cfg.distributed.rollout_mode != "colocated":
+        from grpo.config import ConfigError
+
+        raise ConfigError(
+            f"env.agent / env.agent_command run with rollout.mode=colocated only (this run has "
+            f"{cfg.distributed.rollout_mode}): the gateway serves the learner process's engine. Drop "
+            "rollout.mode, or use tools= / an environment with Ray rollout."
+        )
     tokenizer = formatter.tokenizer
     parser = detect_parser(tokenizer, cfg.model.name_or_path, cfg.env.tool_parser)
     limits = Limits(

@@ -214,3 +214,6 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(err.body())}\n\n".encode())
         except (BrokenPipeError, ConnectionResetError):
             log.debug("gateway: a client closed its stream early")
+        finally:
+            if (close := getattr(items, "close", None)) is not None:
+                close()  # a turn the client left still ends (and is recorded) in Gateway.complete

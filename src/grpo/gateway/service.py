@@ -100,21 +100,27 @@ class Gateway:
             return
         stream = _TextStream(self.tokenizer, self.special_ids, _CALL_MARKERS.get(self.parser.name, ()))
         sampled: list[int] = []
-        while True:
-            event = job.events.get()
-            if event[0] == "token":
+        event = None
+        try:
+            while (event := job.events.get())[0] == "token":
                 if len(sampled) < cap:
                     sampled.append(event[1])
                     if text := stream.feed(sampled):
                         yield TextDelta(text)
-            elif event[0] == "error":
-                with session.lock:
-                    row.busy = False
-                raise GatewayError(500, f"The engine failed: {event[1]}", "server_error")
-            else:
-                break
-        _, ids, logprobs, truncated = event
-        done = self._finish(session, row, req, ids, logprobs, truncated, cap)
+        finally:
+            if event is not None and event[0] == "token":  # the client left mid-stream: the turn counts
+                while (event := job.events.get())[0] == "token":
+                    pass
+                if event[0] == "done":
+                    self._finish(session, row, req, *event[1:], cap)
+                else:
+                    with session.lock:
+                        row.busy = False
+        if event[0] == "error":
+            with session.lock:
+                row.busy = False
+            raise GatewayError(500, f"The engine failed: {event[1]}", "server_error")
+        done = self._finish(session, row, req, *event[1:], cap)
         rest = done.message.get("content") or ""
         if rest.startswith(stream.sent):
             if rest[len(stream.sent) :]:

@@ -114,9 +114,15 @@ class PolicyForward:
             self.decoder = NativeDecoder(model, compute_dtype)
             self.decoder.gradient_checkpointing = gradient_checkpointing
             self.decoder.compile_blocks = compile_blocks  # model/compiled.py
+            self.decoder.reuse_casts = True  # one cast per optimizer step: call forget_casts() after it
         self.kind = "transformers" if self.decoder is None else "native"
         # The transformers forward makes [tokens, vocab] logits unless its LM head can run in chunks.
         self.full_logits = self.decoder is None and chunkable_head(model, compute_dtype, entropy_grad) is None
+
+    def forget_casts(self) -> None:
+        """After an optimizer step: the weights changed, their compute-dtype casts are stale."""
+        if self.decoder is not None:
+            self.decoder.forget_casts()
 
     def __call__(self, batch: TrainBatch, temperature: float, with_entropy: bool = False):
         if self.decoder is not None:

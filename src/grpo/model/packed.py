@@ -18,7 +18,17 @@ from grpo.model.linear import linear
 from grpo.model.lora import lora_base
 from grpo.records import TrainBatch
 
-CHUNK_ELEMENTS = 1 << 22  # logits elements per chunk (16 MB in float32)
+CHUNK_ELEMENTS = 1 << 22  # logits elements per chunk on a CPU (16 MB in float32: fits its caches)
+# On a GPU a chunk is one launch that re-reads the whole [V, d] head (memory-bound) and, in backward, a
+# fresh [V, d] product added into the float32 gradient: at the CPU size a 151,936-token vocabulary gives
+# 27-row chunks, ~320 per pass. 2^28 elements (1 GiB in float32, ~1,770 rows there) makes them few.
+CUDA_CHUNK_ELEMENTS = 1 << 28
+
+
+def chunk_rows(vocab_size: int, device: torch.device) -> int:
+    """Rows of the LM head's logits computed at once on `device`."""
+    elements = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS
+    return max(1, elements // vocab_size)
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -28,7 +38,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool):
         # hidden [M, d], weight [V, d], targets [M] → logp [M], entropy [M] (empty unless asked)
         m, v = hidden.shape[0], weight.shape[0]
-        chunk = max(1, CHUNK_ELEMENTS // v)
+        chunk = chunk_rows(v, hidden.device)
         logp = hidden.new_empty(m, dtype=torch.float32)
         lse = hidden.new_empty(m, dtype=torch.float32)
         entropy = hidden.new_empty(m if with_entropy else 0, dtype=torch.float32)

@@ -143,12 +143,13 @@ class NativeEngine:
         logits = first_logits.repeat_interleave(n, dim=0)  # [N, V]: a group's first token shares one prefill
         for step in range(t_max):
             tokens, lp = sample_tokens(logits, sampling)  # [n_active]
+            host_tokens, host_lp, hit_eos = _to_host(tokens, lp, eos_ids)
             live = active[alive]
-            ids[live, step] = tokens[alive].cpu()
-            logprobs[live, step] = lp[alive].float().cpu()
+            ids[live, step] = host_tokens[alive]
+            logprobs[live, step] = host_lp[alive]
             if on_step is not None:
                 on_step(live.tolist(), ids[live, step].tolist())
-            done = torch.isin(tokens, eos_ids).cpu() & alive
+            done = hit_eos & alive
             if stops.active:
                 hit = stops.hits(ids, live, step)  # [n_alive]
                 done[alive.nonzero().squeeze(-1)[hit]] = True
@@ -190,6 +191,14 @@ class NativeEngine:
             sampling_logprobs=logprobs * mask,
             truncated=~ended,
         )
+
+
+def _to_host(tokens: torch.Tensor, lp: torch.Tensor, eos_ids: torch.Tensor):
+    """A decode step's tokens, their log-probs and which are eos, on the host in one copy: on a GPU each
+    copy is a sync that stops the host from queueing the next step's kernels (one, not three). float64
+    holds token ids (< 2^53) and float32 log-probs exactly."""
+    both = torch.stack([tokens.double(), lp.double(), torch.isin(tokens, eos_ids).double()]).cpu()  # [3, n]
+    return both[0].long(), both[1].float(), both[2].bool()
 
 
 def unwritten_bias(step: int, length: int, device, dtype) -> torch.Tensor:

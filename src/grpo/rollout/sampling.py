@@ -15,7 +15,7 @@ from grpo.records import SamplingParams
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Temperature, then top-k, then nucleus filtering (the order transformers uses); −inf = removed."""
-    logits = logits / temperature  # [N, V]
+    logits = logits / temperature if temperature != 1.0 else logits  # [N, V] (÷1 would only copy)
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [N, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -40,11 +40,14 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch
     )  # [n, V]
     # Inverse CDF: token i owns [cdf_{i-1}, cdf_i); a filtered token's interval is empty and never drawn.
     cdf = logp.exp().cumsum(-1)  # [n, V]
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]  # [n, 1]
+    total = cdf[:, -1:]  # [n, 1]
+    # u can round up to the total (p ≈ 1e-7), where no interval holds it: keep it one float below, in
+    # the interval of the last token with mass. Done on [n, 1], not as a search over the [n, V] logits
+    # on every step for a draw that almost never needs it.
+    u = torch.minimum(
+        torch.rand(cdf.shape[0], 1, device=cdf.device) * total, total.nextafter(total.new_zeros(()))
+    )
     tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # [n]
-    # u can round up to the total (p ≈ 1e-7): fall back to the last token with mass.
-    last = logp.shape[-1] - 1 - logp.isfinite().flip(-1).int().argmax(-1)  # [n]
-    tokens = torch.where(tokens > last, last, tokens)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 

@@ -94,9 +94,17 @@ def _quiet_weight_reloads() -> None:
         reload_log.addFilter(_ExpectedReloadNoise())
 
 
-def hf_state(policy, merge_lora: bool = True) -> dict[str, torch.Tensor]:
+def engine_dtype(model, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype vLLM runs in: the run's compute dtype (model.dtype resolved: bfloat16 on a GPU), not the
+    dtype of the float32 masters it samples for. In float32 vLLM's CUDA attention backends (16-bit only)
+    are out of reach, and weights and KV cache take twice the memory."""
+    return compute_dtype or next(model.parameters()).dtype
+
+
+def hf_state(policy, merge_lora: bool = True, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The policy's weights under Hugging Face names (what vLLM's loader reads); LoRA adapters merged, or
-    (merge_lora=False) left out: the frozen base weights alone."""
+    (merge_lora=False) left out: the frozen base weights alone. `dtype`: floating tensors cast to the
+    engine's dtype on the way (half the bytes through /dev/shm per weight sync in bf16)."""
     from grpo.model.lora import base_state, is_lora, merged_state
 
     if is_lora(policy) and merge_lora:
@@ -107,6 +115,8 @@ def hf_state(policy, merge_lora: bool = True) -> dict[str, torch.Tensor]:
         state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in live.items()}
     if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     return state
 
 
@@ -216,7 +226,7 @@ class VLLMEngine:
     sampler_differs = True  # its log-probs come from other kernels: the learner recomputes π_old and corrects
     needs_weight_sync = True
 
-    def __init__(self, model, tokenizer, gen=None, seed: int = 0):
+    def __init__(self, model, tokenizer, gen=None, seed: int = 0, compute_dtype: torch.dtype | None = None):
         from grpo.config import ConfigError, GenerationConfig
         from grpo.model.lora import is_lora
 
@@ -236,13 +246,14 @@ class VLLMEngine:
         self.pad_id = tokenizer.pad_token_id
         self.cuda = next(model.parameters()).device.type == "cuda"
         self.lora = is_lora(model) and gen.vllm_lora_sync == "adapter"
+        self.dtype = engine_dtype(model, compute_dtype)
         self.dir = _WeightsDir(model, tokenizer)
-        self.dir.write(hf_state(model, merge_lora=not self.lora))
+        self.dir.write(hf_state(model, merge_lora=not self.lora, dtype=self.dtype))
         self.lora_request = None
         threads = torch.get_num_threads()
         if not self.cuda:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(gen.vllm_kv_cache_gb)))
-        dtype = next(model.parameters()).dtype
+        dtype = self.dtype
         kwargs = {
             "model": str(self.dir.path),
             "tokenizer": str(self.dir.path),
@@ -286,7 +297,7 @@ class VLLMEngine:
         if self.lora:
             self._push_adapter(policy)
         else:
-            self.dir.write(hf_state(policy))
+            self.dir.write(hf_state(policy, dtype=self.dtype))
             self.wake()
             self.llm.collective_rpc("reload_weights")
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
@@ -528,8 +539,9 @@ def server_choices(
     return out
 
 
-def build(model, tokenizer, *, generation=None, seed: int = 0, **_):
-    """A vLLM server's client when generation.vllm_server_url is set, else vLLM in this process."""
+def build(model, tokenizer, *, generation=None, seed: int = 0, compute_dtype=None, **_):
+    """A vLLM server's client when generation.vllm_server_url is set, else vLLM in this process, in the
+    run's compute dtype."""
     if generation is not None and generation.vllm_server_url:
         return VLLMServerEngine(generation.vllm_server_url, model, tokenizer, generation)
-    return VLLMEngine(model, tokenizer, generation, seed=seed)
+    return VLLMEngine(model, tokenizer, generation, seed=seed, compute_dtype=compute_dtype)

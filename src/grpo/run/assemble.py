@@ -254,7 +254,9 @@ def _build_parts(
         ", ".join([*(getattr(f, "__name__", type(f).__name__) for f in funcs), *episodes.reward_names]),
     )
     ref_dtype = None if ref is None else next(ref.parameters()).dtype
-    log.info(precision_summary(compute, ref_dtype, cfg.train.save_dtype, cfg.distributed.strategy == "fsdp2"))
+    # What Runtime.sharded will say: one process shards nothing, whatever the strategy.
+    sharded = cfg.distributed.strategy == "fsdp2" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    log.info(precision_summary(compute, ref_dtype, cfg.train.save_dtype, sharded))
     return RunParts(
         run_dir,
         device,

@@ -19,15 +19,9 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import ConfigError, GRPOConfig
-from grpo.data import PromptStream
-from grpo.distributed.checkpointing import load_policy_weights, save_policy_dir
-from grpo.distributed.runtime import Runtime
-from grpo.files import write_text
-from grpo.ranges import check_range
-from grpo.rewards.isolation import clear_stop, request_stop
-from grpo.run.assemble import RunParts
-from grpo.run.checkpoint import (
+from grpo.checkpoint.policy import load_policy_weights, save_policy_dir
+from grpo.checkpoint.store import (
+    link_model_dir,
     list_checkpoints,
     load_training_state,
     prune_checkpoints,
@@ -36,6 +30,13 @@ from grpo.run.checkpoint import (
     seed_everything,
     set_rng_state,
 )
+from grpo.config import ConfigError, GRPOConfig
+from grpo.data import PromptStream
+from grpo.distributed.runtime import Runtime
+from grpo.files import write_text
+from grpo.ranges import check_range
+from grpo.rewards.isolation import clear_stop, request_stop
+from grpo.run.assemble import RunParts
 from grpo.run.console import result_line, resume_hint
 from grpo.run.preflight import plan_resume
 
@@ -293,12 +294,24 @@ def save_checkpoint(cfg: GRPOConfig, parts: RunParts, rt: Runtime, step: int, st
     return path
 
 
-def save_final(cfg: GRPOConfig, parts: RunParts, rt: Runtime, state: Callable[[], dict]) -> None:
+def save_final(
+    cfg: GRPOConfig, parts: RunParts, rt: Runtime, state: Callable[[], dict], same_as: Path | None = None
+) -> None:
     """final_model/ is resumable like checkpoint-{step}/ (the seed's layout), except as merged LoRA weights,
     which no longer hold the adapters the optimizer state belongs to, or as a bf16/fp16 export
-    (train.save_dtype), which no longer holds the float32 masters."""
+    (train.save_dtype), which no longer holds the float32 masters.
+
+    `same_as`: the checkpoint just saved after the last step. Where final_model/ would hold exactly what it
+    holds (not merged, not exported), it becomes a second name for its files (`store.link_model_dir`):
+    the weights and optimizer state are written once at the end of a run, not twice (6 GB each on a
+    0.5B model), and no rank gathers the weights again."""
     merged = cfg.lora.enabled and cfg.lora.save_merged
     export = SAVE_DTYPES.get(cfg.train.save_dtype)
+    if same_as is not None and not (merged or export):
+        if rt.is_main:
+            link_model_dir(same_as, parts.run_dir / "final_model")
+        rt.barrier()
+        return
     timed = lambda: {**state(), "elapsed_s": run_seconds(parts)}  # noqa: E731
     save_policy_dir(
         rt,

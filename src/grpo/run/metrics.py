@@ -22,12 +22,12 @@ from tqdm.auto import tqdm
 
 from grpo.algorithm.advantages import group_reward_stats
 from grpo.algorithm.importance import mismatch_metrics, sampler_ess
+from grpo.checkpoint.store import CheckpointError
 from grpo.config import ConfigError
 from grpo.distributed.runtime import Runtime
 from grpo.files import append_text, open_append, own_dir, refuse_link, write_text
 from grpo.records import Rollouts, ScoredRollouts
 from grpo.redact import argv_redacted
-from grpo.run.checkpoint import CheckpointError
 from grpo.run.console import FILE_ONLY
 
 log = logging.getLogger("grpo")

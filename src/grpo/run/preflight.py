@@ -13,15 +13,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from grpo.config import BUNDLED_MODEL, BUNDLED_MODELS, ConfigError, GRPOConfig
-from grpo.config.yaml_limits import load_yaml
-from grpo.run.checkpoint import (
+from grpo.checkpoint.store import (
     CHECKPOINT_RE,
     find_resume_dir,
     list_checkpoints,
     read_saved_config,
     remove_partial_saves,
 )
+from grpo.config import BUNDLED_MODEL, BUNDLED_MODELS, ConfigError, GRPOConfig
+from grpo.config.yaml_limits import load_yaml
 from grpo.run.console import from_cli
 
 log = logging.getLogger("grpo")

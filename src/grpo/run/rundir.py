@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -96,11 +97,15 @@ def _ours(path: Path, held_a_run: bool) -> bool:
 
 
 def setup_logging(run_dir: Path | None = None) -> None:
-    import datasets
     import transformers
 
     # Our own progress bar and log lines say what is happening; the libraries' per-file bars are noise.
-    datasets.disable_progress_bars()
+    # `datasets` is imported only where a dataset is read through it (data/sources.py): a run on bundled
+    # or JSON data needs none installed. It reads this variable when it is imported.
+    if (datasets := sys.modules.get("datasets")) is not None:
+        datasets.disable_progress_bars()
+    else:
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logger = logging.getLogger("grpo")

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from grpo.checkpoint.store import save_model_dir
 from grpo.distributed.runtime import Runtime
 from grpo.files import write_text
 from grpo.model.lora import adapter_state, is_lora, merged_state
-from grpo.run.checkpoint import save_model_dir
 
 ADAPTER_SUBDIR = "adapter"
 ADAPTER_STATE_KEY = "adapter_weights"

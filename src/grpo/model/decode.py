@@ -1,0 +1,241 @@
+"""The rollout passes of the native decoder: prompt prefill, per-generate decode weights, one decode step.
+
+Each group's prompt is prefilled once; its G completions decode against that one prompt KV (grouped
+attention, `GroupLayout`), each with its own completion KV. The functions take the `NativeDecoder`
+whose live weights and block pieces they use (model/decoder.py; `dec` below, untyped here because
+that module imports this one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from grpo.model.arch import rms_norm, rotate
+from grpo.model.linear import DecodeLinear, decode_onednn
+
+
+@dataclass
+class PromptCache:
+    """Per-layer KV of P prefilled prompts (right-padded) and the bias masking their padding."""
+
+    keys: list[torch.Tensor]  # L × [P, Hkv, Lp, D]
+    values: list[torch.Tensor]  # L × [P, Hkv, Lp, D]
+    bias: torch.Tensor  # [P, 1, 1, Lp] 0 on real prompt tokens, −inf on padding
+    lengths: torch.Tensor  # [P] long
+
+
+@dataclass
+class LayerWeights:
+    """One block's weights as decoding uses them."""
+
+    input_norm: torch.Tensor
+    qkv: list[DecodeLinear]  # one fused q|k|v projection or three
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: DecodeLinear
+    post_norm: torch.Tensor
+    gate: DecodeLinear
+    up: DecodeLinear
+    down: DecodeLinear
+    q_scaled: bool = False  # the attention scale is folded into the q projection
+
+
+@dataclass
+class DecodeWeights:
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: DecodeLinear
+
+
+class GroupLayout:
+    """Which prompt each active decode row belongs to, and the padded [P, Gm] slot of each row.
+
+    Rows are kept sorted by group; when rows finish and are dropped the layout is rebuilt, so the
+    grouped prompt attention only ever touches live rows (plus padding up to the fullest group).
+    """
+
+    def __init__(self, row_group: torch.Tensor, prompt_lengths: torch.Tensor, num_groups: int):
+        self.row_group = row_group  # [n] long, sorted
+        counts = torch.bincount(row_group, minlength=num_groups)  # [P]
+        self.num_groups, self.width = num_groups, max(int(counts.max().item()), 1)
+        start = torch.cumsum(counts, 0) - counts  # [P]
+        rank = torch.arange(row_group.numel(), device=row_group.device) - start[row_group]
+        self.slot = row_group * self.width + rank  # [n]
+        self.dense = bool((counts == self.width).all())  # every group full: slots are 0..n-1
+        self.prompt_len_per_row = prompt_lengths[row_group]  # [n]
+
+    def to_groups(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, Hkv, rep, X] per row → [P, Hkv, Gm·rep, X] per group."""
+        _, hkv, rep, d = x.shape
+        if not self.dense:
+            x = x.new_zeros(self.num_groups * self.width, hkv, rep, d).index_copy(0, self.slot, x)
+        return (
+            x.view(self.num_groups, self.width, hkv, rep, d)
+            .transpose(1, 2)
+            .reshape(self.num_groups, hkv, self.width * rep, d)
+        )
+
+    def to_rows(self, x: torch.Tensor, rep: int) -> torch.Tensor:
+        """[P, Hkv, Gm·rep, X] per group → [n, Hkv, rep, X] per row."""
+        p, hkv, _, d = x.shape
+        x = x.view(p, hkv, self.width, rep, d).transpose(1, 2).reshape(p * self.width, hkv, rep, d)
+        return x if self.dense else x.index_select(0, self.slot)
+
+
+# -- rollout ------------------------------------------------------------------------------------
+def prefill(dec, prompts: list[list[int]], pad_id: int) -> tuple[PromptCache, torch.Tensor]:
+    """Run each prompt once (right-padded, causal). Returns its KV and last-token logits [P, V]."""
+    p, width = len(prompts), max(len(x) for x in prompts)
+    lengths = torch.tensor([len(x) for x in prompts], device=dec.device)
+    ids = torch.full((p, width), pad_id, dtype=torch.long)
+    for i, x in enumerate(prompts):
+        ids[i, : len(x)] = torch.tensor(x)
+    ids = ids.to(dec.device)
+    cos, sin = dec.rope(torch.arange(width, device=dec.device))  # [Lp, D]
+    h = dec.embed(ids).view(p * width, -1)  # [P·Lp, d]
+    cos, sin = cos.repeat(p, 1), sin.repeat(p, 1)
+    keys, values = [], []
+    for layer in dec.layers:
+        q, k, v = dec.qkv(layer, rms_norm(h, dec.w(layer.input_layernorm.weight), dec.eps), cos, sin)
+        q, k, v = (t.view(p, width, -1, dec.head_dim).transpose(1, 2) for t in (q, k, v))  # [P, H, Lp, D]
+        # Right padding: a real query never sees a pad key under the causal mask.
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=dec.scale)
+        h = dec.block_tail(layer, h, attn.transpose(1, 2).reshape(p * width, -1))
+        keys.append(k.contiguous())
+        values.append(v.contiguous())
+    last = h.view(p, width, -1)[torch.arange(p, device=dec.device), lengths - 1]  # [P, d]
+    bias = torch.zeros(p, 1, 1, width, device=dec.device, dtype=dec.dtype)
+    bias.masked_fill_(
+        torch.arange(width, device=dec.device)[None, None, None] >= lengths[:, None, None, None],
+        float("-inf"),
+    )
+    return PromptCache(keys, values, bias, lengths), dec.logits(last)
+
+
+def decode_weights(dec, fuse: bool, onednn: bool | None = None, copy: bool = True) -> DecodeWeights:
+    """Weights for decoding, prepared once per generate call. fuse=True (the CPU path) concatenates
+    q|k|v into one matmul and folds the attention scale into the q rows (RoPE is linear, so scaling
+    before it is the same); onednn (default: fuse, for widths `linear.decode_onednn` sends there) puts
+    every projection on oneDNN with its following elementwise op fused (see model/linear.py). On a
+    CPU a decode step is bound by per-call overhead and small-GEMM efficiency, not arithmetic.
+    Each of these makes a copy of the weights for the call; copy=False makes none (beyond a
+    mixed-precision cast or a LoRA fold), decoding with plain F.linear on the live weights."""
+    onednn = (fuse and decode_onednn(dec.hf.config.hidden_size)) if onednn is None else onednn
+    fuse, onednn = fuse and copy, onednn and copy
+    layers = []
+    fold = fuse and not dec.qk_norm  # q/k RMSNorm would undo a scale folded into q
+    w = dec.w  # mixed precision: the per-generate cast of every weight to the compute dtype
+    for layer in dec.layers:
+        a, m = layer.self_attn, layer.mlp
+        qkv = [dec.proj(a.q_proj), dec.proj(a.k_proj), dec.proj(a.v_proj)]
+        if fuse:
+            q_w, q_b = qkv[0]
+            if fold:
+                q_w, q_b = q_w * dec.scale, None if q_b is None else q_b * dec.scale
+            qkv = [
+                (
+                    torch.cat([q_w] + [w for w, _ in qkv[1:]]),
+                    None if q_b is None else torch.cat([q_b] + [b for _, b in qkv[1:]]),
+                )
+            ]
+        layers.append(
+            LayerWeights(
+                input_norm=w(layer.input_layernorm.weight),
+                qkv=[DecodeLinear(wt, b, onednn, copy) for wt, b in qkv],
+                q_norm=w(a.q_norm.weight) if dec.qk_norm else None,
+                k_norm=w(a.k_norm.weight) if dec.qk_norm else None,
+                o_proj=DecodeLinear(*dec.proj(a.o_proj), onednn, copy),
+                post_norm=w(layer.post_attention_layernorm.weight),
+                gate=DecodeLinear(dec.proj(m.gate_proj)[0], None, onednn, copy),
+                up=DecodeLinear(dec.proj(m.up_proj)[0], None, onednn, copy),
+                down=DecodeLinear(dec.proj(m.down_proj)[0], None, onednn, copy),
+                q_scaled=fold,
+            )
+        )
+    return DecodeWeights(
+        layers, w(dec.base.norm.weight), DecodeLinear(dec.lm_head_weight, None, onednn, copy)
+    )
+
+
+def decode_step(
+    dec,
+    tokens: torch.Tensor,
+    prompts: PromptCache,
+    layout: GroupLayout,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    weights: DecodeWeights,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position: torch.Tensor | None = None,
+    cache_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token for each of n active rows; returns logits [n, V].
+
+    caches: per layer (K, V) views [n, Hkv, t+1, D] of the completion cache up to this step; this
+    step's K/V are written into their last column. Prompt attention is grouped: a group's queries
+    meet its prompt KV in one matmul. cos, sin: [n, D] RoPE at each row's position.
+    Static shapes (the compiled step): `position` [1] long and `cache_bias` [1, 1, 1, T] given, the
+    caches are the whole [n, Hkv, T, D] buffers, this step's K/V go to column `position`, and the
+    bias (−inf past it) masks the columns not written yet; every step then has the same shapes, and
+    one compiled graph serves them all.
+    """
+    n, h_q, h_kv, d = tokens.shape[0], dec.num_heads, dec.num_kv_heads, dec.head_dim
+    cos, sin = cos[:, None], sin[:, None]
+    h = dec.embed(tokens)  # [n, d_model]
+    for i, w in enumerate(weights.layers):
+        x = rms_norm(h, w.input_norm, dec.eps)
+        qkv = torch.cat([p(x) for p in w.qkv], dim=-1) if len(w.qkv) > 1 else w.qkv[0](x)
+        qkv = qkv.view(n, h_q + 2 * h_kv, d)  # [n, H+2Hkv, D]
+        if w.q_norm is not None:
+            q, k, v = qkv.split([h_q, h_kv, h_kv], dim=1)
+            qk = torch.cat([rms_norm(q, w.q_norm, dec.eps), rms_norm(k, w.k_norm, dec.eps)], dim=1)
+        else:
+            qk, v = qkv[:, : h_q + h_kv], qkv[:, h_q + h_kv :]
+        q, k = rotate(qk, cos, sin).split([h_q, h_kv], dim=1)  # one RoPE for q and k together
+        cache_k, cache_v = caches[i]
+        if position is None:
+            cache_k[:, :, -1] = k
+            cache_v[:, :, -1] = v
+        else:
+            cache_k.index_copy_(2, position, k[:, :, None])
+            cache_v.index_copy_(2, position, v[:, :, None])
+        attn = _decode_attention(
+            dec,
+            q,
+            cache_k,
+            cache_v,
+            prompts.keys[i],
+            prompts.values[i],
+            prompts.bias,
+            layout,
+            scaled=w.q_scaled,
+            cache_bias=cache_bias,
+        )
+        h = w.o_proj.plus(attn, h)
+        x = rms_norm(h, w.post_norm, dec.eps)
+        h = w.down.plus(w.up.times(x, w.gate.silu(x)), h)
+    return weights.lm_head(rms_norm(h, weights.final_norm, dec.eps))
+
+
+def _decode_attention(
+    dec, q, kc, vc, kp, vp, bias, layout: GroupLayout, scaled: bool, cache_bias=None
+) -> torch.Tensor:
+    # q [n, H, D]; kc, vc [n, Hkv, t, D]; kp, vp [P, Hkv, Lp, D] (prompt KV, shared by a group).
+    n, hkv, d = q.shape[0], dec.num_kv_heads, dec.head_dim
+    rep, lp = dec.num_heads // hkv, kp.shape[2]
+    qr = q.view(n, hkv, rep, d)
+    scores_c = qr @ kc.transpose(-1, -2)  # [n, Hkv, rep, t]
+    if cache_bias is not None:  # static shapes: mask the cache columns not written yet
+        scores_c = scores_c + cache_bias
+    qg = layout.to_groups(qr)  # [P, Hkv, Gm·rep, D]
+    scores_p = (qg @ kp.transpose(-1, -2)) + bias  # [P, Hkv, Gm·rep, Lp]
+    scores = torch.cat([layout.to_rows(scores_p, rep), scores_c], dim=-1)  # [n, Hkv, rep, Lp+t]
+    if not scaled:  # else q arrived scaled (folded into its weights)
+        scores = scores * dec.scale
+    probs = scores.float().softmax(-1).to(q.dtype)  # float32 softmax also under bf16, as SDPA does
+    out = probs[..., lp:] @ vc  # [n, Hkv, rep, D]
+    out_p = layout.to_groups(probs[..., :lp]) @ vp  # [P, Hkv, Gm·rep, D]
+    return (out + layout.to_rows(out_p, rep)).reshape(n, -1)  # [n, H·D]
