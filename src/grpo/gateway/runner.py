@@ -123,7 +123,7 @@ class AgentRunner:
         """At start-up: the chat template keeps earlier turns as sampled (else no row could be continued
         token in, token out). The prompts are the agent's own: each request is checked as it arrives."""
         from grpo.agents.chat import ChatRenderer
-        from grpo.rollout.episodes import refuse_rewriting_template
+        from grpo.rollout.multi_turn import refuse_rewriting_template
 
         del rows, sample
         renderer = ChatRenderer(self.tokenizer, None, **(self.gateway_args["template_kwargs"] or {}))
@@ -336,9 +336,12 @@ def _is_number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def build_agent_runner(cfg, formatter, agent) -> AgentRunner:
-    """The runner for GRPOTrainer(agent=) or env.agent; the family's tool-call parser reads every turn."""
+def build_agent_runner(cfg, formatter, agent=None, **objects) -> AgentRunner:
+    """The runner for GRPOTrainer(agent=) or env.agent; the family's tool-call parser reads every turn.
+    (`objects`: the other runners' objects, which rollout/episodes.RUNNERS passes to every builder.)"""
     from grpo.agents.parsing import detect_parser
+
+    del objects
 
     if agent is None:
         agent = cfg.env.agent

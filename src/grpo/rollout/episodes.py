@@ -26,7 +26,7 @@ RUNNERS: dict[str, str] = {
     "single_turn": "grpo.rollout.episodes:build_single_turn",
     "multi_turn": "grpo.rollout.multi_turn:build",
     "rollout_func": "grpo.rollout.rollout_func:build",
-    "agent": "grpo.rollout.episodes:build_agent",
+    "agent": "grpo.gateway.runner:build_agent_runner",
 }
 
 
@@ -74,13 +74,6 @@ class SingleTurn:
 def build_single_turn(cfg, formatter, **objects) -> SingleTurn:
     del cfg, formatter, objects
     return SingleTurn()
-
-
-def build_agent(cfg, formatter, agent=None, **objects):
-    del objects
-    from grpo.gateway.runner import build_agent_runner
-
-    return build_agent_runner(cfg, formatter, agent)
 
 
 def runner_name(cfg, tools=None, environment=None, rollout_func=None, agent=None) -> str:
