@@ -72,7 +72,7 @@ class PythonSandbox:
         )
         with self._lock:
             self._running = {p for p in self._running if p.poll() is None}
-        text = result.stdout
+        text = result.stdout.rstrip("\n")
         if result.stderr:
             text += ("\n" if text else "") + result.stderr[-self.output_chars // 2 :]
         if result.timed_out:
