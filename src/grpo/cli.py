@@ -364,12 +364,13 @@ def dry_run(cfg: GRPOConfig) -> str:
 def _episode_plan(cfg: GRPOConfig) -> dict:
     """env.tools / env.environment imported (a typo stops here, as a reward's does) and described: each
     tool's name, description and arguments as the chat template will show them, and the episode limits."""
-    from grpo.agents.environments import build_factory
+    from grpo.agents.factory import build_factory
 
     factory = build_factory(cfg.env.tools, cfg.env.environment)
     if factory is None:
         return {"episodes": "one turn (no env.tools or env.environment)"}
     schemas = list(factory.fixed_schemas) + [s for more in factory._schemas.values() for s in more]
+    factory.close()  # the instances made to read the environment's form
     tools = []
     for schema in schemas:
         function = schema["function"]
@@ -472,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(_preset_named(sys.argv[1:] if argv is None else list(argv)))
     args = parser.parse_args(_assignments_first(parser, sys.argv[1:] if argv is None else list(argv)))
     # Imported only now: these pull in torch, which `grpo --help` and usage errors need not wait for.
+    from grpo.agents.environments import EnvironmentContractError
     from grpo.checkpoint.store import CheckpointError
     from grpo.learner import NonFiniteWeightsError
     from grpo.rewards import RewardError
@@ -484,7 +486,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingHalted, NonFiniteWeightsError, RewardError) as e:
+    except (
+        CheckpointError,
+        TrainingHalted,
+        NonFiniteWeightsError,
+        RewardError,
+        EnvironmentContractError,
+    ) as e:
         print(f"grpo {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 1
     except OSError as e:  # a file or directory removed, replaced or unwritable under a live command

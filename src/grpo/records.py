@@ -179,6 +179,8 @@ class Rollouts:
     # messages); None → the completion mask (single turn: every token was sampled)
     loss_mask: Tensor | None = per_token(default=None)
     episodes: list[Episode] | None = per_row(default=None)  # multi-turn: what each episode did
+    # a runner's per-completion data for reward functions (TRL rollout_func's extra keys), {column: value}
+    extra_fields: list[dict] | None = per_row(default=None)
 
     def __post_init__(self):
         if self.loss_mask is None:

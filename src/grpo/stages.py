@@ -35,6 +35,7 @@ def score_rollouts(
     algorithm,
     max_new_tokens: int,
     trainer_state: trl_compat.RewardState,
+    env_rewards: tuple[list[str], float] = ([], 1.0),
 ) -> ScoredRollouts:
     a = algorithm
     columns = {k: [v[i] for i in rollouts.group_ids] for k, v in prompts.columns.items()}
@@ -52,6 +53,7 @@ def score_rollouts(
         on_error=a.reward_on_error,
         isolation=a.reward_isolation,
         extras={"trainer_state": trainer_state},
+        given=environment_rewards(rollouts, *env_rewards),
     )
     shaping = overlong_penalty(rollouts.lengths, max_new_tokens, a.overlong_buffer, a.overlong_penalty)  # [N]
     rewards = scores.total + shaping
@@ -62,6 +64,15 @@ def score_rollouts(
             has, torch.tensor([0.0 if f is None else f for f in fixed]).to(rewards), rewards
         )
     return ScoredRollouts(prompts, rollouts, texts, scores, rewards, lag=lag)
+
+
+def environment_rewards(rollouts: Rollouts, names: list[str], weight: float) -> list:
+    """The environments' own rewards as reward columns: one per class that scores (TRL logs it as
+    reward/<ClassName>), the episode's reward where it ran in that class, else None; weighted by weight."""
+    episodes = rollouts.episodes or []
+    return [
+        (name, [e.env_reward if e.env_class == name else None for e in episodes], weight) for name in names
+    ]
 
 
 def build_train_batch(

@@ -88,6 +88,7 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
         return score_rollouts(
             prompts, rollouts, texts, lag, funcs=p.reward_funcs, weights=p.reward_weights, algorithm=a,
             max_new_tokens=length_limit, trainer_state=state,
+            env_rewards=(p.episodes.reward_names, cfg.env.reward_weight),
         )  # fmt: skip
 
     def checkpoint_state(step: int, data: dict | None = None) -> dict:

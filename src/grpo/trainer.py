@@ -69,6 +69,7 @@ class GRPOTrainer:
         reward_processing_classes=None,
         tools=None,
         environment_factory=None,
+        rollout_func=None,
         agent=None,
         **trl_only,  # TRL arguments with no counterpart: refused with the reason (trl_compat)
     ):
@@ -108,8 +109,11 @@ class GRPOTrainer:
             rt=self.rt,
             tools=tools,
             environment=environment_factory,
+            rollout_func=rollout_func,
             agent=agent,
         )
+        if rollout_func is not None:  # TRL's rollout_func(prompts, trainer) receives this trainer
+            self.parts.episodes.trainer = self
         # What the start decided (run name, threads, rewards, eval set, the completion limit), frozen; the
         # caller's config is not written to: the run reads the resolved copy.
         self.settings: RunSettings = self.parts.settings
@@ -166,6 +170,7 @@ class GRPOTrainer:
         finally:
             if source is not self.source:
                 source.close()
+                p.episodes.close()
 
     @holding_run_lock
     def train(self, resume_from_checkpoint: bool | str | None = None) -> dict[str, float]:
@@ -183,7 +188,10 @@ class GRPOTrainer:
             return loop.run(self, self.source, stream)
         finally:
             source, self.source = self.source, None
-            source.close()
+            try:
+                source.close()
+            finally:  # every environment instance, however the run ended
+                p.episodes.close()
 
     def log_eval(
         self, report: StepReport, best: lifecycle.BestModel, step: int, when: str

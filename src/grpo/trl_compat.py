@@ -38,9 +38,6 @@ _UNSUPPORTED_ARGS = {
     "quantization_config": "the policy trains as float32 master weights (quantized QLoRA training is not "
     "implemented); the nearest: peft_config=LoraConfig(...), which trains adapters only, with "
     "model.dtype=bfloat16 for the frozen base.",
-    "rollout_func": "your own generation function is not a hook here; the nearest: environment_factory=Cls "
-    "(reset/step, or public methods as tools) or tools=[fn], whose episodes grpo samples token in, token "
-    "out; agent code that calls a chat endpoint runs against the gateway (docs/agents.md).",
 }
 
 
@@ -149,17 +146,16 @@ def reward_inputs(prompts: PromptBatch, rollouts: Rollouts, texts: list[str]) ->
     reward_prompts = [prompts.prompts[i] for i in group]
     if rollouts.episodes is not None:
         completions = [[dict(m) for m in e.messages] for e in rollouts.episodes]
-        extra = {
-            "env_reward": [e.env_reward for e in rollouts.episodes],
-            "environments": [e.environment for e in rollouts.episodes],
-            "env_class": [e.env_class for e in rollouts.episodes],
-        }
+        extra = {"environments": [e.environment for e in rollouts.episodes]}
     else:
         completions = [
             [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
             for prompt, text in zip(reward_prompts, texts, strict=True)
         ]
         extra = {}
+    if rollouts.extra_fields is not None:  # a runner's own columns (TRL: rollout_func's extra keys)
+        for key in dict.fromkeys(k for row in rollouts.extra_fields for k in row):
+            extra[key] = [row.get(key) for row in rollouts.extra_fields]
     lengths = rollouts.lengths.tolist()  # [N]
     completion_ids = [ids[:n] for ids, n in zip(rollouts.completion_ids.tolist(), lengths, strict=True)]
     return reward_prompts, completions, {"completion_ids": completion_ids, **extra}

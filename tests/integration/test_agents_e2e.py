@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 
 import pytest
 import torch
@@ -219,3 +220,75 @@ def test_grpo_eval_runs_the_tiny_tools_model_with_its_tool_and_with_the_offline_
     offline_results = tool_messages(offline_records)
     assert offline["n"] == 12 and offline["tool_call_rate"] > 0
     assert offline_results and all("offline" in text for text in offline_results)
+
+
+def test_agent_prompts_are_rendered_and_tokenized_once_by_the_runner(tmp_path, monkeypatch):
+    """The feed leaves an agent run's prompts to the episode runner (it renders them with their tools)."""
+    from grpo.data import PromptFormatter
+
+    encoded = []
+    real = PromptFormatter.encode
+    monkeypatch.setattr(
+        PromptFormatter, "encode", lambda self, *a, **k: encoded.append(a) or real(self, *a, **k)
+    )
+    model, tokenizer = model_and_tokenizer()
+    cfg = GRPOConfig(**SETTINGS, output_dir=str(tmp_path / "run"))
+    trainer = GRPOTrainer(
+        model=model, tokenizer=tokenizer, config=cfg, train_dataset=dataset(), tools=[calculator],
+        reward_funcs=[length_reward],
+    )  # fmt: skip
+    encoded.clear()
+    trainer.train()
+    assert encoded == []  # training steps: the runner's rendering only
+
+
+class Tracked(Notebook):
+    """Notebook that records its instances and their closing."""
+
+    made: typing.ClassVar[list] = []
+    closed: typing.ClassVar[list] = []
+
+    def __init__(self):
+        Tracked.made.append(id(self))
+
+    def close(self):
+        Tracked.closed.append(id(self))
+
+
+@pytest.mark.parametrize("ending", ["finished", "reward_crash", "ctrl_c"])
+def test_every_environment_is_closed_when_the_run_ends_however_it_ends(tmp_path, ending):
+    Tracked.made, Tracked.closed = [], []
+
+    def reward(completions, **_):
+        if ending == "reward_crash":
+            raise RuntimeError("a bug in the reward")
+        if ending == "ctrl_c":
+            raise KeyboardInterrupt
+        return [1.0] * len(completions)
+
+    raised = None
+    try:
+        _train(tmp_path, environment_factory=Tracked, reward_funcs=[reward])
+    except BaseException as err:  # noqa: BLE001 - the ending under test
+        raised = err
+    assert (raised is None) == (ending == "finished")
+    assert len(Tracked.made) >= 4 and sorted(Tracked.closed) == sorted(Tracked.made)
+
+
+def test_an_environment_breaking_its_contract_stops_grpo_train_with_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": f"{root / 'src'}:{root}", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-m", "grpo.cli", "train", "--config", "tiny_tools", "train.steps=1",
+         "env.environment=tests.unit.test_environment_contracts:Raises", "train.eval_before=false",
+         "train.eval_after=false", "train.prompts_per_step=2", f"train.output_dir={tmp_path / 'run'}"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("grpo train: error: Raises.reset(**row) raised KeyError: 'no such task'"), last
+    assert "Traceback" not in out.stderr

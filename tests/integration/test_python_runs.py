@@ -227,8 +227,6 @@ def test_trl_defaults_the_user_never_set_are_not_given_and_messages_use_trl_name
 
 
 def test_trl_trainer_arguments_without_a_counterpart_say_why_and_what_is_nearest():
-    with pytest.raises(ConfigError, match=r"rollout_func=\.\.\.\) is not supported: .*environment_factory="):
-        GRPOTrainer(rollout_func=lambda prompts, trainer: {})
     with pytest.raises(ConfigError, match=r"quantization_config=\.\.\.\) is not supported: .*peft_config="):
         GRPOTrainer(quantization_config=object())
     with pytest.raises(TypeError, match="did you mean 'environment_factory'"):

@@ -133,3 +133,40 @@ def test_multi_turn_episodes_run_on_ray_actors_in_async_mode(tmp_path):
     summary = trainer.train()
     assert summary["episode/turns"] >= 1 and "episode/injected_tokens" in summary
     assert summary["rollout/policy_version"] == 2.0 and torch.isfinite(torch.tensor(summary["loss"]))
+
+
+def _agent_trainer(tmp_path, environment, reward_funcs):
+    from tests.integration.test_agents_e2e import dataset, model_and_tokenizer
+
+    model, tokenizer = model_and_tokenizer()
+    settings = {"rollout.mode": "sync", "steps": 1, "max_new_tokens": 8, "gradient_accumulation_steps": 1}
+    settings.update({"env.max_tokens": 200, "max_prompt_length": 768, "output_dir": str(tmp_path / "run")})
+    cfg = GRPOConfig(**{**SMALL, **settings})
+    return GRPOTrainer(
+        model=model, tokenizer=tokenizer, config=cfg, train_dataset=dataset(), eval_dataset=None,
+        environment_factory=environment, reward_funcs=reward_funcs,
+    )  # fmt: skip
+
+
+def test_reward_functions_receive_environments_from_ray_actors_as_in_one_process(tmp_path):
+    from tests.integration.test_agents_e2e import Notebook
+
+    seen = []
+
+    def env_reward(completions, environments, target, **_):
+        seen.append(environments)
+        return [float(env.target == t) for env, t in zip(environments, target, strict=True)]
+
+    summary = _agent_trainer(tmp_path, Notebook, [env_reward]).train()
+    assert summary["reward/env_reward"] == 1.0  # each environment was reset with its own row, on an actor
+    assert all(isinstance(e, Notebook) for batch in seen for e in batch) and len(seen[0]) == 8
+
+
+def test_an_environment_contract_error_on_an_actor_arrives_as_one_line(tmp_path):
+    from grpo.agents.environments import EnvironmentContractError
+    from tests.integration.test_agents_e2e import length_reward
+    from tests.unit.test_environment_contracts import Raises
+
+    with pytest.raises(EnvironmentContractError, match=r"^Raises\.reset\(\*\*row\) raised KeyError") as e:
+        _agent_trainer(tmp_path, Raises, [length_reward]).train()
+    assert "\n" not in str(e.value)

@@ -9,16 +9,13 @@ import pytest
 
 from grpo.agents import ChatRenderer, HermesParser
 from grpo.agents.chat import LiteralText
+from grpo.agents.factory import EnvironmentFactory
 from grpo.config import DataConfig
 from grpo.data import PromptFormatter
+from grpo.rollout.multi_turn import EpisodeLimits, MultiTurn
 from tests.chat_templates import family_tokenizer
-
-# Where these live moves with the environment protocol; the episode tests import them from wherever they are.
 from tests.unit.test_episodes import (
     SAMPLING,
-    EnvironmentFactory,
-    EpisodeLimits,
-    MultiTurn,
     ScriptedEngine,
     batch,
     call_text,

@@ -178,8 +178,9 @@ def episodes(factory, script, questions, n=1, **columns):
     from grpo.agents import HermesParser
     from grpo.config import DataConfig
     from grpo.data import PromptFormatter
+    from grpo.rollout.multi_turn import EpisodeLimits, MultiTurn
     from tests.chat_templates import family_tokenizer
-    from tests.unit.test_episodes import SAMPLING, EpisodeLimits, MultiTurn, ScriptedEngine, batch
+    from tests.unit.test_episodes import SAMPLING, ScriptedEngine, batch
 
     qwen = family_tokenizer("qwen2.5")
     formatter = PromptFormatter(qwen, DataConfig(max_prompt_length=4096))
@@ -201,8 +202,8 @@ def call_once(name, arguments):
     ],
 )
 def test_a_hanging_or_exiting_tool_is_a_message_and_the_episode_goes_on(tool, says):
+    from grpo.agents.factory import EnvironmentFactory
     from grpo.agents.workers import isolate_factory
-    from tests.unit.test_episodes import EnvironmentFactory
 
     factory = EnvironmentFactory([tool])
     isolate_factory(factory, ["by.path:tool"], None, "auto", 1.0)
@@ -214,9 +215,10 @@ def test_a_hanging_or_exiting_tool_is_a_message_and_the_episode_goes_on(tool, sa
 
 
 def test_an_isolated_environment_gives_the_rewards_the_in_process_one_gives():
+    from grpo.agents.factory import EnvironmentFactory
     from grpo.agents.workers import isolate_factory
     from tests.unit.test_episodes import Counter as TrlCounter
-    from tests.unit.test_episodes import EnvironmentFactory, call_text
+    from tests.unit.test_episodes import call_text
 
     def script(seen):
         return call_text("add", {"amount": 5}) if "<tool_response>" not in seen else "Done."
@@ -231,8 +233,8 @@ def test_an_isolated_environment_gives_the_rewards_the_in_process_one_gives():
 
 
 def test_python_objects_stay_in_process_under_auto():
+    from grpo.agents.factory import EnvironmentFactory
     from grpo.agents.workers import isolate_factory
-    from tests.unit.test_episodes import EnvironmentFactory
 
     factory = EnvironmentFactory([calculator])
     isolate_factory(factory, [calculator], None, "auto", 1.0)
@@ -242,9 +244,9 @@ def test_python_objects_stay_in_process_under_auto():
 def test_an_isolated_factory_travels_to_a_ray_actor_and_forks_its_own_workers_there():
     cloudpickle = pytest.importorskip("cloudpickle")
     from grpo.agents.calculator import calculator as calc
+    from grpo.agents.factory import EnvironmentFactory
     from grpo.agents.workers import isolate_factory
     from tests.unit.test_episodes import Counter as TrlCounter
-    from tests.unit.test_episodes import EnvironmentFactory
 
     factory = EnvironmentFactory([calc], TrlCounter)
     isolate_factory(

@@ -1,116 +1,186 @@
-"""The environments an episode runs in, in the forms users already have, behind one small interface.
+"""The environment protocol: the one interface an episode runner talks to, and the user forms adapted to it.
 
-    tools=[fn, ...]                  ToolEnvironment: stateless tools; a turn without a tool call ends it
-    environment_factory=Cls (TRL)    TRLEnvironment: `reset(**row)` may return text appended to the prompt;
-                                     its public methods are the tools; an optional `get_reward()` scores it
-    {name: Cls, ...} (TRL)           the same, one class per row, chosen by the row's `environment` column
-    reset(row) / step(messages)      StepEnvironment: `reset` gives the conversation to start from, `step`
-                                     gets the conversation after each assistant turn and answers
-                                     (new messages, reward, done)
+An episode runner (the turn loop in rollout/multi_turn.py, or any other runner registered in
+rollout/episodes.py's RUNNERS, e.g. the OpenAI-compatible gateway) drives one `Environment` per episode
+through these calls only:
 
-The episode runner (rollout/episodes.py) gets one environment per episode from `EnvironmentFactory.make`
-and drives it; tool calls themselves run in agents/tools.py, concurrently for all episodes of a step.
-As in TRL 1.16, instances are made once and reset for every episode ("construct once, reset often"): the
-k-th episode of a step reuses the k-th instance of its class.
+    env.start(messages, row)      → the conversation the episode begins with. `messages`: the prompt as chat
+                                    messages; `row`: the dataset row (prompt included). Once per episode; the
+                                    G episodes of one prompt must start from the same conversation.
+    env.step(conversation, turn)  after every assistant turn. `conversation`: the whole chat so far, the turn
+                                    included as an assistant message; `turn`: the parsed turn
+                                    (agents/parsing.ParsedTurn: its tool calls and malformed-call errors).
+                                    → StepResult(messages, reward, done): the messages to inject next (never
+                                    trained on), a step reward (summed into reward()), whether it is over.
+                                    `run_calls=True` instead says "run this turn's tool calls with env.tools
+                                    and inject their results" (the tool forms): the runner runs every
+                                    episode's calls of a turn concurrently, each within its time limit.
+    env.reward()                  → the episode's own reward, or None when it gives none. It is data on
+                                    the scored rollouts, weighted by env.reward_weight, logged as
+                                    reward/<env.name>.
+    env.close()                   end of life, once per instance: when the run ends (however it ends) or the
+                                    instance is discarded. Calls the user's close() (else cleanup()); what it
+                                    raises is logged.
+    env.tools                     {name: callable}: what the model may call in this episode.
+    env.name                      the reward's metric name (the user's class name); None for plain tools.
+    env.instance                  the user's object: what TRL reward functions receive as `environments`.
+
+Environment methods may raise EnvironmentContractError (one line: which method, what is wrong); everything a
+user's method raises is turned into one.
+
+The user forms, each an adapter in ENVIRONMENTS that says whether it `accepts` a class (a new form is one
+adapter class and one registry line; EnvironmentFactory in agents/factory.py picks the first that accepts):
+
+    tools=[fn, ...]                ToolEnvironment: stateless tools; a turn without a tool call ends it
+    environment_factory=Cls (TRL)  TRLEnvironment: `reset(**row)` may return text appended to the prompt;
+                                   its public methods are the tools; an optional `get_reward()` scores it
+    {name: Cls, ...} (TRL)         the same, one class per row, chosen by the row's `environment` column
+    a factory function (TRL)       `environment_factory=make_env`: the instance it returns is described
+    reset(row) / step(messages)    StepEnvironment: `reset` gives the conversation to start from, `step`
+                                   gets the conversation after each assistant turn and answers (new
+                                   messages, reward, done)
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from grpo import plugins
-from grpo.agents.tools import tool_schema
+from grpo.agents.tools import encodable
 from grpo.config import ConfigError
+from grpo.ranges import REWARD_LIMIT
+
+log = logging.getLogger("grpo")
 
 __all__ = [
-    "EnvironmentFactory",
+    "ENVIRONMENTS",
+    "Environment",
+    "EnvironmentContractError",
     "StepEnvironment",
     "StepResult",
     "TRLEnvironment",
     "ToolEnvironment",
-    "build_factory",
-    "load_object",
+    "adapter_for",
+    "close_instance",
 ]
 
-# TRL 1.16: every public method of an environment class is a tool, except these two.
-_NOT_TOOLS = {"reset", "get_reward"}
+# TRL 1.16: every public method of an environment class is a tool, except reset and get_reward; close and
+# cleanup are lifecycle hooks here, not tools.
+_NOT_TOOLS = {"reset", "get_reward", "close", "cleanup"}
+
+
+class EnvironmentContractError(TypeError, ValueError):
+    """A user's environment broke its contract (what reset/step/get_reward may return); one line, the fix."""
 
 
 @dataclass
 class StepResult:
-    """What a step environment answers after an assistant turn."""
+    """What an environment answers after an assistant turn."""
 
     messages: list[dict]  # to show the model next (injected, never trained on)
     reward: float | None = None
     done: bool = False
+    run_calls: bool = False  # run the turn's tool calls with env.tools, inject their results
+    ended_by: str = "done"  # the Episode.ended_by to record when done
 
 
-@dataclass
+class Environment(Protocol):
+    """One episode's environment (see the module docstring for the contract)."""
+
+    tools: dict[str, Callable]
+    name: str | None
+    instance: Any
+
+    def start(self, messages: list[dict], row: dict) -> list[dict]: ...
+
+    def step(self, conversation: list[dict], turn) -> StepResult: ...
+
+    def reward(self) -> float | None: ...
+
+    def close(self) -> None: ...
+
+
+def _tool_turn(turn) -> StepResult:
+    """The tool forms' step: a turn with tool calls (or malformed attempts) runs them; one without answers."""
+    if not turn.calls and not turn.errors:
+        return StepResult([], done=True, ended_by="answer")
+    return StepResult([], run_calls=True)
+
+
 class ToolEnvironment:
     """Stateless tools (TRL's `tools=[fn]`): the same functions for every episode."""
 
-    tools: dict[str, Callable]
-    kind = "tools"
+    name = None
+    instance = None
+
+    def __init__(self, instance=None, tools: dict[str, Callable] | None = None):
+        del instance
+        self.tools = dict(tools or {})
+
+    @classmethod
+    def accepts(cls, target) -> bool:
+        return target is None
 
     def start(self, messages: list[dict], row: dict) -> list[dict]:
         del row
         return messages
 
+    def step(self, conversation: list[dict], turn) -> StepResult:
+        del conversation
+        return _tool_turn(turn)
+
     def reward(self) -> float | None:
         return None
 
-
-@dataclass
-class TRLEnvironment:
-    """A TRL `environment_factory` instance: `reset(**row)`, public methods as tools, optional
-    `get_reward()` (sync or async)."""
-
-    instance: Any
-    tools: dict[str, Callable] = field(default_factory=dict)
-    kind = "tools"
-
-    def __post_init__(self):
-        self.tools = {name: getattr(self.instance, name) for name in tool_method_names(type(self.instance))}
-
-    def start(self, messages: list[dict], row: dict) -> list[dict]:
-        observation = self.instance.reset(**row)
-        if observation is None or observation == "":
-            return messages
-        if not isinstance(observation, str):
-            raise TypeError(
-                f"{type(self.instance).__name__}.reset() returned {type(observation).__name__}; TRL's "
-                "contract is None or a string (appended to the last user message)."
-            )
-        messages = [dict(m) for m in messages]
-        messages[-1]["content"] = str(messages[-1].get("content") or "") + observation
-        return messages
-
-    def reward(self) -> float | None:
-        method = getattr(self.instance, "get_reward", None)
-        if not callable(method):
-            return None
-        value = method()
-        if inspect.isawaitable(value):
-            value = asyncio.run(_awaited(value))
-        return _as_reward(value, f"{type(self.instance).__name__}.get_reward()")
+    def close(self) -> None:
+        pass
 
 
-@dataclass
 class StepEnvironment:
     """`reset(row) -> messages` and `step(messages) -> (messages, reward, done)`: the environment owns the
     conversation's next messages and its reward (summed over steps)."""
 
-    instance: Any
-    tools: dict[str, Callable] = field(default_factory=dict)  # tool calls are the environment's to act on
-    total: float | None = None
-    kind = "step"
+    def __init__(self, instance, tools: dict[str, Callable] | None = None):
+        del tools  # the turn's tool calls are the environment's to act on
+        self.instance, self.tools, self.total = instance, {}, None
+        self.name = type(instance).__name__
+
+    @classmethod
+    def accepts(cls, target) -> bool:
+        """The plain step form: `reset` and a `step` taking the conversation (one parameter besides self)."""
+        step = getattr(target, "step", None)
+        if not inspect.isfunction(step) or not callable(getattr(target, "reset", None)):
+            return False
+        params = [p for p in inspect.signature(step).parameters.values() if p.name != "self"]
+        return len(params) == 1 and params[0].name in ("messages", "conversation")
+
+    @staticmethod
+    def tool_names(target) -> list[str]:
+        del target  # the turn's tool calls are the environment's to read
+        return []
+
+    @staticmethod
+    def gives_reward(target) -> bool:
+        del target  # step rewards, summed
+        return True
+
+    @classmethod
+    def check(cls, target, has_tools: bool) -> None:
+        del has_tools
+        _check_reset(target, "reset(self, row)", lambda ps: len(ps) >= 1 or _var(ps))
+
+    @staticmethod
+    def reset_arguments(row: dict) -> tuple[tuple, dict]:
+        return (row,), {}
 
     def start(self, messages: list[dict], row: dict) -> list[dict]:
-        start = self.instance.reset(row)
+        name = self.name
+        start = _call(self.instance.reset, f"{name}.reset(row)", row)
         if start is None:
             return messages
         if isinstance(start, str):
@@ -119,31 +189,211 @@ class StepEnvironment:
                 {**messages[-1], "content": str(messages[-1].get("content") or "") + start},
             ]
         if not isinstance(start, list) or not all(isinstance(m, dict) and "role" in m for m in start):
-            raise TypeError(
-                f"{type(self.instance).__name__}.reset(row) must return a list of messages "
-                '({"role": ..., "content": ...}), a string or None.'
+            raise EnvironmentContractError(
+                f"{name}.reset(row) returned {type(start).__name__}; it must return a list of messages "
+                '([{"role": ..., "content": ...}]), a string or None.'
             )
-        return start
+        return [_coerced(m) for m in start]
 
-    def step(self, conversation: list[dict]) -> StepResult:
-        name = type(self.instance).__name__
-        out = self.instance.step([dict(m) for m in conversation])
+    def step(self, conversation: list[dict], turn) -> StepResult:
+        del turn
+        name = self.name
+        out = _call(self.instance.step, f"{name}.step(messages)", [dict(m) for m in conversation])
         if not isinstance(out, tuple) or len(out) != 3:
-            raise TypeError(f"{name}.step(messages) must return (messages, reward, done).")
+            raise EnvironmentContractError(
+                f"{name}.step(messages) returned {type(out).__name__}; it must return "
+                "(messages, reward, done)."
+            )
         messages, reward, done = out
         if messages is None:
             messages = []
         if isinstance(messages, dict):
             messages = [messages]
-        if not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise TypeError(f"{name}.step(messages) returned new messages that are not role/content dicts.")
-        reward = _as_reward(reward, name)
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise EnvironmentContractError(
+                f"{name}.step(messages) returned new messages that are not role/content dicts: "
+                f"{messages!r:.80}."
+            )
+        reward = _as_reward(reward, f"{name}.step(messages)")
         if reward is not None:
             self.total = reward if self.total is None else self.total + reward
-        return StepResult(list(messages), reward, bool(done))
+        return StepResult([_coerced(m) for m in messages], reward, bool(done))
 
     def reward(self) -> float | None:
         return self.total
+
+    def close(self) -> None:
+        close_instance(self.instance)
+
+
+class TRLEnvironment:
+    """A TRL `environment_factory` instance: `reset(**row)`, public methods as tools, optional `get_reward()`
+    (sync or async)."""
+
+    def __init__(self, instance, tools: dict[str, Callable] | None = None):
+        self.instance, self.name = instance, type(instance).__name__
+        own = {name: getattr(instance, name) for name in self.tool_names(type(instance))}
+        self.tools = {**(tools or {}), **own}  # a name in both is refused at start-up (EnvironmentFactory)
+
+    @classmethod
+    def accepts(cls, target) -> bool:
+        return inspect.isclass(target) and callable(getattr(target, "reset", None))
+
+    @classmethod
+    def tool_names(cls, target) -> list[str]:
+        """TRL's rule: public methods (not `_`-prefixed), except reset and get_reward."""
+        return [
+            name
+            for name, member in inspect.getmembers(target, inspect.isfunction)
+            if not name.startswith("_") and name not in _NOT_TOOLS
+        ]
+
+    @classmethod
+    def gives_reward(cls, target) -> bool:
+        return callable(getattr(target, "get_reward", None))
+
+    @classmethod
+    def check(cls, target, has_tools: bool) -> None:
+        _check_reset(target, "reset(self, **kwargs)", lambda ps: bool(ps))
+        if not cls.tool_names(target) and not has_tools:
+            raise ConfigError(
+                f"{target.__name__} has no public methods to offer as tools and no step() method: give it "
+                "tool methods (TRL's environment_factory) or reset(row)/step(messages)."
+            )
+
+    @staticmethod
+    def reset_arguments(row: dict) -> tuple[tuple, dict]:
+        return (), row
+
+    def start(self, messages: list[dict], row: dict) -> list[dict]:
+        observation = _call(self.instance.reset, f"{self.name}.reset(**row)", **row)
+        if observation is None or observation == "":
+            return messages
+        if not isinstance(observation, str):
+            raise EnvironmentContractError(
+                f"{self.name}.reset() returned {type(observation).__name__}; TRL's contract is None or a "
+                "string (appended to the last user message)."
+            )
+        messages = [dict(m) for m in messages]
+        messages[-1]["content"] = str(messages[-1].get("content") or "") + encodable(observation)
+        return messages
+
+    def step(self, conversation: list[dict], turn) -> StepResult:
+        del conversation
+        return _tool_turn(turn)
+
+    def reward(self) -> float | None:
+        method = getattr(self.instance, "get_reward", None)
+        if not callable(method):
+            return None
+        value = _call(method, f"{self.name}.get_reward()")
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
+        return _as_reward(value, f"{self.name}.get_reward()")
+
+    def close(self) -> None:
+        close_instance(self.instance)
+
+
+class ProtocolEnvironment:
+    """A class that implements this protocol itself (start, step, reward, close; its tools named in
+    `tool_methods`, `gives_reward` if reward() scores), e.g. agents/code_exec.PythonSandbox."""
+
+    def __init__(self, instance, tools: dict[str, Callable] | None = None):
+        self.instance, self.name = instance, type(instance).__name__
+        own = {name: getattr(instance, name) for name in self.tool_names(type(instance))}
+        self.tools = {**(tools or {}), **own}
+        self.start, self.step = instance.start, instance.step
+        self.reward, self.close = instance.reward, instance.close
+
+    @classmethod
+    def accepts(cls, target) -> bool:
+        return inspect.isclass(target) and all(
+            callable(getattr(target, m, None)) for m in ("start", "step", "reward", "close")
+        )
+
+    @staticmethod
+    def tool_names(target) -> list[str]:
+        return list(getattr(target, "tool_methods", ()))
+
+    @staticmethod
+    def gives_reward(target) -> bool:
+        return bool(getattr(target, "gives_reward", False))
+
+    @classmethod
+    def check(cls, target, has_tools: bool) -> None:
+        del target, has_tools
+
+    @staticmethod
+    def reset_arguments(row: dict) -> tuple[tuple, dict]:
+        return (), row
+
+
+# The adapters, most specific first: the first whose `accepts` takes the class (or None: tools only) wins.
+ENVIRONMENTS: dict[str, type] = {
+    "tools": ToolEnvironment,
+    "protocol": ProtocolEnvironment,
+    "step": StepEnvironment,
+    "trl": TRLEnvironment,
+}
+
+
+def adapter_for(target) -> type | None:
+    return next((a for a in ENVIRONMENTS.values() if a.accepts(target)), None)
+
+
+def close_instance(instance) -> None:
+    """The user's own end of life (close(), else cleanup()); one that raises is logged, never fatal."""
+    for hook in ("close", "cleanup"):
+        method = getattr(instance, hook, None)
+        if callable(method):
+            try:
+                value = method()
+                if inspect.isawaitable(value):
+                    asyncio.run(_awaited(value))
+            except Exception as err:  # noqa: BLE001 - closing must not end a run that is ending anyway
+                log.warning("%s.%s() raised %s: %s", type(instance).__name__, hook, type(err).__name__, err)
+            return
+
+
+def _var(params: list[inspect.Parameter]) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _check_reset(target, form: str, ok) -> None:
+    reset = getattr(target, "reset", None)
+    try:
+        params = list(inspect.signature(reset).parameters.values())
+    except (TypeError, ValueError):
+        return  # a builtin or C method: nothing to read
+    if inspect.isfunction(reset) and params and params[0].name == "self":
+        params = params[1:]
+    if not ok(params):
+        shown = ", ".join(["self", *(str(p) for p in params)])
+        raise ConfigError(
+            f"{target.__name__}.reset({shown}) cannot take the dataset row: this form's contract is {form} "
+            f"(the row's columns, prompt included); define it as {form}."
+        )
+
+
+def _call(fn, where: str, /, *args, **kwargs):
+    """A user's environment method; what it raises becomes one line naming the method."""
+    try:
+        return fn(*args, **kwargs)
+    except EnvironmentContractError:
+        raise
+    except Exception as err:  # user code: say where it failed, in one line
+        raise EnvironmentContractError(
+            f"{where} raised {type(err).__name__}: {encodable(str(err))[:300]}"
+        ) from err
+
+
+def _coerced(message: dict) -> dict:
+    """A message the chat template can render: its content as text (str() of anything else)."""
+    content = message.get("content")
+    if content is None or isinstance(content, list):
+        return dict(message)
+    return {**message, "content": encodable(content)}
 
 
 async def _awaited(value):
@@ -155,165 +405,15 @@ def _as_reward(value, where: str) -> float | None:
         return None
     try:
         reward = float(value)
+    except OverflowError:
+        reward = math.inf
     except (TypeError, ValueError):
-        raise TypeError(f"{where} gave the reward {value!r}; a reward is a number or None.") from None
-    if reward != reward or abs(reward) == float("inf"):
-        raise ValueError(f"{where} gave the reward {reward}; a reward must be finite.")
-    return reward
-
-
-def tool_method_names(cls: type) -> list[str]:
-    """TRL's rule: public methods (not `_`-prefixed), except reset and get_reward."""
-    return [
-        name
-        for name, member in inspect.getmembers(cls, inspect.isfunction)
-        if not name.startswith("_") and name not in _NOT_TOOLS
-    ]
-
-
-def is_step_environment(cls: type) -> bool:
-    """The plain step form: a `step` method taking the conversation (one parameter besides self)."""
-    step = getattr(cls, "step", None)
-    if not inspect.isfunction(step) or not callable(getattr(cls, "reset", None)):
-        return False
-    params = [p for p in inspect.signature(step).parameters.values() if p.name != "self"]
-    return len(params) == 1 and params[0].name in ("messages", "conversation")
-
-
-class EnvironmentFactory:
-    """One environment per episode: stateless tools, a class (TRL or step form), or a dict of classes routed
-    by the row's `environment` column. `schemas(row)` are the tool schemas the prompt declares."""
-
-    def __init__(self, tools: list[Callable] | None = None, factory: Any = None):
-        self.tool_list = list(tools or [])
-        self.factories: dict[str | None, Any] = (
-            dict(factory) if isinstance(factory, dict) else {None: factory} if factory is not None else {}
+        raise EnvironmentContractError(
+            f"{where} gave the reward {value!r:.80}; a reward is a number or None."
+        ) from None
+    if not math.isfinite(reward) or abs(reward) > REWARD_LIMIT:
+        raise EnvironmentContractError(
+            f"{where} gave the reward {str(value)[:40]}; a reward must be finite and within "
+            f"±{REWARD_LIMIT:g}."
         )
-        self._schemas: dict[str | None, list[dict]] = {}
-        self._pool: dict[str | None, list] = {}  # instances by class key, reused step after step
-        for name, cls in self.factories.items():
-            if not callable(cls):
-                raise ConfigError(f"environment_factory{_where(name)} is not a class or callable: {cls!r}.")
-            self._schemas[name] = self._class_schemas(cls, name)
-        self.fixed_schemas = [tool_schema(fn) for fn in self.tool_list]
-        self.fixed_tools = {
-            s["function"]["name"]: fn for s, fn in zip(self.fixed_schemas, self.tool_list, strict=True)
-        }
-        names = [s["function"]["name"] for s in self.fixed_schemas]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"Two tools share a name: {', '.join(sorted(names))}; tool names must differ.")
-        if not self.factories and not self.tool_list:
-            raise ConfigError(
-                "Multi-turn episodes need tools or an environment (env.tools / env.environment)."
-            )
-
-    def _class_schemas(self, cls, name: str | None) -> list[dict]:
-        target = cls if inspect.isclass(cls) else None
-        if target is None:  # a factory function: describe what it makes
-            return []
-        if is_step_environment(target):
-            return []
-        methods = tool_method_names(target)
-        if not methods and not self.tool_list:
-            raise ConfigError(
-                f"{target.__name__}{_where(name)} has no public methods to offer as tools and no step() "
-                "method: give it tool methods (TRL's environment_factory) or reset(row)/step(messages)."
-            )
-        return [tool_schema(getattr(target, m)) for m in methods]
-
-    @property
-    def gives_rewards(self) -> bool:
-        """An environment class that scores episodes itself (step rewards, or a get_reward() method)."""
-        return bool(self.reward_functions())
-
-    def reward_functions(self) -> list:
-        """One reward function per environment class that scores its episodes, named after the class (as TRL
-        logs it): the episode's environment reward where the episode ran in that class, else None."""
-        classes = {c.__name__: c for c in self.factories.values() if inspect.isclass(c)}
-        return [
-            _class_reward(name)
-            for name, c in classes.items()
-            if is_step_environment(c) or callable(getattr(c, "get_reward", None))
-        ]
-
-    @property
-    def multi_factory(self) -> bool:
-        return len(self.factories) > 1 or (self.factories and None not in self.factories)
-
-    def reset_row(self, row: dict) -> dict:
-        """What reset receives: the dataset row (prompt included), without the routing column (TRL)."""
-        return {k: v for k, v in row.items() if k != "environment"} if self.multi_factory else dict(row)
-
-    def _key(self, row: dict) -> str | None:
-        if not self.multi_factory:
-            return None
-        key = row.get("environment")
-        if key not in self.factories:
-            raise ValueError(
-                f"Row has environment={key!r}; environment_factory has {', '.join(map(str, self.factories))}."
-                " Every row needs an `environment` column naming one of them."
-            )
-        return key
-
-    def schemas(self, row: dict) -> list[dict]:
-        if not self.factories:
-            return self.fixed_schemas
-        return self.fixed_schemas + self._schemas[self._key(row)]
-
-    def make(self, row: dict, slot: int = 0):
-        """The environment for an episode: instance `slot` of the row's class, made the first time it is
-        asked for and reused after (reset by the episode runner)."""
-        fixed = self.fixed_tools
-        if not self.factories:
-            return ToolEnvironment(dict(fixed))
-        key = self._key(row)
-        pool = self._pool.setdefault(key, [])
-        while len(pool) <= slot:
-            pool.append(self.factories[key]())
-            if not callable(getattr(pool[-1], "reset", None)):
-                raise ConfigError(
-                    f"{type(pool[-1]).__name__}{_where(key)} has no reset method: an environment must define "
-                    "reset (TRL's reset(**row), or reset(row) with step(messages))."
-                )
-        instance = pool[slot]
-        if is_step_environment(type(instance)):
-            return StepEnvironment(instance)
-        env = TRLEnvironment(instance)
-        env.tools = {**fixed, **env.tools}
-        return env
-
-
-def _where(name: str | None) -> str:
-    return "" if name is None else f"['{name}']"
-
-
-def load_object(path: str, what: str):
-    """`pkg.module:name` → the object (a user's tool function or environment class)."""
-    return plugins.load(path, what)
-
-
-def build_factory(tools=None, environment=None) -> EnvironmentFactory | None:
-    """From config strings (import paths) or Python objects; None when neither is given (single turn)."""
-    tools = [load_object(t, "env.tools entry") if isinstance(t, str) else t for t in (tools or [])]
-    if isinstance(environment, str):
-        environment = load_object(environment, "env.environment")
-    if isinstance(environment, dict):
-        environment = {
-            k: load_object(v, f"environment_factory['{k}']") if isinstance(v, str) else v
-            for k, v in environment.items()
-        }
-    if not tools and environment is None:
-        return None
-    return EnvironmentFactory(tools, environment)
-
-
-def _class_reward(class_name: str):
-    def reward(prompts, completions, env_reward=None, env_class=None, **kwargs) -> list[float | None]:
-        del prompts, kwargs
-        if env_reward is None or env_class is None:
-            return [None] * len(completions)
-        return [r if c == class_name else None for r, c in zip(env_reward, env_class, strict=True)]
-
-    reward.__name__ = reward.__qualname__ = class_name
-    reward.__doc__ = f"{class_name}'s own reward for its episodes (step rewards summed, or get_reward())."
     return reward

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
 import json
 import queue
@@ -45,6 +46,14 @@ def tool_schema(fn: Callable) -> dict:
     if not callable(fn):
         raise ConfigError(
             f"tool {label} is not callable; give a function with typed arguments and a docstring."
+        )
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+        # The model sees a tool's name, summary and arguments, read from a def's name, docstring and hints: a
+        # functools.partial or a callable object has none of its own.
+        kind = "a functools.partial" if isinstance(fn, functools.partial) else f"a {type(fn).__name__} object"
+        raise ConfigError(
+            f"tool {label[:80]} is {kind}, not a function: a tool is a def (its name, docstring and type "
+            "hints describe it to the model); wrap the call in one."
         )
     bound = inspect.ismethod(fn)
     cache, key = _SCHEMAS[bound], fn.__func__ if bound else fn
@@ -122,15 +131,25 @@ def _type_problem(spec: dict, value: Any) -> str | None:
     return None
 
 
+def encodable(value: Any) -> str:
+    """Text a tokenizer can encode: str() of anything, unencodable characters (lone surrogates) replaced."""
+    text = value if isinstance(value, str) else str(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    return text
+
+
 def _as_text(value: Any) -> str:
     if isinstance(value, str):
-        return value
+        return encodable(value)
     if isinstance(value, (dict, list, tuple)):
         try:
-            return json.dumps(value, ensure_ascii=False, default=str)
+            return encodable(json.dumps(value, ensure_ascii=False, default=str))
         except ValueError:  # a circular structure
-            return str(value)
-    return str(value)
+            return encodable(str(value))
+    return encodable(str(value))
 
 
 def _truncate(text: str, max_chars: int) -> tuple[str, bool]:
@@ -356,7 +375,9 @@ class ToolBox:
         if isinstance(value, TimeoutError) and seconds >= self.timeout_s:
             # A coroutine cancelled at the limit, whose answer came in before the sweep marked it.
             return self._timed_out(call, seconds)
-        message, _ = _truncate(f"{call.name} raised {type(value).__name__}: {value}", self.max_chars)
+        message, _ = _truncate(
+            encodable(f"{call.name} raised {type(value).__name__}: {value}"), self.max_chars
+        )
         return ToolResult(call, message, "raised", seconds=seconds)
 
     def _timed_out(self, call: ToolCall, seconds: float) -> ToolResult:

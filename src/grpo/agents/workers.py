@@ -326,6 +326,12 @@ class _Remote(metaclass=_RemoteMeta):
             self._worker.close()
 
 
+def end_worker(instance: Any) -> None:
+    """End the worker process of a remote_class instance (no-op for anything else)."""
+    if isinstance(instance, _Remote):
+        instance._end()
+
+
 def _method(name: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def forward(self, *args, **kwargs):

@@ -236,14 +236,18 @@ class PromptStream:
 
 
 def make_prompt_batch(
-    indices: list[int], rows: list[dict[str, Any]], formatter: PromptFormatter
+    indices: list[int], rows: list[dict[str, Any]], formatter: PromptFormatter, tokenize: bool = True
 ) -> PromptBatch:
+    """The rows as a PromptBatch; tokenize=False leaves prompt_token_ids empty, for an episode runner that
+    renders prompts itself (with the tools they declare)."""
     columns = {
         k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"
     }
     return PromptBatch(
         prompts=[r["prompt"] for r in rows],  # as the dataset gave them: text or a list of messages
-        prompt_token_ids=formatter.encode([r["prompt"] for r in rows], indices),
+        prompt_token_ids=formatter.encode([r["prompt"] for r in rows], indices)
+        if tokenize
+        else [[] for _ in rows],
         columns=columns,
         indices=indices,
     )

@@ -56,20 +56,14 @@ def load_agent(spec):
     return plugins.load(str(spec), "env.agent", call=True)
 
 
-def agent_reward(prompts, completions, env_reward=None, **kwargs) -> list[float | None]:
-    """The agent's own reward for its episode (returned by run() or posted to /v1/reward); None where it
-    left the scoring to the run's reward functions."""
-    del prompts, kwargs
-    return list(env_reward) if env_reward is not None else [None] * len(completions)
-
-
-agent_reward.__name__ = agent_reward.__qualname__ = "agent"
-
-
 class AgentRunner:
     """An episode runner (rollout/episodes.py's protocol) over the gateway; see the module docstring."""
 
     multi_turn = True
+    # The agent's own reward (returned by run() or posted to /v1/reward) is the column reward/agent; None
+    # where it left the scoring to the run's reward functions.
+    reward_names = ("agent",)
+    renders_prompts = False
 
     def __init__(
         self,
@@ -125,14 +119,11 @@ class AgentRunner:
             self.gateway.batcher.close()
             self.server = self.gateway = None
 
-    def reward_functions(self) -> list:
-        return [agent_reward]
-
     def check_prompts(self, rows: list[dict], sample: int = 64) -> None:
         """At start-up: the chat template keeps earlier turns as sampled (else no row could be continued
         token in, token out). The prompts are the agent's own: each request is checked as it arrives."""
         from grpo.agents.chat import ChatRenderer
-        from grpo.rollout.episodes import refuse_rewriting_template
+        from grpo.rollout.multi_turn import refuse_rewriting_template
 
         del rows, sample
         renderer = ChatRenderer(self.tokenizer, None, **(self.gateway_args["template_kwargs"] or {}))
@@ -273,6 +264,7 @@ class AgentRunner:
             ep.ended_by = "max_tokens" if s.last_finish == "length" else "answer"
             ep.final_reward = reward
         ep.env_reward = reward if failure is None else None
+        ep.env_class = "agent"  # its reward column
         return ep
 
     def _count(self, sessions: list[Session]) -> None:
@@ -344,9 +336,12 @@ def _is_number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def build_agent_runner(cfg, formatter, agent) -> AgentRunner:
-    """The runner for GRPOTrainer(agent=) or env.agent; the family's tool-call parser reads every turn."""
+def build_agent_runner(cfg, formatter, agent=None, **objects) -> AgentRunner:
+    """The runner for GRPOTrainer(agent=) or env.agent; the family's tool-call parser reads every turn.
+    (`objects`: the other runners' objects, which rollout/episodes.RUNNERS passes to every builder.)"""
     from grpo.agents.parsing import detect_parser
+
+    del objects
 
     if agent is None:
         agent = cfg.env.agent
@@ -389,4 +384,4 @@ def build_agent_runner(cfg, formatter, agent) -> AgentRunner:
     return runner
 
 
-__all__ = ["AgentRunner", "agent_reward", "build_agent_runner", "load_agent"]
+__all__ = ["AgentRunner", "build_agent_runner", "load_agent"]

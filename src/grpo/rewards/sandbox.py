@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
@@ -39,7 +40,12 @@ class SandboxResult:
 # Runs in the child: set the limits, then run the code read from stdin as __main__. (Limits are set here,
 # not in a preexec_fn, because reward calls run on threads, where preexec_fn can deadlock.)
 _BOOTSTRAP = """
-import resource, sys
+import os, resource, signal, sys, threading, time
+def _orphaned(parent=os.getppid()):  # the trainer died (even by SIGKILL): end this group, leave nothing
+    while os.getppid() == parent:
+        time.sleep(0.1)
+    os.killpg(0, signal.SIGKILL)
+threading.Thread(target=_orphaned, daemon=True).start()  # before RLIMIT_NPROC, which counts threads
 cpu, memory, files, processes = (int(x) for x in sys.argv[1:5])
 for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, files),
                      (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_CORE, 0)):
@@ -58,6 +64,7 @@ def run_python(
     file_mb: int = 16,
     processes: int = 64,
     output_chars: int = 10_000,
+    on_start: Callable[[subprocess.Popen], object] | None = None,
 ) -> SandboxResult:
     """Run `code` in a separate, resource-limited Python process and return its exit status and output."""
     if os.name != "posix":
@@ -76,6 +83,8 @@ def run_python(
             errors="replace",
             start_new_session=True,
         )  # its own process group, so a timeout kills its children too
+        if on_start is not None:  # an owner that may have to kill it early (agents/code_exec.py at close)
+            on_start(process)
         try:
             stdout, stderr = process.communicate(code, timeout=timeout)
             return SandboxResult(process.returncode, stdout[:output_chars], stderr[:output_chars], False)

@@ -111,6 +111,7 @@ def score_completions(
     on_error: str = "stop",
     extras: dict | None = None,
     isolation: str = "thread",
+    given: list[tuple[str, list[float | None], float]] | None = None,
 ) -> RewardScores:
     """Calls each function on the whole batch (guarded as the module docstring says) and sums with weights.
 
@@ -121,8 +122,11 @@ def score_completions(
     `isolation`: "process" runs each user function in a forked child (rewards/isolation.py) that a time
     limit or a stop signal can kill; "thread" calls it in this process; "auto" forks for the functions
     the config named by import path. This package's own functions always run in-process.
+    `given`: scores that arrive as data (an environment's own reward, per sample or None), as (name, values,
+    weight); they are columns after the functions', summed and logged alike.
     """
-    if not funcs:
+    given = given or []
+    if not funcs and not given:
         raise ValueError("score_completions needs at least one reward function")
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -148,6 +152,9 @@ def score_completions(
         checked, dropped = _checked(fn, name, result, batch, call, on_error)
         rows.append(checked)
         skipped += dropped
+    rows += [[nan if v is None else float(v) for v in values] for _, values, _ in given]
+    names = unique_names([*names, *(name for name, _, _ in given)])
+    weights = [*weights, *(weight for _, _, weight in given)]
     per_function = torch.tensor(rows, dtype=torch.float32).T  # [N, F]
     weighted = per_function * torch.tensor(weights, dtype=torch.float32)  # [N, F]
     unscored = per_function.isnan().all(dim=1)  # [N] every function returned None

@@ -1,312 +1,106 @@
-"""Episodes: how the rollout source turns a step's prompts into completions, one turn or many.
+"""Episode runners: how the rollout source turns a step's prompts into completions, one turn or many.
 
-    single turn   engine.generate(prompts, n): one sampled completion per row, the shared-prompt fast path
-    multi turn    every episode of the step advances together, one batched engine call per turn:
-                  sample a turn → parse its tool calls → run every episode's tools at once (time-limited)
-                  or the environment's step → append the injected messages' tokens (loss_mask 0) → repeat
-                  until an answer, `done`, or a cap (turns, tokens per episode, tokens per turn)
+A runner is chosen by name from RUNNERS (a new one is a module with a `build` function and one line here):
 
-Token in, token out: sampled ids are kept as sampled; an injected message's ids are the chat template's
-rendering of the conversation with it minus the rendering without it (agents/chat.py). Nothing sampled is
-ever re-tokenized, so the learner scores exactly the tokens the sampler produced.
+    single_turn    engine.generate(prompts, n): one sampled completion per row, the shared-prompt fast path
+    multi_turn     rollout/multi_turn.py: tools or an environment (agents/environments.py's protocol), every
+                   episode of the step advancing together, one batched engine call per turn
+    rollout_func   rollout/rollout_func.py: TRL's `rollout_func(prompts, trainer)` (TRL 1.16's contract)
+    agent          gateway/runner.py: the user's own agent code through the OpenAI-compatible gateway
 
-A completion here is everything after the prompt: [turn 1 | tool result | turn 2 | ...]; `loss_mask` marks
-the sampled turns. A group's G episodes start from one prompt (GRPO's baseline compares them), so an
-environment whose reset gives different starting points for the same row is refused.
+`build(cfg, formatter, **objects)` → an EpisodeRunner; objects are what GRPOTrainer was given (tools=,
+environment=, rollout_func=, agent=) and `max_tokens`, the run's one completion limit. The rollout source
+calls only the EpisodeRunner protocol below.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
+import importlib
+from collections.abc import Sequence
 from typing import Protocol
 
-import torch
+from grpo.records import PromptBatch, Rollouts, SamplingParams
 
-from grpo.agents.chat import ChatRenderer
-from grpo.agents.environments import EnvironmentFactory, StepEnvironment
-from grpo.agents.messages import assistant_message, tool_messages
-from grpo.agents.parsing import ParsedTurn, ToolCallParser, parse_turn
-from grpo.agents.tools import ToolBox
-from grpo.records import Episode, PromptBatch, Rollouts, SamplingParams
-
-log = logging.getLogger("grpo")
+# name → "module:function" of its builder, imported only when chosen.
+RUNNERS: dict[str, str] = {
+    "single_turn": "grpo.rollout.episodes:build_single_turn",
+    "multi_turn": "grpo.rollout.multi_turn:build",
+    "rollout_func": "grpo.rollout.rollout_func:build",
+    "agent": "grpo.gateway.runner:build_agent_runner",
+}
 
 
 class EpisodeRunner(Protocol):
+    """What the rollout source (and evaluation) call; one runner lives for the whole run.
+
+    `run` gives n completions for every prompt, and the prompts as sampled from (an environment may extend
+    them): Rollouts rows are grouped by prompt (group_ids), `loss_mask` marks the sampled tokens, and
+    `episodes` (one Episode record per row, or None for one turn) carries what each episode did, its
+    environment's reward (`env_reward`, `env_class`) included. `reward_names` are the environment reward
+    columns its episodes carry (one per class that scores, TRL's metric name). `check_prompts` runs at
+    start-up, before the model loads; `close` ends every environment the runner holds (called however the run
+    ends; the runner stays usable and makes fresh ones)."""
+
     multi_turn: bool
+    reward_names: Sequence[str]
+    renders_prompts: bool  # run() renders and tokenizes the prompts itself: the feed need not
 
     def run(
         self, engine, prompts: PromptBatch, n: int, sampling: SamplingParams, chunk_prompts: int | None = None
-    ) -> tuple[PromptBatch, Rollouts]:
-        """n completions for every prompt; the prompts as sampled from (an environment may extend them)."""
+    ) -> tuple[PromptBatch, Rollouts]: ...
+
+    def check_prompts(self, rows: list[dict]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class SingleTurn:
-    """One sampled completion per row: today's path, unchanged (the engine's shared-prompt generate)."""
+    """One sampled completion per row: the engine's shared-prompt generate."""
 
     multi_turn = False
+    reward_names: tuple[str, ...] = ()
+    renders_prompts = False
 
     def run(self, engine, prompts, n, sampling, chunk_prompts=None):
         return prompts, engine.generate(prompts.prompt_token_ids, n, sampling, chunk_prompts=chunk_prompts)
 
+    def check_prompts(self, rows: list[dict]) -> None:
+        del rows
 
-@dataclasses.dataclass
-class EpisodeLimits:
-    max_turns: int  # assistant turns per episode
-    max_tokens: int  # completion tokens per episode, sampled and injected
-    turn_tokens: int  # sampled tokens per turn (generation.max_new_tokens)
-
-
-@dataclasses.dataclass
-class _Live:
-    """One episode in progress."""
-
-    group: int
-    row: dict
-    env: object
-    messages: list[dict]  # the whole conversation so far, prompt included
-    prompt_messages: int  # how many of `messages` are the prompt
-    ids: list[int] = dataclasses.field(default_factory=list)  # completion ids so far
-    sampled: list[float] = dataclasses.field(default_factory=list)  # 1 = sampled, 0 = injected
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    episode: Episode = dataclasses.field(default_factory=lambda: Episode(messages=[]))
-    done: bool = False
-    toolbox: ToolBox | None = None  # this episode's own tools (an environment instance's methods)
-
-    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
-        self.ids += ids
-        self.sampled += [1.0 if logprobs is not None else 0.0] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-
-    def end(self, why: str) -> None:
-        self.done, self.episode.ended_by = True, why
+    def close(self) -> None:
+        pass
 
 
-class MultiTurn:
-    """Episodes with tools or an environment (see the module docstring)."""
+def build_single_turn(cfg, formatter, **objects) -> SingleTurn:
+    del cfg, formatter, objects
+    return SingleTurn()
 
-    multi_turn = True
 
-    def __init__(
-        self,
-        factory: EnvironmentFactory,
-        formatter,
-        parser: ToolCallParser,
-        limits: EpisodeLimits,
-        *,
-        tool_timeout_s: float = 10.0,
-        tool_max_chars: int = 4000,
-    ):
-        self.factory, self.formatter, self.parser, self.limits = factory, formatter, parser, limits
-        self.tokenizer = formatter.tokenizer
-        # Environment instances are stateful: one episode's calls run in the order written (episodes still
-        # run concurrently); plain tools are stateless and all run at once.
-        self.toolbox = ToolBox(
-            factory.fixed_tools,
-            timeout_s=tool_timeout_s,
-            max_chars=tool_max_chars,
-            in_episode_order=bool(factory.factories),
-        )
-        self.template_kwargs = dict(formatter.cfg.chat_template_kwargs or {})
-        self.special_ids = set(self.tokenizer.all_special_ids)
-        self._said_template = False
-        self._renderers: dict[str, ChatRenderer] = {}
+def runner_name(cfg, tools=None, environment=None, rollout_func=None, agent=None) -> str:
+    """The runner a run's settings and objects call for."""
+    if agent is not None or cfg.env.agent or cfg.env.agent_command:
+        return "agent"
+    if rollout_func is not None:
+        return "rollout_func"
+    if tools or environment is not None or cfg.env.tools or cfg.env.environment:
+        return "multi_turn"
+    return "single_turn"
 
-    def renderer(self, schemas: list[dict]) -> ChatRenderer:
-        key = repr(schemas)
-        if key not in self._renderers:
-            self._renderers[key] = ChatRenderer(self.tokenizer, schemas or None, **self.template_kwargs)
-        return self._renderers[key]
 
-    # -- the episode loop ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def run(self, engine, prompts, n, sampling, chunk_prompts=None):
-        del chunk_prompts  # one row per live episode; the engine bounds its own batch
-        prompts, live = self._start(prompts, n)
-        lim = self.limits
-        for turn in range(1, lim.max_turns + 1):
-            for e in live:
-                if not e.done and len(e.ids) >= lim.max_tokens:
-                    e.end("max_tokens")
-            active = [e for e in live if not e.done]
-            if not active:
-                break
-            room = [lim.max_tokens - len(e.ids) for e in active]  # each ≥ 1
-            step_sampling = dataclasses.replace(
-                sampling, max_new_tokens=max(1, min(lim.turn_tokens, max(room)))
-            )
-            if turn == 1:  # every episode of a group starts from its prompt: the shared-prompt fast path
-                out = engine.generate(prompts.prompt_token_ids, n, step_sampling)
-            else:
-                rows = [prompts.prompt_token_ids[e.group] + e.ids for e in active]
-                out = engine.continue_rows(rows, step_sampling)
-            waiting: list[tuple[_Live, ParsedTurn]] = []
-            for r, (e, budget) in enumerate(zip(active, room, strict=True)):
-                parsed = self._take_turn(e, out, r, budget, turn)
-                if parsed is not None:
-                    waiting.append((e, parsed))
-            if waiting:
-                self._run_tools(waiting)
-        for e in live:
-            if not e.done:  # the last allowed turn asked for more
-                e.end("max_turns")
-            e.episode.messages = e.messages[e.prompt_messages :]
-            e.episode.env_reward = e.env.reward()
-            e.episode.environment = getattr(e.env, "instance", None)
-            e.episode.env_class = (
-                None if e.episode.environment is None else type(e.episode.environment).__name__
-            )
-        return prompts, self._rollouts(live)
+def build_episodes(
+    cfg, formatter, tools=None, environment=None, rollout_func=None, agent=None, max_tokens=None, runner=None
+) -> EpisodeRunner:
+    """The runner `runner` names (default: the one the settings call for, see runner_name). `max_tokens`:
+    the run's one completion limit (RunSettings.completion_limit), which the preflights checked."""
+    from grpo.config import ConfigError
 
-    def _run_tools(self, waiting: list[tuple[_Live, ParsedTurn]]) -> None:
-        """Every waiting episode's calls at once; each episode gets its results as tool messages."""
-        boxes = [e.toolbox or self.toolbox for e, _ in waiting]
-        results = self.toolbox.run([p for _, p in waiting], episode_tools=boxes)
-        for (e, parsed), res in zip(waiting, results, strict=True):
-            self._inject(e, tool_messages(parsed, res, e.episode.turns))
-            e.episode.tool_calls += sum(x.call is not None for x in res)
-            for x in res:
-                if x.error:
-                    e.episode.tool_errors[x.error] = e.episode.tool_errors.get(x.error, 0) + 1
-
-    def _take_turn(self, e: _Live, out: Rollouts, r: int, budget: int, turn: int) -> ParsedTurn | None:
-        """Append row r of a turn's sampling to episode e; the parsed turn when its tool calls are to run."""
-        length = int(out.completion_mask[r].sum())
-        cut = min(length, budget)
-        new = out.completion_ids[r, :cut].tolist()
-        e.add(new, out.sampling_logprobs[r, :cut].tolist())
-        e.episode.turns = turn
-        # Special tokens stay: some formats mark calls with them (Mistral's [TOOL_CALLS]); the end-of-turn
-        # token is not content.
-        body = new[:-1] if new and new[-1] in self.special_ids else new
-        parsed = parse_turn(self.parser, self.tokenizer.decode(body, skip_special_tokens=False))
-        e.messages.append(assistant_message(parsed, turn))
-        if cut < length or (bool(out.truncated[r]) and cut >= budget):
-            e.end("max_tokens")
-        elif bool(out.truncated[r]):
-            e.end("turn_length")
-        elif isinstance(e.env, StepEnvironment):
-            self._step(e)
-        elif not parsed.calls and not parsed.errors:
-            e.end("answer")
-        elif turn == self.limits.max_turns:
-            e.episode.tool_calls += len(parsed.calls)
-            e.end("max_turns")
-        else:
-            return parsed
-        return None
-
-    def _step(self, e: _Live) -> None:
-        result = e.env.step(e.messages)
-        if result.done or not result.messages:
-            e.end("done")
-            return
-        self._inject(e, result.messages)
-
-    def _inject(self, e: _Live, messages: list[dict]) -> None:
-        """Append the tokens of injected messages (loss_mask 0), ending the episode if they do not fit."""
-        history = e.messages
-        renderer = self.renderer(self.factory.schemas(e.row))
-        ids = []
-        end = self.tokenizer.convert_tokens_to_ids(renderer.end_of_turn)
-        if e.ids and e.ids[-1] != end:
-            # The turn stopped on a stop string: the template closes it with the end-of-turn token.
-            ids.append(end)
-        try:
-            ids += renderer.injected_ids(history, messages)
-        except Exception as err:  # noqa: BLE001 - a template that cannot render this turn ends the episode
-            # e.g. Llama 3's template takes one tool call per assistant turn and raises on two.
-            if not self._said_template:
-                self._said_template = True
-                log.warning("An episode ended: the chat template cannot render its next turn (%s).", err)
-            e.end("template")
-            return
-        if len(e.ids) + len(ids) > self.limits.max_tokens:
-            e.end("max_tokens")
-            return
-        e.add(ids, None)
-        e.messages = [*history, *messages]
-
-    # -- start and finish ---------------------------------------------------------------------------
-    def _start(self, prompts: PromptBatch, n: int) -> tuple[PromptBatch, list[_Live]]:
-        live, ids = [], []
-        slots: dict = {}  # the next environment instance of each class (TRL: construct once, reset often)
-        for i, prompt in enumerate(prompts.prompts):
-            row = {"prompt": prompt, **{k: v[i] for k, v in prompts.columns.items()}}
-            base = self.formatter.messages(prompt)
-            group = []
-            for _ in range(n):
-                key = row.get("environment") if self.factory.multi_factory else None
-                slots[key] = slots.get(key, -1) + 1
-                env = self.factory.make(row, slots[key])
-                start = env.start(base, self.factory.reset_row(row))
-                own = None
-                if env.kind == "tools" and env.tools.keys() != set(self.toolbox.names):
-                    own = ToolBox(env.tools, self.toolbox.timeout_s, self.toolbox.max_chars)
-                group.append(_Live(i, row, env, list(start), len(start), toolbox=own))
-            first = group[0].messages
-            if any(g.messages != first for g in group[1:]):
-                raise ValueError(
-                    f"The environment started the {n} episodes of one prompt (dataset row "
-                    f"{prompts.indices[i] if prompts.indices else i}) from different conversations. GRPO "
-                    "compares a group's episodes from one starting point: make reset deterministic for a "
-                    "row, or put the variation in the dataset."
-                )
-            ids.append(self._prompt_ids(first, row, prompts.indices[i] if prompts.indices else i))
-            live += group
-        prompts = dataclasses.replace(
-            prompts,
-            prompts=[g.messages[: g.prompt_messages] for g in live[::n]],
-            prompt_token_ids=ids,
-        )
-        return prompts, live
-
-    def _prompt_ids(self, messages: list[dict], row: dict, index: int) -> list[int]:
-        ids = self.renderer(self.factory.schemas(row)).prompt_ids(messages)
-        limit = self.formatter.cfg.max_prompt_length
-        if len(ids) > limit:
-            from grpo.config import ConfigError
-
-            raise ConfigError(
-                f"Dataset row {index}'s prompt is {len(ids)} tokens with the tool descriptions the chat "
-                f"template adds, more than data.max_prompt_length = {limit}: raise data.max_prompt_length "
-                "(and keep prompt + env.max_tokens within the model's context)."
-            )
-        return ids
-
-    def check_prompts(self, rows: list[dict], sample: int = 64) -> None:
-        """At start-up: the template keeps earlier turns with a real prompt's opening (a system message
-        changes some templates), and the first rows' prompts with their tools fit data.max_prompt_length."""
-        if rows:
-            opening = self.formatter.messages(rows[0]["prompt"])
-            renderer = self.renderer(self.factory.schemas(rows[0]))
-            refuse_rewriting_template(renderer, self.formatter.tokenizer.name_or_path, opening)
-        for index, row in enumerate(rows[:sample]):
-            self._prompt_ids(self.formatter.messages(row["prompt"]), row, index)
-
-    def _rollouts(self, live: list[_Live]) -> Rollouts:
-        width = max(1, max(len(e.ids) for e in live))
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        n = len(live)
-        ids = torch.full((n, width), pad, dtype=torch.long)
-        mask, loss, logprobs = torch.zeros(n, width), torch.zeros(n, width), torch.zeros(n, width)
-        for r, e in enumerate(live):
-            k = len(e.ids)
-            ids[r, :k] = torch.tensor(e.ids, dtype=torch.long)
-            mask[r, :k] = 1.0
-            loss[r, :k] = torch.tensor(e.sampled)
-            logprobs[r, :k] = torch.tensor(e.logprobs)
-        episodes = [e.episode for e in live]
-        return Rollouts(
-            group_ids=torch.tensor([e.group for e in live], dtype=torch.long),
-            completion_ids=ids,
-            completion_mask=mask,
-            sampling_logprobs=logprobs * loss,
-            truncated=torch.tensor([ep.truncated for ep in episodes]),
-            loss_mask=loss,
-            episodes=episodes,
-        )
+    name = runner or runner_name(cfg, tools, environment, rollout_func, agent)
+    if name not in RUNNERS:
+        raise ConfigError(f"No episode runner named {name!r}; the runners are {', '.join(RUNNERS)}.")
+    module, _, function = RUNNERS[name].partition(":")
+    build = getattr(importlib.import_module(module), function)
+    objects = dict(tools=tools, environment=environment, rollout_func=rollout_func, agent=agent)
+    return build(cfg, formatter, max_tokens=max_tokens, **objects)
 
 
 def answer_texts(rollouts: Rollouts, tokenizer) -> list[str]:
@@ -318,56 +112,3 @@ def answer_texts(rollouts: Rollouts, tokenizer) -> list[str]:
         next((m.get("content") or "" for m in reversed(e.messages) if m["role"] == "assistant"), "")
         for e in rollouts.episodes
     ]
-
-
-def refuse_rewriting_template(renderer: ChatRenderer, name: str, opening: list[dict] | None = None) -> None:
-    from grpo.config import ConfigError
-
-    problem = renderer.prefix_problem(opening)
-    if problem is not None:
-        raise ConfigError(
-            f"{name}: {problem} Training on its episodes would score tokens the model never saw. Give the "
-            "tokenizer a chat template that renders earlier turns as they were sampled "
-            "(tokenizer.chat_template = ...; for Qwen3, one that keeps every assistant turn's <think> "
-            "block), then start again."
-        )
-
-
-def build_episodes(cfg, formatter, tools=None, environment=None, max_tokens=None) -> EpisodeRunner:
-    """One turn, or multi-turn episodes when tools or an environment are given (objects from
-    GRPOTrainer(tools=, environment_factory=), else env.tools / env.environment import paths). Refuses at
-    start-up a model whose tool-call format is unknown or whose chat template rewrites earlier turns."""
-    from grpo.agents.environments import build_factory
-    from grpo.agents.parsing import detect_parser
-    from grpo.agents.workers import isolate_factory
-
-    tool_specs, environment_spec = tools or cfg.env.tools, environment or cfg.env.environment
-    factory = build_factory(tool_specs, environment_spec)
-    if factory is None:
-        return SingleTurn()
-    isolate_factory(
-        factory, tool_specs, environment_spec, cfg.algorithm.reward_isolation, cfg.env.tool_timeout_s
-    )
-    name = cfg.model.name_or_path
-    parser = detect_parser(formatter.tokenizer, name, cfg.env.tool_parser)
-    schemas = factory.fixed_schemas or next(iter(factory._schemas.values()), [])
-    kwargs = dict(cfg.data.chat_template_kwargs or {})
-    refuse_rewriting_template(ChatRenderer(formatter.tokenizer, schemas or None, **kwargs), name)
-    # max_tokens: the run's one completion limit (RunSettings.completion_limit) that the preflights checked
-    max_tokens = max_tokens or cfg.episode_max_tokens
-    limits = EpisodeLimits(cfg.env.max_turns, max_tokens, cfg.effective_max_new_tokens)
-    log.info(
-        "Episodes: up to %d turns and %d tokens each; tools %s; tool calls parsed as %s.",
-        limits.max_turns,
-        limits.max_tokens,
-        ", ".join(s["function"]["name"] for s in schemas) or "from the environment",
-        parser.name,
-    )
-    return MultiTurn(
-        factory,
-        formatter,
-        parser,
-        limits,
-        tool_timeout_s=cfg.env.tool_timeout_s,
-        tool_max_chars=cfg.env.tool_max_chars,
-    )

@@ -16,8 +16,10 @@ Faults: every Ray call waits at most `timeout_s`; an actor that dies is replaced
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import pickle
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from grpo.agents.environments import EnvironmentContractError
 from grpo.config import ConfigError, DistributedConfig
 from grpo.distributed.runtime import Runtime
 from grpo.model.lora import ADAPTER_MARK, is_lora
@@ -49,6 +52,7 @@ class EngineSpec:
     seed: int
     num_threads: int
     episodes: Any = None  # the EpisodeRunner (rollout/episodes.py); None: one turn
+    environments: bool = False  # send each episode's environment back (reward functions read them)
 
     @classmethod
     def of_policy(cls, policy, dtype: torch.dtype, tokenizer, cfg, rank: int, episodes=None) -> EngineSpec:
@@ -93,6 +97,7 @@ class RolloutWorker:
         )  # after the random init: sampling noise starts where a colocated run's does
         self.version = -1  # no weights yet
         self.episodes = spec.episodes or SingleTurn()
+        self.environments = spec.environments
 
     def sampler_differs(self) -> bool:
         return self.engine.sampler_differs
@@ -107,13 +112,16 @@ class RolloutWorker:
     ) -> tuple[PromptBatch, Rollouts, int]:
         """The prompts' episodes (one turn or many) and the weight version that sampled them."""
         prompts, rollouts = self.episodes.run(self.engine, prompts, n, sampling, chunk_prompts)
-        if rollouts.episodes is not None:  # environment objects stay here (they need not pickle); their
-            for episode in rollouts.episodes:  # class name travels, for their reward functions
+        if rollouts.episodes is not None and not self.environments:
+            for episode in rollouts.episodes:  # no reward function reads them: they stay here
                 episode.environment = None
         return prompts, rollouts, self.version
 
     def close(self) -> None:
-        self.engine.close()
+        try:
+            self.engine.close()
+        finally:
+            self.episodes.close()
 
 
 @dataclass
@@ -317,6 +325,10 @@ class RayRollout:
 
         try:
             return ray.get(refs, timeout=self.timeout)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, EnvironmentContractError | ConfigError):  # the user's one-line error
+                raise e.cause.with_traceback(None) from None
+            raise
         except ray.exceptions.GetTimeoutError as e:
             raise RuntimeError(
                 f"Ray rollout call '{what}' gave no answer within distributed.timeout_s="
@@ -368,9 +380,41 @@ def build(cfg, parts, rt: Runtime, feed: PromptFeed, sampling: SamplingParams, c
     spec = EngineSpec.of_policy(
         parts.policy, parts.compute_dtype, parts.tokenizer, cfg, rt.rank, getattr(parts, "episodes", None)
     )
+    spec.environments = environments_travel(parts.episodes, parts.reward_funcs)
     if getattr(parts, "settings", None):  # vLLM's max_model_len from the run's one completion limit
         spec = replace(spec, generation=parts.settings.generation)
     g = cfg.generation
     return RayRollout(
         cfg.distributed, spec, placement(cfg, rt), feed, g.num_generations, sampling, rt, chunk_prompts
     )
+
+
+def environments_travel(episodes, reward_funcs: list) -> bool:
+    """Whether the actors send each episode's environment back with its rollouts, so that reward functions get
+    `environments` as they do in one process: when the environments pickle. A reward function that names
+    `environments` while they do not is refused at start-up, saying why."""
+    samples = getattr(episodes, "environment_samples", lambda: [])()
+    if not samples:
+        return False
+    readers = [getattr(f, "__name__", type(f).__name__) for f in reward_funcs if _names_environments(f)]
+    for instance in samples:
+        try:
+            pickle.dumps(instance)
+        except Exception as err:  # noqa: BLE001 - whatever pickling raises, the answer is "it does not pickle"
+            if readers:
+                raise ConfigError(
+                    f"The reward function {readers[0]} reads `environments`, but under Ray the episodes run "
+                    f"on rollout actors and {type(instance).__name__} instances cannot be sent back "
+                    f"({type(err).__name__}: {err}). Make the class picklable (__getstate__), or set "
+                    "distributed.rollout_mode=colocated."
+                ) from None
+            log.info("Environments stay on the rollout actors (%s does not pickle).", type(instance).__name__)
+            return False
+    return True
+
+
+def _names_environments(fn) -> bool:
+    try:
+        return "environments" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False

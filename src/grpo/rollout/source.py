@@ -67,16 +67,25 @@ class RolloutSource(Protocol):
 
 
 class PromptFeed:
-    """Each step's prompts: the next P rows of the stream, this process's whole groups, tokenized."""
+    """Each step's prompts: the next P rows of the stream, this process's whole groups, tokenized (unless the
+    episode runner renders them itself: `tokenize=False` leaves prompt_token_ids empty for it to fill)."""
 
-    def __init__(self, stream: PromptStream, formatter: PromptFormatter, rt: Runtime, per_step: int):
+    def __init__(
+        self,
+        stream: PromptStream,
+        formatter: PromptFormatter,
+        rt: Runtime,
+        per_step: int,
+        tokenize: bool = True,
+    ):
         self.stream, self.formatter, self.rt, self.per_step = stream, formatter, rt, per_step
+        self.tokenize = tokenize
 
     def next(self) -> PromptBatch:
         from grpo.data import make_prompt_batch
 
         indices, rows = self.rt.shard(*self.stream.next_rows(self.per_step))
-        return make_prompt_batch(indices, rows, self.formatter)
+        return make_prompt_batch(indices, rows, self.formatter, tokenize=self.tokenize)
 
 
 def prompt_rows(batch: PromptBatch, rows: slice) -> PromptBatch:
@@ -92,6 +101,7 @@ def build_source(cfg, parts, rt: Runtime, stream: PromptStream, sampling: Sampli
     """The source `distributed.rollout_mode` names, sampling `generation.num_generations` per prompt in
     chunks of `generation.batch_size` completions. Build it before the learner shards the policy."""
     g = cfg.generation
-    feed = PromptFeed(stream, parts.formatter, rt, cfg.train.prompts_per_step)
+    renders = getattr(parts, "episodes", None) is not None and parts.episodes.renders_prompts
+    feed = PromptFeed(stream, parts.formatter, rt, cfg.train.prompts_per_step, tokenize=not renders)
     chunk_prompts = None if g.batch_size is None else max(1, g.batch_size // g.num_generations)
     return SOURCES[cfg.distributed.rollout_mode](cfg, parts, rt, feed, sampling, chunk_prompts)

@@ -100,6 +100,7 @@ def build_run(
     rt=None,
     tools=None,
     environment=None,
+    rollout_func=None,
     agent=None,
 ) -> RunParts:
     """The parts of a run from the validated `cfg`, which is only read: its start-up decisions are in
@@ -141,6 +142,7 @@ def build_run(
             is_main=rt is None or rt.is_main,
             tools=tools,
             environment=environment,
+            rollout_func=rollout_func,
             agent=agent,
         )
     except BaseException:
@@ -166,6 +168,7 @@ def _build_parts(
     is_main: bool,
     tools=None,
     environment=None,
+    rollout_func=None,
     agent=None,
 ) -> RunParts:
     setup_logging(run_dir)
@@ -204,9 +207,11 @@ def _build_parts(
         check_context(settings, model_config, lambda: formatter.longest(train_rows))
         gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         check_memory(settings, model_config, torch.finfo(compute).bits // 8, gpu)
-    episodes = _episodes(cfg, formatter, tools, environment, agent, settings.completion_limit)
-    if episodes.multi_turn:
-        episodes.check_prompts(train_rows)
+    episodes = build_episodes(
+        cfg, formatter, tools=tools, environment=environment, rollout_func=rollout_func, agent=agent,
+        max_tokens=settings.completion_limit,
+    )  # fmt: skip
+    episodes.check_prompts(train_rows)
     policy = _policy(cfg, model, device, compute)
     ref = _reference(cfg, ref_model, model, policy, device, compute)
 
@@ -228,13 +233,7 @@ def _build_parts(
     weights = cfg.algorithm.reward_weights
     if weights is not None and len(weights) != len(funcs):
         raise ConfigError(f"algorithm.reward_weights has {len(weights)} entries for {len(funcs)} rewards.")
-
-    if episodes.multi_turn and (own := getattr(episodes, "factory", episodes).reward_functions()):
-        # Environments that score their episodes add a reward each, named after the class (as TRL logs it).
-        if weights is not None or cfg.env.reward_weight != 1.0:
-            weights = [*(weights or [1.0] * len(funcs)), *[cfg.env.reward_weight] * len(own)]
-        funcs += own
-    if not funcs:
+    if not funcs and not episodes.reward_names:  # environments that score add reward/<ClassName> columns
         raise ConfigError(
             "No reward: the environment gives none (no reward() method, no step rewards); pass reward_funcs="
             "[...] or set algorithm.reward_funcs."
@@ -252,7 +251,7 @@ def _build_parts(
         else "the base weights, adapters off"
         if cfg.lora.enabled
         else f"frozen copy ({cfg.distributed.ref_device})",
-        ", ".join(getattr(f, "__name__", type(f).__name__) for f in funcs),
+        ", ".join([*(getattr(f, "__name__", type(f).__name__) for f in funcs), *episodes.reward_names]),
     )
     ref_dtype = None if ref is None else next(ref.parameters()).dtype
     # What Runtime.sharded will say: one process shards nothing, whatever the strategy.
@@ -275,14 +274,6 @@ def _build_parts(
         eval_name=eval_name,
         settings=settings,
     )
-
-
-def _episodes(cfg, formatter, tools, environment, agent, completion_limit: int) -> EpisodeRunner:
-    if agent is not None or cfg.env.agent or cfg.env.agent_command:  # the user's own agent (grpo/gateway)
-        from grpo.gateway.runner import build_agent_runner
-
-        return build_agent_runner(cfg, formatter, agent)
-    return build_episodes(cfg, formatter, tools=tools, environment=environment, max_tokens=completion_limit)
 
 
 def _policy(cfg: GRPOConfig, model, device: torch.device, compute: torch.dtype):
