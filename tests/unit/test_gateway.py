@@ -399,3 +399,14 @@ def test_a_client_that_leaves_mid_stream_leaves_its_turn_recorded(qwen):
         gateway.batcher.close()
     assert s.turns == 1 and not s.rows[0].busy
     assert s.rows[0].messages[-1] == {"role": "assistant", "content": engine.script("")}
+
+
+def test_an_agent_run_on_the_bundled_tool_model_is_not_told_its_tools_are_untaught(caplog):
+    """The agent sends its own tool schemas with each request: at start-up grpo has none, so no warning."""
+    from grpo.config import GRPOConfig
+    from grpo.run.lifecycle import warn_untaught_tools
+
+    cfg = GRPOConfig(model_name="tiny-tools-lm")
+    with caplog.at_level("WARNING", logger="grpo"):
+        warn_untaught_tools(cfg, object())  # a runner without a tool factory: the agent runner's case
+    assert "only ever shown calling" not in caplog.text

@@ -157,8 +157,10 @@ def warn_untaught_tools(cfg: GRPOConfig, episodes) -> None:
     if name != BUNDLED_TOOL_MODEL and os.path.abspath(name) != bundled_model_path(BUNDLED_TOOL_MODEL):
         return
     factory = getattr(episodes, "factory", None)
-    schemas = list(getattr(factory, "fixed_schemas", None) or [])
-    for more in getattr(factory, "_schemas", {}).values():  # an environment's methods
+    if factory is None:  # an agent (or rollout_func) brings its own tools: grpo cannot see them at start-up
+        return
+    schemas = list(factory.fixed_schemas)
+    for more in factory._schemas.values():  # an environment's methods
         schemas += more
     tools = {
         s["function"]["name"]: list(s["function"].get("parameters", {}).get("properties", {}))
