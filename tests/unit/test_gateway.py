@@ -410,3 +410,65 @@ def test_an_agent_run_on_the_bundled_tool_model_is_not_told_its_tools_are_untaug
     with caplog.at_level("WARNING", logger="grpo"):
         warn_untaught_tools(cfg, object())  # a runner without a tool factory: the agent runner's case
     assert "only ever shown calling" not in caplog.text
+
+
+class FailsMidTurnEngine(ScriptedEngine):
+    """The scripted policy reports its first tokens, then the engine call fails (a device error mid-turn)."""
+
+    def continue_rows(self, rows, sampling, on_step=None):
+        out = super().continue_rows(rows, sampling)
+        for step in range(4):
+            on_step(list(range(len(rows))), out.completion_ids[:, step].tolist())
+        raise RuntimeError("the device ran out of memory")
+
+
+@pytest.fixture
+def failing(qwen):
+    engine = FailsMidTurnEngine(qwen, lambda text: "The answer is 408, since twelve times thirty-four.")
+    gateway = Gateway(qwen, HermesParser(), LIMITS, engine, SAMPLING)
+    server = GatewayServer(gateway)
+    yield gateway, server
+    server.close()
+    gateway.batcher.close()
+
+
+def test_a_responses_stream_that_fails_mid_way_ends_in_response_failed(failing):
+    from openai.types.responses import ResponseFailedEvent
+
+    gateway, server = failing
+    s = gateway.sessions.add(Session(0, 0, {}))
+    client = openai.OpenAI(base_url=server.base_url, api_key=s.key, max_retries=0)
+    events = list(client.responses.create(model="m", input="What is 12 * 34?", stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert any(e.type == "response.output_text.delta" for e in events)  # the reply had begun
+    last = events[-1]
+    assert isinstance(last, ResponseFailedEvent) and last.response.status == "failed"
+    assert last.response.error.code == "server_error" and "ran out of memory" in last.response.error.message
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert last.response.output[0].status == "incomplete"  # the unfinished message, as far as it got
+
+
+def test_a_chat_stream_that_fails_mid_way_ends_in_an_error_chunk(failing, qwen, monkeypatch):
+    gateway, server = failing
+    body = {"model": "m", "messages": [{"role": "user", "content": "What is 12 * 34?"}], "stream": True}
+    s = gateway.sessions.add(Session(0, 0, {}))
+    headers = {"Authorization": f"Bearer {s.key}"}
+    raw = httpx.post(f"{server.base_url}/chat/completions", json=body, headers=headers, timeout=30).text
+    frames = [f.removeprefix("data: ") for f in raw.strip().split("\n\n")]
+    assert json.loads(frames[0])["choices"][0]["delta"]  # the reply had begun
+    error = json.loads(frames[-2])["error"]
+    assert error["type"] == "server_error" and "ran out of memory" in error["message"]
+    assert frames[-1] == "[DONE]"
+
+    # Any other failure after the first chunk is an error chunk too (not a stream that just stops), and the
+    # openai package raises it.
+    gateway.batcher.use(SlowStepsEngine(qwen, lambda text: "The answer is 408."), SAMPLING)
+
+    def broken_parser(parser, text):
+        raise ValueError("a parser bug")
+
+    monkeypatch.setattr("grpo.gateway.service.parse_turn", broken_parser)
+    s = gateway.sessions.add(Session(1, 0, {}))
+    client = openai.OpenAI(base_url=server.base_url, api_key=s.key, max_retries=0)
+    with pytest.raises(openai.APIError, match="ValueError: a parser bug"):
+        list(client.chat.completions.create(**body))

@@ -23,12 +23,15 @@ structured output (`text.format` json_schema), images and files in the input, `b
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from grpo.gateway.responses_output import ResponseEvents, from_chat_reply, new_id
 from grpo.gateway.wire import ChatRequest, GatewayError, TurnDone, chat_completion, stream_chunks
+
+log = logging.getLogger("grpo")
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -334,8 +337,14 @@ def respond_stream(
     def events() -> Iterator[dict]:
         stream = ResponseEvents(body)
         yield from stream.start()
-        for chunk in chunks:
-            yield from stream.chunk(chunk)
+        try:
+            for chunk in chunks:
+                yield from stream.chunk(chunk)
+        except Exception as err:  # noqa: BLE001 - after the first event the reply is a stream: it fails in it
+            log.warning("Gateway: a streamed response failed: %s: %s", type(err).__name__, err)
+            message = str(err) if isinstance(err, GatewayError) else f"{type(err).__name__}: {err}"
+            yield from stream.fail(message)
+            return
         yield from stream.finish()
         store.remember(stream.response_id, conversation, stream.message)
 

@@ -170,6 +170,20 @@ class ResponseEvents:
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=final)]
 
+    def fail(self, message: str, code: str = "server_error") -> list[dict]:
+        """The stream's last event when the turn fails after it began: `response.failed`, its Response
+        carrying the error and the output so far (an unfinished item marked incomplete), as the API ends a
+        response it could not finish. No `.done` events: the item did not finish."""
+        if self.open is not None:
+            self.open["status"] = "incomplete"
+        for index in sorted(self.pending):  # a call whose name never came: dropped, it was never shown
+            self.pending.pop(index)
+        final = response_object(
+            self.body, self.response_id, self.created, self.items, "failed", self.chat_usage
+        )
+        final["error"] = {"code": code, "message": message}
+        return [self._event("response.failed", response=final)]
+
     def _text(self, text: str) -> list[dict]:
         events = []
         if self.open is None or self.open["type"] != "message":

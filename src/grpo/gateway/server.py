@@ -225,10 +225,19 @@ class _Handler(BaseHTTPRequestHandler):
                     frame = f"data: {json.dumps(item)}\n\n"
                 self.wfile.write(frame.encode())
                 self.wfile.flush()
-        except GatewayError as err:  # after the reply began: an error event, then the stream ends
-            self.wfile.write(f"data: {json.dumps(err.body())}\n\n".encode())
         except (BrokenPipeError, ConnectionResetError):
             log.debug("gateway: a client closed its stream early")
+        except Exception as err:  # noqa: BLE001 - after the reply began the status is sent: the stream says it
+            # A chat completions stream's error chunk (`data: {"error": ...}`, what the openai package raises
+            # APIError on), then [DONE] for clients that read to the end. (A Responses stream never gets here:
+            # responses.py ends its own with a `response.failed` event.)
+            if not isinstance(err, GatewayError):
+                log.warning("Gateway: a stream failed: %s: %s", type(err).__name__, err)
+                err = GatewayError(500, f"{type(err).__name__}: {err}", "server_error")
+            try:
+                self.wfile.write(f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode())
+            except OSError:
+                log.debug("gateway: a client closed its stream before its error")
         finally:
             if (close := getattr(items, "close", None)) is not None:
                 close()  # a turn the client left still ends (and is recorded) in Gateway.complete
