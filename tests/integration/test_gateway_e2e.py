@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo.cli import main
 
@@ -92,3 +93,51 @@ def test_sigterm_ends_the_agents_and_the_server_and_leaves_no_port(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streamed", [False, True], ids=["chat", "chat-streamed"])
+def test_agent_episodes_on_the_transformers_engine_are_token_exact(streamed):
+    """The gateway over `model.generate` (generation.engine=transformers): each episode's ids are the chat
+    template's rendering of the conversation the agent had, and each sampled token's recorded log-prob is
+    the policy's at that very position of its row (the ids trained on are the ids sampled). Streamed, the
+    turn's text arrives when the engine call ends (generate reports no decode step)."""
+    pytest.importorskip("openai")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo.model.loading import resolve_path
+    from grpo.rollout.transformers import TransformersEngine
+    from tests.integration import test_agent_clients as clients
+
+    path = resolve_path("tiny-tools-lm")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    agent = clients.chat_streaming_agent if streamed else clients.example.run
+    prompts, rollouts = clients.drive((tokenizer, TransformersEngine(model, tokenizer)), agent)
+    clients.check_episodes(tokenizer, prompts, rollouts, clients.example.TOOLS)
+    for k in range(len(rollouts.episodes)):
+        n = int(rollouts.completion_mask[k].sum())
+        prompt = prompts.prompt_token_ids[int(rollouts.group_ids[k])]
+        ids = torch.tensor([prompt + rollouts.completion_ids[k, :n].tolist()])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1]  # [n, V]: the logits each completion id had
+        policy = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]  # [n]
+        sampled = rollouts.loss_mask[k, :n].bool()
+        torch.testing.assert_close(
+            rollouts.sampling_logprobs[k, :n][sampled], policy[sampled], atol=1e-4, rtol=0
+        )
+
+
+def test_grpo_train_through_the_agent_on_the_transformers_engine(tmp_path):
+    """`grpo train --config tiny_tools_agent generation.engine=transformers`, two short steps."""
+    out = tmp_path / "run"
+    small = [*SMALL, "generation.engine=transformers", f"output_dir={out}"]
+    assert main(["train", "--config", "tiny_tools_agent", *small]) == 0
+    lines = [m for m in metrics_of(out) if "gateway/rows_per_episode" in m]
+    assert len(lines) == 2
+    for m in lines:
+        assert m["gateway/rows_per_episode"] == 1.0 and m["gateway/forks"] == 0.0
+        assert m["gateway/batch_rows"] > 1.0  # the episodes' calls shared engine calls
+        assert m["mismatch/logp_abs_mean"] < 1e-3  # the learner scores the very ids generate sampled
+    assert (out / "final_model" / "model.safetensors").exists()
+    assert not [t for t in threading.enumerate() if t.name.startswith(("grpo-gateway", "grpo-agent"))]
