@@ -218,6 +218,31 @@ def test_short_training_run_logs_mismatch_and_syncs(tmp_path: Path):
     assert (tmp_path / "final_model" / "model.safetensors").exists()
 
 
+def test_an_agent_through_the_gateway_trains_on_vllm(tmp_path: Path):
+    """`grpo train --config tiny_tools_agent generation.engine=vllm`: the agent's calls, batched by the
+    gateway, sampled by vLLM; every request extended its episode (no fork) and the learner scores the ids
+    vLLM sampled (its own process: vLLM keeps process-wide state)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    cmd = [sys.executable, "-m", "grpo", "train", "--config", "tiny_tools_agent", "generation.engine=vllm",
+           "--steps", "2", "--output-dir", str(tmp_path), "train.eval_before=false", "train.eval_after=false",
+           "train.prompts_per_step=2", "generation.num_generations=4", "train.save_steps=0",
+           "--progress-bar", "false", "train.report=false", "train.num_threads=2",
+           "train.logging_steps=1"]  # fmt: skip
+    before = set(Path("/dev/shm").glob("grpo-vllm-*"))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert set(Path("/dev/shm").glob("grpo-vllm-*")) <= before
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "gateway/rows_per_episode" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["gateway/rows_per_episode"] == 1.0 and r["gateway/forks"] == 0.0
+        assert r["gateway/batch_rows"] > 1.0  # the episodes' calls shared engine calls
+        assert r["episode/ended_by/answer"] + r.get("episode/ended_by/max_tokens", 0.0) == 1.0
+        assert 0 <= r["mismatch/logp_abs_mean"] < 0.05 and r["mismatch/kl"] < 0.01
+    assert (tmp_path / "final_model" / "model.safetensors").exists()
+
+
 def _free_port() -> int:
     import socket
 

@@ -16,7 +16,8 @@ The endpoint (server.py), on 127.0.0.1 and a free port:
     POST /v1/reward             {"reward": r} the episode's reward, or {"reward": r, "turn": k} one turn's
 Every request carries `Authorization: Bearer <session key>`; anything else is refused 401. Errors are
 OpenAI-style objects ({"error": {"message", "type", "param", "code"}}): malformed JSON or fields 400, a body
-over the limit 413, an ended session 409.
+over the limit 413, an ended session 409. A stream that fails after it began ends with an error chunk and
+[DONE] (chat completions) or a `response.failed` event (the Responses API).
 
 The hook for other wire formats (the Responses API, gateway/responses.py): one chat turn is
 
