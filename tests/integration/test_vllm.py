@@ -243,6 +243,41 @@ def test_an_agent_through_the_gateway_trains_on_vllm(tmp_path: Path):
     assert (tmp_path / "final_model" / "model.safetensors").exists()
 
 
+_TOKEN_EXACT_ON_VLLM = """
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo.model.loading import resolve_path
+from grpo.rollout import build_engine
+from tests.integration import test_agent_clients as clients
+
+path = resolve_path("tiny-tools-lm")
+tokenizer = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+engine = build_engine("vllm", model, tokenizer)
+try:
+    for agent in (clients.example.run, clients.chat_streaming_agent):
+        prompts, rollouts = clients.drive((tokenizer, engine), agent)
+        clients.check_episodes(tokenizer, prompts, rollouts, clients.example.TOOLS)
+finally:
+    engine.close()
+print("token-exact")
+"""
+
+
+def test_agent_episodes_through_the_gateway_on_vllm_are_token_exact():
+    """The conformance check (test_agent_clients.check_episodes) with vLLM sampling: each episode of the
+    example agent, streamed and not, is the chat template's rendering of its conversation, token for token
+    (its own process: vLLM keeps process-wide state)."""
+    pytest.importorskip("openai")
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    done = subprocess.run(
+        [sys.executable, "-c", _TOKEN_EXACT_ON_VLLM], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and "token-exact" in done.stdout, done.stderr[-3000:]
+
+
 def _free_port() -> int:
     import socket
 
