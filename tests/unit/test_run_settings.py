@@ -213,3 +213,44 @@ def test_the_learner_of_an_agent_run_normalises_by_the_episode_limit(tmp_path, m
     assert (
         seen["completion_limit"] == trainer.settings.completion_limit == 160 != cfg.generation.max_new_tokens
     )
+
+
+def config_writes(source: str) -> list[str]:
+    """`cfg.section.key = ...` (and `+=`) in a module's code: a config, args or self.cfg written to."""
+    import ast
+
+    sections = {f.name for f in dataclasses.fields(GRPOConfig)}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for target in targets if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign) else []:
+            if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute)):
+                continue
+            section, root = target.value, target.value.value
+            if section.attr in sections and ast.unparse(root) in {
+                "cfg",
+                "config",
+                "args",
+                "self.cfg",
+                "self.args",
+            }:
+                found.append(f"{node.lineno}: {ast.unparse(target)}")
+    return found
+
+
+def test_config_writes_are_found_and_none_are_made_outside_the_config_package():
+    """Issue 30 §2: a start's decisions are RunSettings' (config/settings.py), never writes into the
+    validated config (roles.py wrote distributed.ray_address, lifecycle.py train.resume)."""
+    assert config_writes("cfg.train.resume = 'latest'\nself.cfg.distributed.ray_address = 'auto'\n") == [
+        "1: cfg.train.resume",
+        "2: self.cfg.distributed.ray_address",
+    ]
+    assert config_writes("model.config.use_cache = False\nargs.config = 'x'\n") == []
+    src = Path(grpo.run.assemble.__file__).resolve().parents[1]
+    writes = {
+        str(path.relative_to(src)): found
+        for path in sorted(src.rglob("*.py"))
+        if "config" not in path.relative_to(src).parts[:1]
+        and (found := config_writes(path.read_text(encoding="utf-8")))
+    }
+    assert writes == {}, f"config written after validation (record a RunSettings decision instead): {writes}"
