@@ -215,6 +215,9 @@ def test_the_learner_of_an_agent_run_normalises_by_the_episode_limit(tmp_path, m
     )
 
 
+CONFIG_NAMES = {"cfg", "config", "args", "self.cfg", "self.args"}  # what the code calls a GRPOConfig
+
+
 def config_writes(source: str) -> list[str]:
     """`cfg.section.key = ...` (and `+=`) in a module's code: a config, args or self.cfg written to."""
     import ast
@@ -227,13 +230,7 @@ def config_writes(source: str) -> list[str]:
             if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute)):
                 continue
             section, root = target.value, target.value.value
-            if section.attr in sections and ast.unparse(root) in {
-                "cfg",
-                "config",
-                "args",
-                "self.cfg",
-                "self.args",
-            }:
+            if section.attr in sections and ast.unparse(root) in CONFIG_NAMES:
                 found.append(f"{node.lineno}: {ast.unparse(target)}")
     return found
 
