@@ -94,7 +94,7 @@ class GRPOTrainer:
             self.cfg = copy.deepcopy(self.cfg).update(trl_compat.lora_from_peft(peft_config)).validate()
         d = self.cfg.distributed
         self.rt = init_runtime(d.strategy, d.backend, d.timeout_s)  # one process unless torchrun started us
-        apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
+        roles = apply_role_plan(self.cfg, self.rt.rank, self.rt.world_size, self.rt.local_rank)
         if not self.rt.is_main:  # rank 0 speaks for the group, from the first header line on
             logging.getLogger("grpo").setLevel(logging.WARNING)
         self.parts: RunParts = build_run(
@@ -111,20 +111,25 @@ class GRPOTrainer:
             environment=environment_factory,
             rollout_func=rollout_func,
             agent=agent,
+            decided=roles.decisions(),
         )
         if rollout_func is not None:  # TRL's rollout_func(prompts, trainer) receives this trainer
             self.parts.episodes.trainer = self
         # What the start decided (run name, threads, rewards, eval set, the completion limit), frozen; the
         # caller's config is not written to: the run reads the resolved copy.
-        self.settings: RunSettings = self.parts.settings
-        self.cfg = self.settings.config
+        self._settle(self.parts.settings)
         self.model, self.tokenizer = self.parts.policy, self.parts.tokenizer
         self.source: RolloutSource | None = (
             None  # while train() runs: where rollouts and evaluations come from
         )
-        self.args, self.processing_class = self.cfg, self.tokenizer  # TRL's names for them
+        self.processing_class = self.tokenizer  # TRL's name for it
         self.stops = lifecycle.StopRequests()
         self.step, self.total_steps = 0, 0
+
+    def _settle(self, settings: RunSettings) -> None:
+        """The run reads these settings from now on (TRL's `args` is their config)."""
+        self.settings = self.parts.settings = settings
+        self.cfg = self.args = settings.config
 
     @property
     def stop_signal(self) -> int | None:
@@ -177,8 +182,11 @@ class GRPOTrainer:
         """The run, to its last step; returns the last step's metrics. `resume_from_checkpoint` (TRL's):
         True continues from the newest checkpoint in the output directory, a path from that checkpoint.
         A stop signal (Ctrl-C) saves a checkpoint, then raises grpo.TrainingStopped (a KeyboardInterrupt)."""
-        cfg, p = self.cfg, self.parts
-        lifecycle.plan_train(cfg, p, self.rt, resume_from_checkpoint, first=self.step == 0)
+        p = self.parts
+        self._settle(
+            lifecycle.plan_train(self.settings, p, self.rt, resume_from_checkpoint, first=self.step == 0)
+        )
+        cfg = self.cfg
         stream = PromptStream(p.train_rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
         self.total_steps = planned_steps(cfg, len(p.train_rows))
         # The source owns its engine: built here, before the learner shards the policy; closed at the end,

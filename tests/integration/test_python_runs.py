@@ -141,7 +141,11 @@ def test_ctrl_c_saves_then_raises_and_python_resumes_the_way_trl_does(tmp_path):
     again = trainer(out)
     with pytest.raises(ConfigError, match=r"already holds a run .*train\(resume_from_checkpoint=True\)"):
         again.train()
+    built_with = again.settings
     again.train(resume_from_checkpoint=True)  # TRL's spelling: the newest checkpoint
+    # the choice is a decision of the run's settings, not a write into the config it was built with
+    assert built_with.config.train.resume is None and again.settings.decided["train.resume"] == "latest"
+    assert again.args is again.settings.config and again.args.train.resume == "latest"
     assert tiny_run.same_weights(straight / "final_model", out / "final_model")
 
     # GRPOConfig(resume_from_checkpoint=path) and train(resume_from_checkpoint=path) name one checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grpo.config import ConfigError, GRPOConfig
-from grpo.distributed.roles import plan_roles
+from grpo.distributed.roles import apply_role_plan, plan_roles
 from grpo.distributed.runtime import Runtime
 
 
@@ -107,3 +107,20 @@ def test_lora_aliases_reach_the_lora_section():
     assert (c.lora.enabled, c.lora.r, c.lora.alpha, c.lora.dropout) == (True, 4, 8.0, 0.1)
     with pytest.raises(ConfigError, match="LoRA needs"):
         cfg(**{"lora.enabled": True, "lora.r": 0})
+
+
+def test_the_shared_ray_cluster_is_a_decision_of_the_plan_not_a_write_to_the_config(monkeypatch):
+    """Several learner processes with Ray rollout and no ray_address join the cluster `ray start --head` made
+    here: the plan says so (its decisions go into the run's settings); the caller's config is only read."""
+    import grpo.distributed.roles as roles
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(roles, "running_ray_cluster", lambda: "127.0.0.1:6379")
+    c = cfg(**{"rollout.mode": "sync", "model.device": "cpu"})
+    before = c.to_yaml()
+    plan = apply_role_plan(c, rank=1, world_size=2, local_rank=1)
+    assert plan.ray_address == "auto" and plan.decisions() == {"distributed.ray_address": "auto"}
+    assert c.to_yaml() == before and c.distributed.ray_address is None
+    given = cfg(**{"rollout.mode": "sync", "model.device": "cpu", "distributed.ray_address": "10.0.0.1:6379"})
+    assert apply_role_plan(given, rank=1, world_size=2, local_rank=1).decisions() == {}
+    assert apply_role_plan(cfg(**{"model.device": "cpu"}), 0, 1, 0).decisions() == {}  # colocated

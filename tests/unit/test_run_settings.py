@@ -42,6 +42,9 @@ def test_settings_are_frozen_and_hold_only_start_up_decisions():
     more = settings.extend({"data.eval_dataset": None})
     assert more.decided == {"train.num_threads": 3, "data.eval_dataset": None}
     assert more.config.train.num_threads == 3 and more.config.data.eval_dataset is None
+    # a decision made after the model's config was read (train(resume_from_checkpoint=)) keeps its positions
+    sized = dataclasses.replace(settings, model_context=512).extend({"train.resume": "latest"})
+    assert sized.model_context == 512 and sized.config.train.resume == "latest" and cfg.train.resume is None
 
 
 def test_the_memory_preflight_counts_the_whole_episode():
@@ -54,8 +57,15 @@ def test_the_memory_preflight_counts_the_whole_episode():
     assert one_turn * (8 + 4 * 8) == episode * (8 + 8)  # positions: prompt + 4 turns, not prompt + 1
 
 
-def test_assembly_reads_the_config_and_config_yaml_holds_what_the_start_decided(tmp_path):
+def test_assembly_reads_the_config_and_config_yaml_holds_what_the_start_decided(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
+
+    import grpo.trainer
+    from grpo.distributed.roles import RolePlan
+
+    # The device plan's decision (several ranks share the Ray cluster made here) reaches the settings too.
+    plan = RolePlan(1, ["cpu"], "with policy", "colocated", ray_address="auto")
+    monkeypatch.setattr(grpo.trainer, "apply_role_plan", lambda *_: plan)
 
     model_dir = tiny_run.make_model_dir(tmp_path / "model")
     cfg = GRPOConfig(
@@ -79,6 +89,8 @@ def test_assembly_reads_the_config_and_config_yaml_holds_what_the_start_decided(
     written = (trainer.parts.run_dir / "config.yaml").read_text()
     assert written == RUN_CONFIG_HEADER + settings.to_yaml()
     assert "- torchrl_ifeval" in written and str(model_dir) in written
+    assert settings.config.distributed.ray_address == "auto" and cfg.distributed.ray_address is None
+    assert "ray_address: auto" in written
 
 
 def test_an_agent_run_longer_than_the_models_positions_is_refused_before_the_weights_load(
@@ -201,3 +213,41 @@ def test_the_learner_of_an_agent_run_normalises_by_the_episode_limit(tmp_path, m
     assert (
         seen["completion_limit"] == trainer.settings.completion_limit == 160 != cfg.generation.max_new_tokens
     )
+
+
+CONFIG_NAMES = {"cfg", "config", "args", "self.cfg", "self.args"}  # what the code calls a GRPOConfig
+
+
+def config_writes(source: str) -> list[str]:
+    """`cfg.section.key = ...` (and `+=`) in a module's code: a config, args or self.cfg written to."""
+    import ast
+
+    sections = {f.name for f in dataclasses.fields(GRPOConfig)}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for target in targets if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign) else []:
+            if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute)):
+                continue
+            section, root = target.value, target.value.value
+            if section.attr in sections and ast.unparse(root) in CONFIG_NAMES:
+                found.append(f"{node.lineno}: {ast.unparse(target)}")
+    return found
+
+
+def test_config_writes_are_found_and_none_are_made_outside_the_config_package():
+    """Issue 30 §2: a start's decisions are RunSettings' (config/settings.py), never writes into the
+    validated config (roles.py wrote distributed.ray_address, lifecycle.py train.resume)."""
+    assert config_writes("cfg.train.resume = 'latest'\nself.cfg.distributed.ray_address = 'auto'\n") == [
+        "1: cfg.train.resume",
+        "2: self.cfg.distributed.ray_address",
+    ]
+    assert config_writes("model.config.use_cache = False\nargs.config = 'x'\n") == []
+    src = Path(grpo.run.assemble.__file__).resolve().parents[1]
+    writes = {
+        str(path.relative_to(src)): found
+        for path in sorted(src.rglob("*.py"))
+        if "config" not in path.relative_to(src).parts[:1]
+        and (found := config_writes(path.read_text(encoding="utf-8")))
+    }
+    assert writes == {}, f"config written after validation (record a RunSettings decision instead): {writes}"

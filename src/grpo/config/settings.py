@@ -6,6 +6,9 @@ The caller's GRPOConfig is never written after `validate()`: each decision is re
 read. The decisions (cleanrl derives its sizes once, right after parsing, and never writes `args` again):
 
 * the run name (a timestamp unless given), the CPU thread count, the model paths of passed-in objects;
+* the Ray cluster several learner processes share (distributed/roles.py: `auto` when none was given);
+* the checkpoint a Python run continues from, decided when `train(resume_from_checkpoint=...)` is called
+  (run/lifecycle.py `plan_train`);
 * what other Python objects stand in for (run/provenance.py: in-memory data, reward functions, tools);
 * the reward functions and their weights after task detection, and the evaluation set;
 * ONE completion limit: the tokens a rollout may add after the prompt. A single-turn run's is
@@ -32,6 +35,8 @@ DECIDED_KEYS = frozenset(
     {
         "train.run_name",
         "train.num_threads",
+        "train.resume",
+        "distributed.ray_address",
         "model.name_or_path",
         "model.tokenizer_path",
         "model.ref_model_path",
@@ -81,7 +86,9 @@ class RunSettings:
     def extend(self, decided: Mapping[str, Any]) -> RunSettings:
         """These settings with more decisions (the data's, made after the run directory's)."""
         more = RunSettings.resolve(self.config, decided, self.multi_turn)
-        return dataclasses.replace(more, decided={**self.decided, **more.decided})
+        return dataclasses.replace(
+            more, decided={**self.decided, **more.decided}, model_context=self.model_context
+        )
 
     def to_yaml(self) -> str:
         """What config.yaml holds (secrets redacted)."""

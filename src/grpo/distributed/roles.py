@@ -18,7 +18,7 @@ need no hardware run with the config (grpo/config/validate.py); the device count
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,6 +34,14 @@ class RolePlan:
     rollout_replicas: int = 1
     rollout_gpus_per_replica: int = 0  # 0: the actor runs on CPU
     rollout_devices: list[list[int]] = field(default_factory=list)  # explicit GPU ids per replica, if given
+    # The Ray cluster the start chose ("auto": the one `ray start --head` made here, shared by every rank)
+    # when several learner processes need one and distributed.ray_address is unset; None: nothing decided.
+    ray_address: str | None = None
+
+    def decisions(self) -> dict[str, str]:
+        """What the plan decided for the run's settings (config/settings.py), as dotted paths: the caller's
+        config is not written to."""
+        return {"distributed.ray_address": self.ray_address} if self.ray_address else {}
 
     def describe(self) -> str:
         where = (
@@ -191,7 +199,8 @@ def running_ray_cluster() -> str | None:
 
 
 def apply_role_plan(cfg: GRPOConfig, rank: int, world_size: int, local_rank: int) -> RolePlan:
-    """Plan the roles on this machine and point this process's CUDA device at its learner GPU."""
+    """Plan the roles on this machine and point this process's CUDA device at its learner GPU. `cfg` is only
+    read: a Ray cluster chosen here is the plan's `ray_address` (its `decisions()`)."""
     num_gpus = torch.cuda.device_count() if cfg.model.device in ("auto", "cuda") else 0
     plan = plan_roles(cfg, num_gpus, world_size, local_rank)
     if num_gpus:
@@ -203,7 +212,7 @@ def apply_role_plan(cfg: GRPOConfig, rank: int, world_size: int, local_rank: int
                 "--head`) on this machine, then run the same command (ray_address=auto is used); "
                 "or pass ray_address=HOST:PORT."
             )
-        cfg.distributed.ray_address = "auto"  # the cluster `ray start --head` made here, shared by every rank
+        plan = replace(plan, ray_address="auto")
     if rank == 0:
         import logging
 

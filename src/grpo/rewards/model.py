@@ -6,6 +6,10 @@ one, is applied here so the scorer sees text laid out the way it was trained on.
 Rows are right-padded: under a causal attention mask, padding after the last real token cannot change
 the real tokens' outputs, and positions stay 0..L-1 as without padding, so scores do not depend on the
 batch a sample lands in.
+
+The prompt and the completion are text, never control tokens: a completion that writes "<|im_end|>" must not
+close the assistant turn the scorer reads (and end the span it scores early). They are masked before the chat
+template renders (data/literal_text.py), or tokenized with special-token strings split, without a template.
 """
 
 from collections.abc import Iterator
@@ -13,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from grpo.data.literal_text import LiteralText
 from grpo.model.packed import ChunkedTokenLogprobs, plain_lm_head
 
 
@@ -35,6 +40,7 @@ class SequenceClassifierReward:
             text_config.pad_token_id = _padding_id(tokenizer)
         # Pad with the id the head looks for, which can differ from the tokenizer's.
         self.pad_id = text_config.pad_token_id
+        self.literal = LiteralText(tokenizer)
         self.__name__ = "reward_model"
 
     def __call__(self, prompts: list[str], completions: list[str], **_: list) -> list[float]:
@@ -57,11 +63,11 @@ class SequenceClassifierReward:
     def _token_ids(self, prompt: str, completion: str) -> list[int]:
         if _has_chat_template(self.tokenizer):
             dialogue = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-            text = self.tokenizer.apply_chat_template(dialogue, tokenize=False)
-            # The template writes its own BOS; letting the tokenizer add another would double it.
-            token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            text = self.tokenizer.apply_chat_template(self.literal.mask(dialogue), tokenize=False)
+            # The template writes its own BOS; encode adds none.
+            token_ids = self.literal.encode(text)
         else:
-            token_ids = self.tokenizer(prompt + completion).input_ids
+            token_ids = _text_ids(self.literal, prompt + completion, add_special_tokens=True)
         return token_ids[-self.max_length :] if self.max_length else token_ids
 
 
@@ -81,6 +87,7 @@ class CausalLMLikelihoodReward:
             )
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.pad_id = _padding_id(tokenizer)
+        self.literal = LiteralText(tokenizer)
         self.__name__ = "reward_model_likelihood"
 
     def __call__(self, prompts: list[str], completions: list[str], **_: list) -> list[float]:
@@ -121,13 +128,15 @@ class CausalLMLikelihoodReward:
         tokenizer = self.tokenizer
         if _has_chat_template(tokenizer):
             text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+                self.literal.mask([{"role": "user", "content": prompt}]),
+                tokenize=False,
+                add_generation_prompt=True,
             )
-            prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompt_ids = self.literal.encode(text)
         else:
-            prompt_ids = tokenizer(prompt).input_ids
+            prompt_ids = _text_ids(self.literal, prompt, add_special_tokens=True)
         context_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        completion_ids = tokenizer(completion, add_special_tokens=False).input_ids
+        completion_ids = _text_ids(self.literal, completion, add_special_tokens=False)
         return prompt_ids or [context_id], completion_ids or [tokenizer.eos_token_id]
 
 
@@ -161,6 +170,13 @@ def _padding_id(tokenizer) -> int:
             "the reward model's tokenizer has neither a pad nor an EOS token to pad batches with"
         )
     return pad_id
+
+
+def _text_ids(literal: LiteralText, text: str, add_special_tokens: bool) -> list[int]:
+    """`text` tokenized as text: a special token's string in it is split like any other text (the plain
+    call where it holds none, so such rows tokenize as they always did)."""
+    split = {"split_special_tokens": True} if literal.holds_special(text) else {}
+    return list(literal.tokenizer(text, add_special_tokens=add_special_tokens, **split).input_ids)
 
 
 def _has_chat_template(tokenizer) -> bool:

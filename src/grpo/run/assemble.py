@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,14 +102,19 @@ def build_run(
     environment=None,
     rollout_func=None,
     agent=None,
+    decided: Mapping[str, Any] | None = None,
 ) -> RunParts:
     """The parts of a run from the validated `cfg`, which is only read: its start-up decisions are in
-    `RunParts.settings` (config/settings.py)."""
+    `RunParts.settings` (config/settings.py). `decided`: decisions made before assembly (the device plan's
+    shared Ray cluster, `RolePlan.decisions()`)."""
     given = {"data.dataset": train_dataset, "data.eval_dataset": eval_dataset, "env.tools": tools or None,
              "algorithm.reward_funcs": reward_funcs, "algorithm.reward_model": reward_model,
              "env.environment": environment, "model.name_or_path": model}  # fmt: skip
     provenance.refuse_unrebuildable(cfg, given)  # a CLI --resume of a run built in Python
-    decided = start_decisions(cfg, os.environ, model=model, tokenizer=tokenizer, ref_model=ref_model)
+    decided = {
+        **(decided or {}),
+        **start_decisions(cfg, os.environ, model=model, tokenizer=tokenizer, ref_model=ref_model),
+    }
     skip = cfg.data.skip_invalid_rows
     decided |= provenance.record_objects(
         train_rows=None if train_dataset is None else rows_from_dataset(train_dataset, skip),

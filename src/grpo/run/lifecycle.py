@@ -31,6 +31,7 @@ from grpo.checkpoint.store import (
     set_rng_state,
 )
 from grpo.config import ConfigError, GRPOConfig
+from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
 from grpo.distributed.runtime import Runtime
 from grpo.files import write_text
@@ -122,18 +123,23 @@ def running(
             close()
 
 
-def plan_train(cfg: GRPOConfig, parts: RunParts, rt: Runtime, resume_from_checkpoint, first: bool) -> None:
+def plan_train(
+    settings: RunSettings, parts: RunParts, rt: Runtime, resume_from_checkpoint, first: bool
+) -> RunSettings:
     """TRL's `trainer.train(resume_from_checkpoint=True | "path")`: the checkpoint to continue from, chosen
-    (and its settings compared) now. Without it, the first train() of a Python run refuses a directory
-    that already holds a run's checkpoints, saying how to continue it (the CLI refused at start-up)."""
+    (and its settings compared) now, and returned as the run's settings with `train.resume` decided (the
+    config is not written to). Without it, the first train() of a Python run refuses a directory that
+    already holds a run's checkpoints, saying how to continue it (the CLI refused at start-up)."""
+    cfg = settings.config
     if parts.episodes.multi_turn:
         log_episode_lengths(cfg)
         warn_untaught_tools(cfg, parts.episodes)
     if resume_from_checkpoint not in (None, False):
-        cfg.train.resume = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
-        found = plan_resume(cfg, parts.run_dir, clean_up=rt.is_main)
+        resume = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+        settings = settings.extend({"train.resume": resume})
+        found = plan_resume(settings.config, parts.run_dir, clean_up=rt.is_main)
         parts.resume_from = None if found is None else Path(os.path.abspath(found))
-        return
+        return settings
     existing = list_checkpoints(parts.run_dir)
     if first and parts.resume_from is None and not cfg.train.resume and existing:
         raise ConfigError(
@@ -141,6 +147,7 @@ def plan_train(cfg: GRPOConfig, parts: RunParts, rt: Runtime, resume_from_checkp
             "Continue it with trainer.train(resume_from_checkpoint=True) (or GRPOConfig(..., "
             "resume_from_checkpoint=True)), or pass another output_dir to start afresh."
         )
+    return settings
 
 
 BUNDLED_TOOL_MODEL = "tiny-tools-lm"
