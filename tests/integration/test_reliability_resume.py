@@ -102,17 +102,22 @@ def test_a_second_signal_stops_at_once_without_saving(assets, tmp_path):
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(
     assets, tmp_path, monkeypatch
 ):
-    real = grpo.learner.grpo_loss
+    make_real = grpo.learner.make_policy_loss  # the learner binds its loss once (algorithm/loss.py)
     calls = []
 
-    def poisoned(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(1)
-        if len(calls) >= 2:  # from step 2 on
-            out.loss = out.loss * float("nan")
-        return out
+    def make_poisoned(algorithm):
+        real = make_real(algorithm)
 
-    monkeypatch.setattr(grpo.learner, "grpo_loss", poisoned)
+        def poisoned(*args, **kwargs):
+            out = real(*args, **kwargs)
+            calls.append(1)
+            if len(calls) >= 2:  # from step 2 on
+                out.loss = out.loss * float("nan")
+            return out
+
+        return poisoned
+
+    monkeypatch.setattr(grpo.learner, "make_policy_loss", make_poisoned)
     out = tmp_path / "run"
     with pytest.raises(
         TrainingHalted,

@@ -15,10 +15,10 @@ calls only the EpisodeRunner protocol below.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Protocol
 
+from grpo import plugins
 from grpo.records import PromptBatch, Rollouts, SamplingParams
 
 # name → "module:function" of its builder, imported only when chosen.
@@ -97,8 +97,7 @@ def build_episodes(
     name = runner or runner_name(cfg, tools, environment, rollout_func, agent)
     if name not in RUNNERS:
         raise ConfigError(f"No episode runner named {name!r}; the runners are {', '.join(RUNNERS)}.")
-    module, _, function = RUNNERS[name].partition(":")
-    build = getattr(importlib.import_module(module), function)
+    build = plugins.load(RUNNERS[name], f"episode runner {name!r}", call=True)
     objects = dict(tools=tools, environment=environment, rollout_func=rollout_func, agent=agent)
     return build(cfg, formatter, max_tokens=max_tokens, **objects)
 
