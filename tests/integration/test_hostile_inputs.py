@@ -293,7 +293,7 @@ CASES = {
     "H27": lambda c: prepare_tokenizer(_NoPadNoEos()),
     "H28": lambda c: c.trainer(output_dir=str(c.file("out", "x"))),
     "H29": lambda c: c.trainer(output_dir=str(c.file("f", "x") / "sub")),
-    "H30": lambda c: c.trainer(output_dir=str(c.base["run"])),
+    "H30": lambda c: c.trainer(output_dir=str(c.base["run"])).train(),  # refused when train() starts
     "H31": lambda c: c.trainer(output_dir=str(c.base["run"]), resume="latest", learning_rate=1e-3, top_k=5),
     "H32": _damaged_explicit,
     "H33": _unusable_warning,
@@ -475,7 +475,7 @@ def test_ctrl_c_in_eval_or_report_says_interrupted_not_resume(monkeypatch, capsy
     def interrupted(args):
         raise KeyboardInterrupt
 
-    for command, argv in (("eval", ["eval"]), ("report", ["report", "somewhere"])):
-        monkeypatch.setattr(cli, f"cmd_{command}", interrupted)
+    for command, argv, name in (("eval", ["eval"], "run_eval"), ("report", ["report", "somewhere"], "cmd_report")):
+        monkeypatch.setattr(cli, name, interrupted)
         assert cli.main(argv) == 130
         assert capsys.readouterr().err.strip().splitlines()[-1] == f"grpo {command}: interrupted."
