@@ -475,7 +475,10 @@ def test_ctrl_c_in_eval_or_report_says_interrupted_not_resume(monkeypatch, capsy
     def interrupted(args):
         raise KeyboardInterrupt
 
-    for command, argv, name in (("eval", ["eval"], "run_eval"), ("report", ["report", "somewhere"], "cmd_report")):
+    for command, argv, name in (
+        ("eval", ["eval"], "run_eval"),
+        ("report", ["report", "somewhere"], "cmd_report"),
+    ):
         monkeypatch.setattr(cli, name, interrupted)
         assert cli.main(argv) == 130
         assert capsys.readouterr().err.strip().splitlines()[-1] == f"grpo {command}: interrupted."
