@@ -44,7 +44,7 @@ def test_learner_failure_names_the_checkpoint_and_the_run_resumes(tmp_path):
     message = (out / "train.log").read_text()
     assert "Training stopped at step 3" in message and "reward server unreachable" in message
     assert f"the latest checkpoint is {out / 'checkpoint-2'}" in message and (
-        f"grpo train --resume --output-dir {out} (the run's own config.yaml)" in message
+        "trainer.train(resume_from_checkpoint=True)" in message  # a Python run is resumed from Python
     )
     cfg = GRPOConfig(**{**SMALL, "output_dir": str(out), "steps": 4, "resume": "latest"})
     GRPOTrainer(config=cfg, reward_funcs=[breaks_at_step_3]).train()

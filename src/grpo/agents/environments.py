@@ -345,15 +345,18 @@ def adapter_for(target) -> type | None:
 def close_instance(instance) -> None:
     """The user's own end of life (close(), else cleanup()); one that raises is logged, never fatal."""
     for hook in ("close", "cleanup"):
-        method = getattr(instance, hook, None)
-        if callable(method):
-            try:
-                value = method()
-                if inspect.isawaitable(value):
-                    asyncio.run(_awaited(value))
-            except Exception as err:  # noqa: BLE001 - closing must not end a run that is ending anyway
-                log.warning("%s.%s() raised %s: %s", type(instance).__name__, hook, type(err).__name__, err)
-            return
+        # Looked up on the class: an instance living in a worker process forwards every attribute read to
+        # its worker, which may be gone (killed at a deadline) by the time the run closes it.
+        own = getattr(instance, "__dict__", {})
+        if not callable(getattr(type(instance), hook, None)) and hook not in own:
+            continue
+        try:
+            value = getattr(instance, hook)()
+            if inspect.isawaitable(value):
+                asyncio.run(_awaited(value))
+        except Exception as err:  # noqa: BLE001 - closing must not end a run that is ending anyway
+            log.warning("%s.%s() raised %s: %s", type(instance).__name__, hook, type(err).__name__, err)
+        return
 
 
 def _var(params: list[inspect.Parameter]) -> bool:
