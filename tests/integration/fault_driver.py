@@ -90,14 +90,19 @@ def matches_reference(run: Path, reference: Path) -> set[str]:
         try:
             same = (path / "model.safetensors").read_bytes() == (
                 ref / "model.safetensors"
-            ).read_bytes() and _equal(
-                *(torch.load(d / "training_state.pt", weights_only=True) for d in (path, ref))
-            )
+            ).read_bytes() and _equal(*(_training_state(d / "training_state.pt") for d in (path, ref)))
         except Exception:  # noqa: BLE001 (a damaged file: simply not a match)
             same = False
         if same:
             good.add(path.name)
     return good
+
+
+def _training_state(path: Path) -> dict:
+    """What training resumes from; `elapsed_s` (the run's wall clock, for the result line) is not state."""
+    state = torch.load(path, weights_only=True)
+    state.pop("elapsed_s", None)
+    return state
 
 
 def _equal(a, b) -> bool:
