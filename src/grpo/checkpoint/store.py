@@ -110,14 +110,7 @@ def save_model_dir(
         _write_model_files(tmp, path, model, tokenizer, config_yaml, training_state)
         write_manifest(tmp)
         _fault_point(path, "manifest")
-        if path.exists():  # moved aside, not deleted, so a crash here still leaves a complete copy
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        _fsync(path.parent)
-        _fault_point(path, "renamed")
-        shutil.rmtree(old, ignore_errors=True)
+        _move_into_place(tmp, path, old)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not path.exists():
@@ -154,14 +147,7 @@ def link_model_dir(source: Path, path: Path) -> Path:
         _fsync(tmp)
         for point in ("model", "config", "state", "manifest"):  # save_model_dir's points, all passed now
             _fault_point(path, point)
-        if path.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        _fsync(path.parent)
-        _fault_point(path, "renamed")
-        shutil.rmtree(old, ignore_errors=True)
+        _move_into_place(tmp, path, old)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not path.exists():
@@ -170,6 +156,19 @@ def link_model_dir(source: Path, path: Path) -> Path:
             raise CheckpointError(_save_failure(path, e)) from e
         raise
     return path
+
+
+def _move_into_place(tmp: Path, path: Path, old: Path) -> None:
+    """The complete `tmp` becomes `path`. An existing `path` is moved aside to `old` first, not deleted, so
+    a crash between the two renames still leaves a complete copy (the callers' except restores it)."""
+    if path.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+    _fault_point(path, "renamed")
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_model_files(
