@@ -35,8 +35,9 @@ from grpo import plugins
 from grpo.gateway.server import GatewayServer
 from grpo.gateway.service import Gateway, Limits
 from grpo.gateway.sessions import Session
-from grpo.records import Episode, PromptBatch, Rollouts
+from grpo.records import Episode, PromptBatch
 from grpo.rewards.isolation import STOP_GRACE_S, stop_requested
+from grpo.rollout.multi_turn import episode_rollouts
 
 log = logging.getLogger("grpo")
 
@@ -311,25 +312,7 @@ class AgentRunner:
                             r.logprobs[start:] or [0.0],
                         )
                     )
-        width = max(len(ids) for _, _, ids, _, _ in rows)
-        count = len(rows)
-        ids_t = torch.full((count, width), pad, dtype=torch.long)
-        mask, loss, logprobs = torch.zeros(count, width), torch.zeros(count, width), torch.zeros(count, width)
-        for k, (_, _, ids, sampled, lps) in enumerate(rows):
-            ids_t[k, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            mask[k, : len(ids)] = 1.0
-            loss[k, : len(ids)] = torch.tensor(sampled)
-            logprobs[k, : len(ids)] = torch.tensor(lps)
-        eps = [e for _, e, _, _, _ in rows]
-        return dataclasses.replace(prompts, prompt_token_ids=prompt_ids), Rollouts(
-            group_ids=torch.tensor([g for g, *_ in rows], dtype=torch.long),
-            completion_ids=ids_t,
-            completion_mask=mask,
-            sampling_logprobs=logprobs * loss,
-            truncated=torch.tensor([e.truncated for e in eps]),
-            loss_mask=loss,
-            episodes=eps,
-        )
+        return dataclasses.replace(prompts, prompt_token_ids=prompt_ids), episode_rollouts(rows, pad)
 
 
 def _is_number(value) -> bool:

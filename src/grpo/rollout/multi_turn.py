@@ -290,27 +290,34 @@ class MultiTurn:
         self.factory.close()
 
     def _rollouts(self, live: list[EpisodeState]) -> Rollouts:
-        width = max(1, max(len(e.ids) for e in live))
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        n = len(live)
-        ids = torch.full((n, width), pad, dtype=torch.long)
-        mask, loss, logprobs = torch.zeros(n, width), torch.zeros(n, width), torch.zeros(n, width)
-        for r, e in enumerate(live):
-            k = len(e.ids)
-            ids[r, :k] = torch.tensor(e.ids, dtype=torch.long)
-            mask[r, :k] = 1.0
-            loss[r, :k] = torch.tensor(e.sampled)
-            logprobs[r, :k] = torch.tensor(e.logprobs)
-        episodes = [e.episode for e in live]
-        return Rollouts(
-            group_ids=torch.tensor([e.group for e in live], dtype=torch.long),
-            completion_ids=ids,
-            completion_mask=mask,
-            sampling_logprobs=logprobs * loss,
-            truncated=torch.tensor([ep.truncated for ep in episodes]),
-            loss_mask=loss,
-            episodes=episodes,
-        )
+        rows = [(e.group, e.episode, e.ids, e.sampled, e.logprobs) for e in live]
+        return episode_rollouts(rows, pad)
+
+
+def episode_rollouts(rows: list[tuple], pad: int) -> Rollouts:
+    """Episodes as padded Rollouts: each row is (group, Episode, completion ids, sampled flags, log-probs);
+    `loss_mask` is the sampled flags, and log-probs count only where sampled."""
+    width = max(1, max(len(ids) for _, _, ids, _, _ in rows))
+    n = len(rows)
+    ids_t = torch.full((n, width), pad, dtype=torch.long)  # [N, T]
+    mask, loss, logprobs = torch.zeros(n, width), torch.zeros(n, width), torch.zeros(n, width)  # [N, T]
+    for r, (_, _, ids, sampled, lps) in enumerate(rows):
+        k = len(ids)
+        ids_t[r, :k] = torch.tensor(ids, dtype=torch.long)
+        mask[r, :k] = 1.0
+        loss[r, :k] = torch.tensor(sampled)
+        logprobs[r, :k] = torch.tensor(lps)
+    episodes = [e for _, e, _, _, _ in rows]
+    return Rollouts(
+        group_ids=torch.tensor([g for g, *_ in rows], dtype=torch.long),
+        completion_ids=ids_t,
+        completion_mask=mask,
+        sampling_logprobs=logprobs * loss,
+        truncated=torch.tensor([ep.truncated for ep in episodes]),
+        loss_mask=loss,
+        episodes=episodes,
+    )
 
 
 def refuse_rewriting_template(renderer: ChatRenderer, name: str, opening: list[dict] | None = None) -> None:
