@@ -42,14 +42,16 @@ class NativeEngine:
         # Mixed precision: each generate call casts the weights to compute_dtype once (decode_weights;
         # no copy is kept between calls), the prefill casts as it reads.
         self.decoder = NativeDecoder(model, compute_dtype)
-        # torch.compile fuses the step's many small kernels. Compiled, the step attends over the whole
-        # preallocated KV cache with the unwritten columns masked (decode_step's static shapes), and rows
-        # are not dropped (the group layout stays fixed), so one graph serves every step of a generate
-        # call; a batch of another shape (prompt width, rows, max_new_tokens) recompiles once, after which
-        # dynamo makes the dimension that changed dynamic. On the matrix's eos-off rollout this took 30%
-        # less CPU time per step than the eager step (docs/performance.md); the earlier compiled step
-        # over growing cache views (a dynamic length) had gained nothing.
+        # Hybrid decode (compile_decode): while every row of the batch is still in it, one torch.compile'd
+        # graph runs the whole step at static shapes: the decode step over the whole preallocated KV cache
+        # (unwritten columns masked), RoPE and mask lookups, the sampler and the eos test. Once enough rows
+        # have finished to be dropped (`_COMPACT_FRACTION`), the batch is compacted and the eager step takes
+        # over: there the rows left, not the per-op overhead, decide the cost, and the eager step attends
+        # over the written columns only. So rows that run to the limit get the fused graph all the way, and
+        # eos-ended rows lose nothing to finished rows kept in a static batch (docs/performance.md).
         self.compiled = compile_decode
+        self._full_step = torch.compile(_full_batch_step, options=_INDUCTOR) if compile_decode else None
+        # The static-shape decode step alone (no sampling), compiled on first call: tests/gpu compares it.
         self.decode_step = (
             torch.compile(self.decoder.decode_step) if compile_decode else self.decoder.decode_step
         )
@@ -125,8 +127,9 @@ class NativeEngine:
         onednn = copy and device.type == "cpu" and not self.compiled and linear.decode_onednn(width, rows)
         weights = dec.decode_weights(fuse=device.type == "cpu", onednn=onednn, copy=copy)
         shape = (rows, dec.num_kv_heads, t_max, dec.head_dim)
-        # Compiled, attention reads the unwritten columns too (masked): they must hold numbers, not NaN.
-        alloc = torch.zeros if self.compiled else torch.empty
+        # The full-batch graph reads the unwritten columns too (masked): they must hold numbers, not NaN.
+        full = self.compiled  # every row still in the batch: the compiled static-shape step serves it
+        alloc = torch.zeros if full else torch.empty
         cache_k = [alloc(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
         cache_v = [alloc(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
         ids = torch.full((rows, t_max), self.pad_id, dtype=torch.long)  # [N, T] on the CPU
@@ -140,10 +143,13 @@ class NativeEngine:
         alive = torch.ones(rows, dtype=torch.bool)  # per cache row: still generating
         layout = GroupLayout(torch.arange(rows, device=device) // n, prompt_cache.lengths, p)
         rope_limit = max(len(x) for x in prompts) + t_max
-        logits = first_logits.repeat_interleave(n, dim=0)  # [N, V]: a group's first token shares one prefill
+        if full:
+            rope = dec.rope(torch.arange(rope_limit, device=device), limit=rope_limit)  # [limit, D] each
+            caches = list(zip(cache_k, cache_v, strict=True))
+        # A group's first token shares one prefill: its logits [P, V] → [N, V].
+        tokens, lp = sample_tokens(first_logits.repeat_interleave(n, dim=0), sampling)  # [N]
+        host_tokens, host_lp, hit_eos = _to_host(tokens, lp, eos_ids)
         for step in range(t_max):
-            tokens, lp = sample_tokens(logits, sampling)  # [n_active]
-            host_tokens, host_lp, hit_eos = _to_host(tokens, lp, eos_ids)
             live = active[alive]
             ids[live, step] = host_tokens[alive]
             logprobs[live, step] = host_lp[alive]
@@ -159,29 +165,36 @@ class NativeEngine:
             if step == t_max - 1 or not alive.any():
                 break
             finished = int((~alive).sum())
-            if not self.compiled and finished * _COMPACT_FRACTION >= alive.numel():
+            if finished * _COMPACT_FRACTION >= alive.numel():
                 keep = alive.nonzero().squeeze(-1)
                 for cache in (*cache_k, *cache_v):
                     cache[: keep.numel(), :, :step] = cache[keep.to(device), :, :step]
                 active, alive, tokens = active[keep], alive[keep], tokens[keep.to(device)]
                 layout = GroupLayout(active.to(device) // n, prompt_cache.lengths, p)
-                if onednn and not linear.decode_onednn(width, keep.numel()):
+                if full:  # the batch changed shape: the eager step from here on, on oneDNN where it wins
+                    full = False
+                    if copy and device.type == "cpu" and linear.decode_onednn(width, keep.numel()):
+                        onednn = True
+                        weights = dec.decode_weights(fuse=True, onednn=True, copy=copy)
+                elif onednn and not linear.decode_onednn(width, keep.numel()):
                     onednn = False
                     weights = dec.decode_weights(fuse=True, onednn=False, copy=copy)
+            if full:
+                position = torch.tensor([step], device=device)
+                tokens, flags = self._full_step(
+                    dec, tokens, prompt_cache, layout, caches, weights, *rope, position, sampling, eos_ids
+                )
+                host_tokens, host_lp, hit_eos = _split_flags(flags.cpu())
+                continue
             cos, sin = dec.rope(layout.prompt_len_per_row + step, limit=rope_limit)  # [n, D]
-            if self.compiled:  # static shapes: whole caches, this step's column and mask as tensors
-                static = {
-                    "position": torch.tensor([step], device=device),
-                    "cache_bias": unwritten_bias(step, t_max, device, dec.dtype),
-                }
-                caches = list(zip(cache_k, cache_v, strict=True))
-            else:
-                n_rows, static = tokens.shape[0], {}
-                caches = [
-                    (k[:n_rows, :, : step + 1], v[:n_rows, :, : step + 1])
-                    for k, v in zip(cache_k, cache_v, strict=True)
-                ]
-            logits = self.decode_step(tokens, prompt_cache, layout, caches, weights, cos, sin, **static)
+            n_rows = tokens.shape[0]
+            step_caches = [
+                (k[:n_rows, :, : step + 1], v[:n_rows, :, : step + 1])
+                for k, v in zip(cache_k, cache_v, strict=True)
+            ]
+            logits = dec.decode_step(tokens, prompt_cache, layout, step_caches, weights, cos, sin)
+            tokens, lp = sample_tokens(logits, sampling)  # [n_active]
+            host_tokens, host_lp, hit_eos = _to_host(tokens, lp, eos_ids)
 
         mask = (torch.arange(t_max)[None, :] < lengths[:, None]).float()  # [N, T]
         return Rollouts(
@@ -193,12 +206,43 @@ class NativeEngine:
         )
 
 
+# The full-batch graph's inductor options. fallback_random: torch.rand inside the graph is aten's, drawing
+# from the global generator exactly as the eager sampler does (inductor's own RNG would draw other numbers),
+# so a seeded run samples the same whichever step serves it and resumes with the same RNG state.
+_INDUCTOR = {"fallback_random": True}
+
+
+def _full_batch_step(
+    dec, tokens, prompt_cache, layout, caches, weights, rope_cos, rope_sin, position, sampling, eos_ids
+):
+    """The step the compiled graph runs while every row is in the batch: decode `tokens` [N] at cache
+    column `position` [1], sample the next tokens. Returns them [N] and `_flags` [3, N]."""
+    length = caches[0][0].shape[2]
+    at = layout.prompt_len_per_row + position  # [N] each row's position
+    cols = torch.arange(length, device=tokens.device)
+    bias = torch.zeros(1, 1, 1, length, device=tokens.device, dtype=dec.dtype)
+    bias = bias.masked_fill(cols > position, float("-inf"))  # the columns not written yet
+    logits = dec.decode_step(
+        tokens, prompt_cache, layout, caches, weights, rope_cos[at], rope_sin[at], position, bias
+    )
+    tokens, lp = sample_tokens(logits, sampling)
+    return tokens, _flags(tokens, lp, eos_ids)
+
+
+def _flags(tokens: torch.Tensor, lp: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """[3, n] float64: tokens, their log-probs, which are eos. float64 holds token ids (< 2^53) and
+    float32 log-probs exactly, so the three travel to the host as one tensor."""
+    return torch.stack([tokens.double(), lp.double(), torch.isin(tokens, eos_ids).double()])
+
+
+def _split_flags(both: torch.Tensor):
+    return both[0].long(), both[1].float(), both[2].bool()
+
+
 def _to_host(tokens: torch.Tensor, lp: torch.Tensor, eos_ids: torch.Tensor):
     """A decode step's tokens, their log-probs and which are eos, on the host in one copy: on a GPU each
-    copy is a sync that stops the host from queueing the next step's kernels (one, not three). float64
-    holds token ids (< 2^53) and float32 log-probs exactly."""
-    both = torch.stack([tokens.double(), lp.double(), torch.isin(tokens, eos_ids).double()]).cpu()  # [3, n]
-    return both[0].long(), both[1].float(), both[2].bool()
+    copy is a sync that stops the host from queueing the next step's kernels (one, not three)."""
+    return _split_flags(_flags(tokens, lp, eos_ids).cpu())
 
 
 def unwritten_bias(step: int, length: int, device, dtype) -> torch.Tensor:
