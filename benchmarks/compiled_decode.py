@@ -1,12 +1,13 @@
-"""The native engine's rollout with the decode step eager (the default) or compiled with static KV
-shapes (`generation.compile_decode`), A/B in one process, interleaved.
+"""The native engine's rollout with the decode step eager or hybrid (`generation.compile_decode`: the
+compiled full-batch graph until rows finish, then the eager compacting step), A/B in one process,
+interleaved.
 
     PYTHONPATH=src python benchmarks/compiled_decode.py --cell eos-off --repeats 3 --threads 1 --cpu-time
 
 Workload: one rollout of a matrix cell (8 prompts × G rows, the cell's prompt length and completion
-limit and eos rate), the matrix's random model, temperature 1. The compiled step attends over the whole
-preallocated cache with the unwritten columns masked and keeps finished rows (the eager step drops
-them once 1/8 have finished), so on ragged cells it does more arithmetic for less per-op overhead.
+limit and eos rate), the matrix's random model, temperature 1. `--variants` picks what runs: `eager`,
+`hybrid` (the default compiled graph), `hybrid-cpp` (the same graph with inductor's cpp_wrapper: the
+kernels called from generated C++ instead of Python).
 """
 
 from __future__ import annotations
@@ -21,7 +22,21 @@ from transformers import AutoModelForCausalLM
 
 from grpo.model.compiled import compile_report
 from grpo.records import SamplingParams
+from grpo.rollout import native
 from grpo.rollout.native import NativeEngine
+
+
+def engine(variant: str, model, tok) -> NativeEngine:
+    if variant == "eager":
+        return NativeEngine(model, tok)
+    built = NativeEngine(model, tok, compile_decode=True)
+    if variant == "hybrid-cpp":
+        built._full_step = torch.compile(
+            native._full_batch_step, options={**native._INDUCTOR, "cpp_wrapper": True}
+        )
+    elif variant != "hybrid":
+        raise SystemExit(f"--variants: unknown {variant!r} (eager, hybrid, hybrid-cpp)")
+    return built
 
 
 def main() -> None:
@@ -29,6 +44,7 @@ def main() -> None:
     ap.add_argument("--cell", default="eos-off")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--variants", default="eager,hybrid", help="comma-separated: eager, hybrid, hybrid-cpp")
     ap.add_argument("--cpu-time", action="store_true", help="the process's CPU time (use with --threads 1)")
     args = ap.parse_args()
     if args.threads:
@@ -42,35 +58,34 @@ def main() -> None:
         tok(x, add_special_tokens=False)["input_ids"]
         for x in make_prompts(tok, cell["prompt"], MATRIX_PROMPTS)
     ]
-    engines = {False: NativeEngine(model, tok), True: NativeEngine(model, tok, compile_decode=True)}
+    variants = args.variants.split(",")
+    engines = {v: engine(v, model, tok) for v in variants}
     sampling = SamplingParams(max_new_tokens=cell["completion"], temperature=1.0, top_k=0, top_p=1.0)
-    tokens = {False: [], True: []}
+    tokens = {v: [] for v in variants}
 
     @torch.no_grad()
-    def generate(compiled: bool, seed: int) -> float:
+    def generate(variant: str, seed: int) -> float:
         torch.manual_seed(seed)
         start = clock()
-        out = engines[compiled].generate(prompts, cell["G"], sampling)
-        tokens[compiled].append(int(out.completion_mask.sum()))
+        out = engines[variant].generate(prompts, cell["G"], sampling)
+        tokens[variant].append(int(out.completion_mask.sum()))
         return clock() - start
 
-    start = time.perf_counter()
-    generate(True, 0)
-    print(
-        f"cell {args.cell}; first compiled generate {time.perf_counter() - start:.1f} s wall; "
-        f"{compile_report()}"
-    )
-    generate(False, 0)
-    times = {False: [], True: []}
-    for r in range(args.repeats):
-        for compiled in (False, True) if r % 2 == 0 else (True, False):
-            times[compiled].append(generate(compiled, r + 1))
-    print(f"after the repeats: {compile_report()}")
-    for compiled, values in times.items():
-        name = "compiled, static KV shape" if compiled else "eager (default)"
+    for v in variants:  # first calls: compilation (its wall time), warm-up
+        start = time.perf_counter()
+        generate(v, 0)
         print(
-            f"| {name} | {statistics.median(values):.3f} s per generate | {[round(v, 3) for v in values]} | "
-            f"tokens {tokens[compiled][1:]} |"
+            f"cell {args.cell}; first {v} generate {time.perf_counter() - start:.1f} s wall; {compile_report()}"
+        )
+    times = {v: [] for v in variants}
+    for r in range(args.repeats):
+        for v in variants if r % 2 == 0 else variants[::-1]:
+            times[v].append(generate(v, r + 1))
+    print(f"after the repeats: {compile_report()}")
+    for v, values in times.items():
+        print(
+            f"| {v} | {statistics.median(values):.3f} s per generate | {[round(x, 3) for x in values]} | "
+            f"tokens {tokens[v][1:]} |"
         )
 
 

@@ -13,11 +13,13 @@ distribution it was drawn from.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import torch
 
 from grpo.model import linear
+from grpo.model.compiled import cpp_compiler
 from grpo.model.decoder import GroupLayout, NativeDecoder, unsupported_reason
 from grpo.model.memory import available_bytes
 from grpo.records import Rollouts, SamplingParams
@@ -27,6 +29,15 @@ from grpo.rollout.sampling import pad_and_eos, sample_tokens
 log = logging.getLogger("grpo")
 
 _COMPACT_FRACTION = 8  # drop finished rows once ≥ 1/8 of the active batch has finished
+# compile_decode=None (the default): compile the full-batch step once the eager full-batch steps have cost
+# as much as the compilation would have saved by then, i.e. once (eager full-batch seconds so far) ×
+# _COMPILE_SAVES ≥ the compile's estimated cost. Like renting skis until the rent reaches the price: never
+# more than twice the cost of the best choice made knowing the run's future, and a run whose rows end
+# early (few full-batch steps), or a short one, never compiles. Measured on the 4.9M matrix model
+# (docs/performance.md "Hybrid decode"): the compiled graph took 20-30% off a full-batch step; its compile
+# took 30-50 s cold at 1-2 threads, roughly in proportion to the layers it unrolls.
+_COMPILE_SAVES = 0.2
+_COMPILE_S_PER_LAYER = 10.0
 
 
 class NativeEngine:
@@ -36,7 +47,11 @@ class NativeEngine:
     needs_weight_sync = False  # its decoder reads the model's parameters at every call
 
     def __init__(
-        self, model, tokenizer, compile_decode: bool = False, compute_dtype: torch.dtype | None = None
+        self,
+        model,
+        tokenizer,
+        compile_decode: bool | None = False,
+        compute_dtype: torch.dtype | None = None,
     ):
         self.model = model
         # Mixed precision: each generate call casts the weights to compute_dtype once (decode_weights;
@@ -49,11 +64,16 @@ class NativeEngine:
         # over: there the rows left, not the per-op overhead, decide the cost, and the eager step attends
         # over the written columns only. So rows that run to the limit get the fused graph all the way, and
         # eos-ended rows lose nothing to finished rows kept in a static batch (docs/performance.md).
-        self.compiled = compile_decode
+        # None (auto): eager until the eager full-batch steps have paid for a compile (_COMPILE_SAVES), on
+        # a CPU in float32 with a C++ compiler for inductor (where it was measured).
+        self.auto = compile_decode is None and self.decoder.dtype == torch.float32
+        self.auto = self.auto and self.decoder.device.type == "cpu" and cpp_compiler() is not None
+        self._rent_s = 0.0  # auto: eager full-batch decode seconds so far × _COMPILE_SAVES
+        self.compiled = bool(compile_decode)
         self._full_step = torch.compile(_full_batch_step, options=_INDUCTOR) if compile_decode else None
         # The static-shape decode step alone (no sampling), compiled on first call: tests/gpu compares it.
         self.decode_step = (
-            torch.compile(self.decoder.decode_step) if compile_decode else self.decoder.decode_step
+            torch.compile(self.decoder.decode_step) if self.compiled else self.decoder.decode_step
         )
         self.tokenizer = tokenizer
         self._said_no_copy = False
@@ -116,6 +136,15 @@ class NativeEngine:
             )
         return fits
 
+    def _start_compiling(self) -> None:
+        self.auto, self.compiled = False, True
+        self._full_step = torch.compile(_full_batch_step, options=_INDUCTOR)
+        log.info(
+            "Decode: eager full-batch steps have taken %.0f s so far; compiling the full-batch step now "
+            "(generation.compile_decode: true compiles from the start, false never).",
+            self._rent_s / _COMPILE_SAVES,
+        )
+
     def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, on_step=None) -> Rollouts:
         dec, device = self.decoder, self.decoder.device
         p, t_max = len(prompts), sampling.max_new_tokens
@@ -132,12 +161,8 @@ class NativeEngine:
         alloc = torch.zeros if full else torch.empty
         cache_k = [alloc(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
         cache_v = [alloc(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
-        ids = torch.full((rows, t_max), self.pad_id, dtype=torch.long)  # [N, T] on the CPU
-        logprobs = torch.zeros(rows, t_max)
-        lengths = torch.full((rows,), t_max, dtype=torch.long)
-        ended = torch.zeros(rows, dtype=torch.bool)  # stopped by eos or a stop string (not truncated)
+        out = _Completions(rows, t_max, self.pad_id, _StopStrings(self.tokenizer, sampling.stop_strings))
         eos_ids = self.eos_ids.to(device)
-        stops = _StopStrings(self.tokenizer, sampling.stop_strings)
 
         active = torch.arange(rows)  # original row of each cache row
         alive = torch.ones(rows, dtype=torch.bool)  # per cache row: still generating
@@ -150,18 +175,7 @@ class NativeEngine:
         tokens, lp = sample_tokens(first_logits.repeat_interleave(n, dim=0), sampling)  # [N]
         host_tokens, host_lp, hit_eos = _to_host(tokens, lp, eos_ids)
         for step in range(t_max):
-            live = active[alive]
-            ids[live, step] = host_tokens[alive]
-            logprobs[live, step] = host_lp[alive]
-            if on_step is not None:
-                on_step(live.tolist(), ids[live, step].tolist())
-            done = hit_eos & alive
-            if stops.active:
-                hit = stops.hits(ids, live, step)  # [n_alive]
-                done[alive.nonzero().squeeze(-1)[hit]] = True
-            lengths[active[done]] = step + 1
-            ended[active[done]] = True
-            alive &= ~done
+            alive &= ~out.add(step, active, alive, host_tokens, host_lp, hit_eos, on_step)
             if step == t_max - 1 or not alive.any():
                 break
             finished = int((~alive).sum())
@@ -171,14 +185,13 @@ class NativeEngine:
                     cache[: keep.numel(), :, :step] = cache[keep.to(device), :, :step]
                 active, alive, tokens = active[keep], alive[keep], tokens[keep.to(device)]
                 layout = GroupLayout(active.to(device) // n, prompt_cache.lengths, p)
-                if full:  # the batch changed shape: the eager step from here on, on oneDNN where it wins
-                    full = False
-                    if copy and device.type == "cpu" and linear.decode_onednn(width, keep.numel()):
-                        onednn = True
-                        weights = dec.decode_weights(fuse=True, onednn=True, copy=copy)
-                elif onednn and not linear.decode_onednn(width, keep.numel()):
-                    onednn = False
-                    weights = dec.decode_weights(fuse=True, onednn=False, copy=copy)
+                # The batch changed shape: the eager step from here on, on oneDNN where it wins.
+                full, wanted = (
+                    False,
+                    copy and device.type == "cpu" and linear.decode_onednn(width, keep.numel()),
+                )
+                if wanted != onednn:
+                    onednn, weights = wanted, dec.decode_weights(fuse=True, onednn=wanted, copy=copy)
             if full:
                 position = torch.tensor([step], device=device)
                 tokens, flags = self._full_step(
@@ -186,6 +199,7 @@ class NativeEngine:
                 )
                 host_tokens, host_lp, hit_eos = _split_flags(flags.cpu())
                 continue
+            start = time.perf_counter()
             cos, sin = dec.rope(layout.prompt_len_per_row + step, limit=rope_limit)  # [n, D]
             n_rows = tokens.shape[0]
             step_caches = [
@@ -195,15 +209,12 @@ class NativeEngine:
             logits = dec.decode_step(tokens, prompt_cache, layout, step_caches, weights, cos, sin)
             tokens, lp = sample_tokens(logits, sampling)  # [n_active]
             host_tokens, host_lp, hit_eos = _to_host(tokens, lp, eos_ids)
+            if self.auto and n_rows == rows:  # a step the compiled graph would have served
+                self._rent_s += (time.perf_counter() - start) * _COMPILE_SAVES
+        if self.auto and self._rent_s >= _COMPILE_S_PER_LAYER * len(dec.layers):
+            self._start_compiling()
 
-        mask = (torch.arange(t_max)[None, :] < lengths[:, None]).float()  # [N, T]
-        return Rollouts(
-            group_ids=torch.arange(p).repeat_interleave(n),
-            completion_ids=ids.masked_fill(mask == 0, self.pad_id),
-            completion_mask=mask,
-            sampling_logprobs=logprobs * mask,
-            truncated=~ended,
-        )
+        return out.rollouts(p, n)
 
 
 # The full-batch graph's inductor options. fallback_random: torch.rand inside the graph is aten's, drawing
@@ -251,6 +262,43 @@ def unwritten_bias(step: int, length: int, device, dtype) -> torch.Tensor:
     return bias.masked_fill_(torch.arange(length, device=device) > step, float("-inf"))
 
 
+class _Completions:
+    """A generate call's completions on the host [N, T], filled in one decode step at a time."""
+
+    def __init__(self, rows: int, t_max: int, pad_id: int, stops: _StopStrings):
+        self.pad_id, self.t_max, self.stops = pad_id, t_max, stops
+        self.ids = torch.full((rows, t_max), pad_id, dtype=torch.long)
+        self.logprobs = torch.zeros(rows, t_max)
+        self.lengths = torch.full((rows,), t_max, dtype=torch.long)
+        self.ended = torch.zeros(rows, dtype=torch.bool)  # stopped by eos or a stop string (not truncated)
+
+    def add(self, step: int, active, alive, tokens, lp, hit_eos, on_step=None) -> torch.Tensor:
+        """Record step `step`'s tokens of the live cache rows (`active`: each cache row's original row);
+        returns which cache rows finished with it (eos or a stop string)."""
+        live = active[alive]
+        self.ids[live, step] = tokens[alive]
+        self.logprobs[live, step] = lp[alive]
+        if on_step is not None:
+            on_step(live.tolist(), self.ids[live, step].tolist())
+        done = hit_eos & alive
+        if self.stops.active:
+            hit = self.stops.hits(self.ids, live, step)  # [n_alive]
+            done[alive.nonzero().squeeze(-1)[hit]] = True
+        self.lengths[active[done]] = step + 1
+        self.ended[active[done]] = True
+        return done
+
+    def rollouts(self, p: int, n: int) -> Rollouts:
+        mask = (torch.arange(self.t_max)[None, :] < self.lengths[:, None]).float()  # [N, T]
+        return Rollouts(
+            group_ids=torch.arange(p).repeat_interleave(n),
+            completion_ids=self.ids.masked_fill(mask == 0, self.pad_id),
+            completion_mask=mask,
+            sampling_logprobs=self.logprobs * mask,
+            truncated=~self.ended,
+        )
+
+
 class _StopStrings:
     """Detects a stop string completed by the newest token, decoding only a short tail of each row."""
 
@@ -266,7 +314,7 @@ class _StopStrings:
         return torch.tensor([any(s in text for s in self.strings) for text in texts], dtype=torch.bool)
 
 
-def build(model, tokenizer, *, compute_dtype=None, compile_decode=False, **_):
+def build(model, tokenizer, *, compute_dtype=None, compile_decode=None, **_):
     """The native engine on a supported Llama-family model, else transformers `generate` (said once)."""
     if (reason := unsupported_reason(model)) is not None:
         from grpo.rollout.transformers import TransformersEngine
