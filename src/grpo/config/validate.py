@@ -276,6 +276,12 @@ def _unavailable(cfg: ConfigTree) -> None:
             "found (g++, clang++ or $CXX): install one (apt-get install g++) or leave "
             "model.compile_training unset."
         )
+    if cfg.generation.compile_decode and not cfg.model.device.startswith("cuda") and no_cxx:
+        raise ConfigError(
+            "generation.compile_decode=true needs a C++ compiler for torch.compile's CPU kernels; none was "
+            "found (g++, clang++ or $CXX): install one (apt-get install g++) or leave "
+            "generation.compile_decode unset."
+        )
     if cfg.train.use_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
             "train.use_wandb is on but wandb is not installed: pip install 'grpo[wandb]' "
