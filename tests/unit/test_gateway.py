@@ -31,6 +31,18 @@ def qwen():
     return family_tokenizer("qwen2.5")
 
 
+@pytest.fixture(autouse=True)
+def agent_threads_end_with_the_test():
+    """A timed-out agent's thread outlives its episode: let it return, so no test sees another's threads."""
+    yield
+    agents.RELEASE_HANGING.set()
+    ours = [t for t in threading.enumerate() if t.name.startswith(("grpo-agent", "grpo-gateway"))]
+    for t in ours:
+        t.join(timeout=30)
+    agents.RELEASE_HANGING.clear()
+    assert not [t.name for t in ours if t.is_alive()]
+
+
 def runner(tokenizer, agent, **kw) -> AgentRunner:
     return AgentRunner(agent, tokenizer, HermesParser(), kw.pop("limits", LIMITS), **kw)
 
