@@ -403,7 +403,8 @@ _ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\-]*=")
 def _assignments_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """Move `key=value` words of `grpo train` / `grpo eval` before the flags. argparse takes a run of
     positionals only once, so `--steps 1 lr=1e-3 --seed 1 beta=0` would otherwise fail with "unrecognized
-    arguments"; and a flag that may be given bare (`--resume`, `--dynamic-sampling`) must not take a following key=value."""
+    arguments"; and a flag that may be given bare (`--resume`, `--dynamic-sampling`) must not take a
+    following key=value."""
     if not argv or argv[0] not in ("train", "eval"):  # the commands that take key=value overrides
         return argv
     command = parser._subparsers._group_actions[0].choices[argv[0]]
