@@ -252,8 +252,11 @@ class AgentRunner:
         if failure is None and value is not None and not _is_number(value):
             log.warning("An agent returned %r, not a number or None: its episode is scored as failed.", value)
             failure = "agent_error"
+        # The episode's own reward wins (returned, else posted without a turn); else the sum of its per-turn
+        # rewards; else None: the run's reward functions score it. The "turn" estimator reads both apart.
         reward = float(value) if failure is None and value is not None else s.reward
-        if reward is None and s.turn_rewards:
+        from_turns = reward is None and bool(s.turn_rewards)
+        if from_turns:
             reward = sum(s.turn_rewards.values())
         last = s.rows[-1] if s.rows else None
         ep = Episode(messages=[] if last is None else [dict(m) for m in last.messages[last.first_messages :]])
@@ -264,6 +267,7 @@ class AgentRunner:
         else:
             ep.ended_by = "max_tokens" if s.last_finish == "length" else "answer"
             ep.final_reward = reward
+            ep.turn_rewards, ep.reward_is_turn_sum = dict(s.turn_rewards), from_turns
         ep.env_reward = reward if failure is None else None
         ep.env_class = "agent"  # its reward column
         return ep
@@ -286,6 +290,7 @@ class AgentRunner:
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else pad
         prompt_ids = list(prompts.prompt_token_ids)
         rows: list[tuple[int, Episode, list[int], list[float], list[float]]] = []
+        turns: list[list[int]] = []  # per row: the episode turn that sampled each id (0: none)
         for i in range(len(prompts)):
             members = [(s, e) for s, e in zip(sessions, episodes, strict=True) if s.group == i]
             own = [r for s, _ in members for r in s.rows]
@@ -302,7 +307,9 @@ class AgentRunner:
             for s, e in members:
                 if not s.rows:
                     rows.append((i, e, [eos], [0.0], [0.0]))
+                    turns.append([0])
                 for r in s.rows:
+                    turns.append(r.turns_from(start) or [0])
                     rows.append(
                         (
                             i,
@@ -312,7 +319,12 @@ class AgentRunner:
                             r.logprobs[start:] or [0.0],
                         )
                     )
-        return dataclasses.replace(prompts, prompt_token_ids=prompt_ids), episode_rollouts(rows, pad)
+        rollouts = episode_rollouts(rows, pad)
+        turn_ids = torch.zeros_like(rollouts.completion_ids)  # [N, T]
+        for k, row_turns in enumerate(turns):
+            turn_ids[k, : len(row_turns)] = torch.tensor(row_turns, dtype=torch.long)
+        rollouts = dataclasses.replace(rollouts, turn_ids=turn_ids)
+        return dataclasses.replace(prompts, prompt_token_ids=prompt_ids), rollouts
 
 
 def _is_number(value) -> bool:

@@ -197,6 +197,7 @@ class Gateway:
             row.add(new, lps)
             stored, reply = _assistant(parsed, turn)
             row.messages.append(stored)
+            row.mark_turn(turn, len(new))
             row.busy = False
             session.tool_calls += len(parsed.calls)
             finish = "length" if length else "tool_calls" if parsed.calls else "stop"

@@ -30,6 +30,8 @@ class Row:
     messages: list[dict]  # the conversation as it stands (normalized), ending with the last reply
     tools_key: str
     first_messages: int  # how many messages the row's first request had (its prompt)
+    # (start, end, turn): the ids[start:end] that the episode's assistant turn `turn` (1 = its first) sampled
+    turn_spans: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     busy: bool = False  # a turn is being sampled from it: a concurrent request starts a row of its own
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
@@ -40,6 +42,17 @@ class Row:
     @property
     def completion_tokens(self) -> int:
         return len(self.ids) - self.prompt_len
+
+    def mark_turn(self, turn: int, sampled: int) -> None:
+        """The last `sampled` ids are the episode's assistant turn `turn` (per-turn rewards credit them)."""
+        self.turn_spans.append((len(self.ids) - sampled, len(self.ids), turn))
+
+    def turns_from(self, start: int) -> list[int]:
+        """Per id of ids[start:]: the turn that sampled it, 0 for prompt and injected ids."""
+        turns = [0] * len(self.ids)
+        for begin, end, turn in self.turn_spans:
+            turns[begin:end] = [turn] * (end - begin)
+        return turns[start:]
 
 
 @dataclasses.dataclass
