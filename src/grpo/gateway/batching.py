@@ -57,7 +57,7 @@ class Batcher:
         self.window_s, self.max_wait_s = window_s, max(window_s, max_wait_s)
         self._last_call_s = 0.0
         self._pending: list[Job] = []
-        self._in_flight: set[int] = set()  # ids of the jobs a continuous engine is sampling
+        self._in_flight: dict[int, Callable] = {}  # id → fail(error) of each job a continuous engine samples
         self._cond = threading.Condition()
         self._closed = False
         self.batches: list[int] = []  # rows per engine call, since the last metrics()
@@ -148,8 +148,10 @@ class Batcher:
         try:
             with torch.no_grad():
                 rows = engine.step_rows()
-        except Exception as err:  # noqa: BLE001 - the rows in flight got the error (fail); the server stays up
+        except Exception as err:  # noqa: BLE001 - every row in flight gets the error; the server stays up
             log.warning("The gateway's engine step failed: %s: %s", type(err).__name__, err)
+            for fail in list(self._in_flight.values()):
+                fail(err)
             return True
         self.engine_s += time.perf_counter() - started
         if rows:
@@ -168,14 +170,14 @@ class Batcher:
                 for t in tokens:
                     job.events.put(("token", t))
             if finished:
-                self._in_flight.discard(id(job))
+                self._in_flight.pop(id(job), None)
                 job.events.put(("done", ids, logprobs, truncated))
 
         def fail(err: BaseException) -> None:
-            self._in_flight.discard(id(job))
-            job.events.put(("error", err))
+            if self._in_flight.pop(id(job), None) is not None:
+                job.events.put(("error", err))
 
-        self._in_flight.add(id(job))
+        self._in_flight[id(job)] = fail
         try:
             engine.add_row(job.ids, dataclasses.replace(sampling, max_new_tokens=job.max_new), report, fail)
         except Exception as err:  # noqa: BLE001 - this request gets the error; the others go on
