@@ -119,3 +119,67 @@ def test_only_an_engine_whose_calls_take_kv_is_given_a_cache(tiny_model):
 
     assert takes_kv(NativeEngine(tiny_model, IdTokenizer()))
     assert not takes_kv(TransformersEngine(tiny_model, IdTokenizer()))
+
+
+def test_the_gateways_batcher_keeps_each_sessions_kv_between_its_calls(tiny_model):
+    from grpo.gateway.batching import Batcher, Job
+
+    engine = NativeEngine(tiny_model, IdTokenizer())
+    greedy = SamplingParams(max_new_tokens=6, greedy=True)
+    batcher = Batcher(engine, greedy, lambda: (2, 0), window_s=0.01)
+
+    def call(rows):  # one batch: both sessions' requests
+        jobs = [batcher.submit(Job(list(ids), 6, key=key)) for key, ids in zip("ab", rows, strict=True)]
+        return [job.events.get(timeout=120)[1] for job in jobs]
+
+    try:
+        prompts = [[5, 6, 7], [9, 3]]
+        first = call(prompts)
+        rows = [p + s + [11, 12] for p, s in zip(prompts, first, strict=True)]  # a tool message's ids
+        second = call(rows)
+        # Each session's held ids: its prompt and all but the last sampled token (no step fed it).
+        assert batcher.kv.reused_tokens == sum(len(r) - 3 for r in rows)
+        fresh = engine.continue_rows(rows, greedy)
+        for r, ids in enumerate(second):
+            assert ids == fresh.completion_ids[r, : len(ids)].tolist()
+        batcher.use(engine, greedy)  # the next step: the old weights' K/V are dropped
+        assert len(batcher.kv) == 0
+    finally:
+        batcher.close()
+
+
+def _gateway_turns(tools_lm, monkeypatch, reuse: bool):
+    import openai
+
+    import grpo.gateway.batching as batching
+    from grpo.agents import HermesParser
+    from grpo.gateway.server import GatewayServer
+    from grpo.gateway.service import Gateway, Limits
+    from grpo.gateway.sessions import Session
+
+    model, tok = tools_lm
+    if not reuse:
+        monkeypatch.setattr(batching, "takes_kv", lambda engine: False)
+    greedy = SamplingParams(max_new_tokens=48, greedy=True)
+    gateway = Gateway(tok, HermesParser(), Limits(400, 48, 400), NativeEngine(model, tok), greedy)
+    server = GatewayServer(gateway)
+    try:
+        session = gateway.sessions.add(Session(0, 0, {}))
+        client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0)
+        messages, replies = [{"role": "user", "content": "What is 17*23+5?"}], []
+        for _ in range(3):  # the agent asks again after every answer: each call continues the session's row
+            message = (
+                client.chat.completions.create(model="m", messages=messages, max_tokens=48).choices[0].message
+            )
+            replies.append(message.content)
+            messages += [message, {"role": "user", "content": "Are you sure? Check it again."}]
+        return replies, gateway.batcher.kv.reused_tokens if reuse else 0
+    finally:
+        server.close()
+        gateway.batcher.close()
+
+
+def test_a_gateway_session_on_the_native_engine_reuses_its_kv_and_answers_the_same(tools_lm, monkeypatch):
+    with_kv, reused = _gateway_turns(tools_lm, monkeypatch, True)
+    without, _ = _gateway_turns(tools_lm, monkeypatch, False)
+    assert with_kv == without and reused > 0
