@@ -137,10 +137,6 @@ def extend(
     logits after each row's last id [R, V]."""
     device, dtype = dec.device, dec.dtype
     r, lh, m = len(new), max(reuse), max(len(x) for x in new)
-    hist = torch.zeros(2, len(dec.layers), r, dec.num_kv_heads, lh, dec.head_dim, device=device, dtype=dtype)
-    for i, (kv, c) in enumerate(zip(past, reuse, strict=True)):
-        if c:
-            hist[:, :, i, :, :c] = kv[..., :c, :]
     ids = torch.full((r, m), pad_id, dtype=torch.long)
     for i, x in enumerate(new):
         ids[i, : len(x)] = torch.tensor(x)
@@ -153,14 +149,23 @@ def extend(
     causal = (step[None, :] <= step[:, None]).expand(r, m, m)  # [R, M, M]
     mask = torch.cat([old[:, None].expand(r, m, lh), causal], dim=-1)[:, None]  # [R, 1, M, Lh+M]
     keys, values = [], []
+    shape = (r, dec.num_kv_heads, lh + m, dec.head_dim)
     for i, layer in enumerate(dec.layers):
         q, k, v = dec.qkv(layer, rms_norm(h, dec.w(layer.input_layernorm.weight), dec.eps), cos, sin)
         q, k, v = (t.view(r, m, -1, dec.head_dim).transpose(1, 2) for t in (q, k, v))  # [R, H, M, D]
-        k, v = torch.cat([hist[0, i], k], dim=2), torch.cat([hist[1, i], v], dim=2)  # [R, Hkv, Lh+M, D]
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=dec.scale)
+        # The layer's K/V in place: the reused columns row by row (no second copy of every row's history).
+        ks, vs = (
+            torch.zeros(shape, device=device, dtype=dtype),
+            torch.zeros(shape, device=device, dtype=dtype),
+        )
+        for j, (kv, c) in enumerate(zip(past, reuse, strict=True)):
+            if c:
+                ks[j, :, :c], vs[j, :, :c] = kv[0, i, :, :c], kv[1, i, :, :c]
+        ks[:, :, lh:], vs[:, :, lh:] = k, v  # [R, Hkv, Lh+M, D]
+        attn = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, enable_gqa=True, scale=dec.scale)
         h = dec.block_tail(layer, h, attn.transpose(1, 2).reshape(r * m, -1))
-        keys.append(k)
-        values.append(v)
+        keys.append(ks)
+        values.append(vs)
     last = h.view(r, m, -1)[torch.arange(r, device=device), count - 1]  # [R, d]
     real = torch.cat([old, step[None] < count[:, None]], dim=-1)  # [R, Lh+M]
     bias = torch.zeros(r, 1, 1, lh + m, device=device, dtype=dtype).masked_fill_(
