@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from grpo.model.turn_kv import TurnCache, takes_kv
 from grpo.records import SamplingParams
 
 log = logging.getLogger("grpo")
@@ -42,6 +43,7 @@ class Job:
     stream: bool = False  # the client streams: it gets each token as it is sampled
     events: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
     cancelled: bool = False
+    key: object = None  # the row's session: its K/V are kept for its next turn (model/turn_kv.py)
 
 
 class Batcher:
@@ -54,6 +56,7 @@ class Batcher:
         max_wait_s: float = 5.0,
     ):
         self.engine, self.sampling, self.live = engine, sampling, live
+        self.kv = TurnCache() if takes_kv(engine) else None
         self.window_s, self.max_wait_s = window_s, max(window_s, max_wait_s)
         self._last_call_s = 0.0
         self._pending: list[Job] = []
@@ -69,6 +72,8 @@ class Batcher:
         """The engine and run sampling of the next calls (a step, or an evaluation with greedy sampling)."""
         with self._cond:
             self.engine, self.sampling = engine, sampling
+            # Sessions' K/V, kept between their turns; new each step (they are the old weights' K/V).
+            self.kv = TurnCache() if takes_kv(engine) else None
 
     def submit(self, job: Job) -> Job:
         with self._cond:
@@ -185,7 +190,7 @@ class Batcher:
 
     def _run(self, jobs: list[Job]) -> None:
         with self._cond:
-            engine, sampling = self.engine, self.sampling
+            engine, sampling, cache = self.engine, self.sampling, self.kv
         sampling = dataclasses.replace(sampling, max_new_tokens=max(j.max_new for j in jobs))
         self.batches.append(len(jobs))
         started = time.perf_counter()
@@ -203,8 +208,11 @@ class Batcher:
                 call, args = engine.generate, (prompts, n, sampling)
             else:
                 call, args = engine.continue_rows, ([j.ids for j in jobs], sampling)
+            kw = {"on_step": on_step} if streamed and takes_on_step(call) else {}
+            if cache is not None:  # result row r is job order[r]'s; a row without a session keeps nothing
+                kw["kv"] = cache.bind(jobs[k].key if jobs[k].key is not None else object() for k in order)
             with torch.no_grad():  # grad mode is per thread: the step's no_grad does not reach this one
-                out = call(*args, on_step=on_step) if streamed and takes_on_step(call) else call(*args)
+                out = call(*args, **kw)
         except Exception as err:  # noqa: BLE001 - every waiting request gets the error; the server stays up
             log.warning("The gateway's engine call failed: %s: %s", type(err).__name__, err)
             for job in jobs:

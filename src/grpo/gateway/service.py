@@ -174,7 +174,7 @@ class Gateway:
             cap = min(self.limits.turn_tokens, left, req.max_tokens or left)
             row.busy = True
             session.calls += 1
-            job = Job(list(row.ids), cap, stream=req.stream)
+            job = Job(list(row.ids), cap, stream=req.stream, key=session.key)
         self.batcher.submit(job)
         return job, row, cap
 
