@@ -94,3 +94,74 @@ def test_async_a_weight_update_mid_episode_gives_rows_two_versions_and_the_oldes
     assert lines[1]["rollout/mixed_version_rows"] >= 1  # tokens of weights 0, then of weights 1, in one row
     assert lines[1]["rollout/staleness"] == 1  # the row's oldest token (weights 0) at learner version 1
     assert lines[1]["rollout/dropped_stale_rows"] == 0  # within max_staleness
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; only its parent's wait is missing
+
+
+def test_sigterm_ends_the_agents_and_servers_on_the_actors_and_leaves_nothing_behind(offline, tmp_path):
+    import re
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    folder = tmp_path / "agents"
+    folder.mkdir()
+    command = f"python {ROOT / 'tests' / 'integration' / 'ray_agents.py'} {folder}"
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "grpo", "train", "--config", "tiny_tools", "--agent-command", command,
+            "rollout.mode=sync", "env.episode_timeout_s=300", f"output_dir={out}", *SMALL]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RAY_worker_niceness": "0"}
+    log = tmp_path / "stderr.txt"  # a file, not a pipe: a Ray process that inherited it cannot block the test
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+    family: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while len(list(folder.glob("agent-*"))) < 8 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        agents = {int(p.name.split("-")[1]): p.read_text() for p in folder.glob("agent-*")}
+        assert len(agents) == 8  # every episode's command runs, spawned on the actor's node
+        port = int(re.search(r":(\d+)/v1", next(iter(agents.values()))).group(1))
+        time.sleep(2)  # the agents have called the model and hang
+        family = _descendants(proc.pid) | set(agents)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=180)
+        assert rc == 128 + signal.SIGTERM and time.monotonic() - started < 120  # not the 300 s episode limit
+        deadline = time.monotonic() + 30
+        while [p for p in family if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [p for p in family if _alive(p)]  # no agent, actor or Ray process is left
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in family | _descendants(proc.pid):  # only what this test started, if the test failed
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
