@@ -205,11 +205,11 @@ class RayRollout:
                 ) from e
         self.spawned = 0
         self.live = getattr(spec.episodes, "weights_mid_episode", False)
+        self.stopping = False  # the actors were told of a stop signal
         self.actors = [self._spawn(i) for i in range(placement.replicas)]
         self.sampler_differs = self._get(self.actors[0].sampler_differs.remote(), "sampler_differs")
         self.pending: deque[_Request] = deque()
         self.multi_turn = spec.episodes is not None and spec.episodes.multi_turn
-        self.stopping = False
         self.runner_metrics: dict[str, float] = {}
         self.dropped_rows = self.mixed = 0
         self.policy: torch.nn.Module | None = None  # what sync_weights last pushed; None: nothing yet
