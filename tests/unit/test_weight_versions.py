@@ -158,3 +158,29 @@ def test_an_agent_that_cannot_reach_the_actors_is_refused_in_one_line(qwen):
     with pytest.raises(ConfigError, match=r"cannot be sent there") as e:
         episodes_travel(run)
     assert "\n" not in str(e.value) and "rollout_mode=colocated" in str(e.value)
+
+
+def test_a_runner_sent_to_an_actor_makes_the_rows_it_makes_in_one_process(qwen):
+    """What a Ray actor runs is the runner unpickled, over its VersionedEngine: the same ids, masks, logprobs,
+    episodes and gateway metrics as in one process, plus each token's version."""
+    results = []
+    for travelled in (False, True):
+        run = AgentRunner(AGENTS_FILE, qwen, HermesParser(), LIMITS, window_s=2.0)
+        engine = ScriptedEngine(qwen, calls_then_answers)
+        if travelled:
+            run, engine = pickle.loads(pickle.dumps(run)), VersionedEngine(Loadable(qwen, calls_then_answers))
+            engine.load([], 3)
+        try:
+            results.append((*run.run(engine, prompts(2), 2, SAMPLING), run.metrics()))
+        finally:
+            run.close()
+    (p1, r1, m1), (p2, r2, m2) = results
+    assert p1.prompt_token_ids == p2.prompt_token_ids
+    for name in ("group_ids", "completion_ids", "completion_mask", "loss_mask", "sampling_logprobs"):
+        assert torch.equal(getattr(r1, name), getattr(r2, name)), name
+    assert [e.messages for e in r1.episodes] == [e.messages for e in r2.episodes]
+    assert [e.ended_by for e in r1.episodes] == [e.ended_by for e in r2.episodes]
+    assert {k: v for k, v in m1.items() if k != "gateway/engine_s"} == {
+        k: v for k, v in m2.items() if k != "gateway/engine_s"
+    }
+    assert r1.weight_version is None and (r2.weight_version[r2.loss_mask > 0] == 3).all()
