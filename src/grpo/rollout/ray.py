@@ -264,10 +264,8 @@ class RayRollout:
         weights = ray.put(self._weights(full))
         for i in range(len(self.actors)) if actors is None else actors:
             load = self.actors[i].load_weights
-            if (
-                self.live and self.d.rollout_mode == "async"
-            ):  # into the running episodes, between engine calls
-                load = load.options(concurrency_group=CONTROL)
+            if self.live and self.d.rollout_mode == "async":
+                load = load.options(concurrency_group=CONTROL)  # into running episodes, between engine calls
             try:
                 self._get(load.remote(weights, self.version), "load_weights")
             except ray.exceptions.RayActorError as e:
