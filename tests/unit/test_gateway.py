@@ -412,14 +412,17 @@ def test_special_token_text_in_an_agents_messages_never_becomes_control_tokens(s
     assert injected.count(start) == 2  # the template's own: the tool turn and the next generation prompt
 
 
-def test_an_agent_with_ray_rollout_is_refused_in_one_line():
-    from grpo.config import ConfigError, GRPOConfig
+def test_an_agent_with_ray_rollout_is_no_longer_refused():
+    """Ray rollout actors run the gateway and the agents themselves (rollout/ray.py); what is still refused,
+    an agent that cannot be sent to them, is tested in test_weight_versions.py."""
+    from grpo.config import GRPOConfig
+    from grpo.data import PromptFormatter
     from grpo.gateway.runner import build_agent_runner
 
     cfg = GRPOConfig()
     cfg.distributed.rollout_mode = "sync"
-    with pytest.raises(ConfigError, match=r"rollout\.mode=colocated only"):
-        build_agent_runner(cfg, None, agents.calculator_agent)
+    formatter = PromptFormatter(family_tokenizer("qwen2.5"), cfg.data)
+    assert build_agent_runner(cfg, formatter, agents.calculator_agent).agent is agents.calculator_agent
 
 
 def test_a_client_that_leaves_mid_stream_leaves_its_turn_recorded(qwen):

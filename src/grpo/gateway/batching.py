@@ -36,7 +36,8 @@ log = logging.getLogger("grpo")
 class Job:
     """One request's sampling: continue `ids` by at most `max_new` tokens. Its `events` queue receives
     ("token", id) as tokens are sampled (streamed jobs only: a thread woken per token costs the decode
-    time), then ("done", ids, logprobs, truncated) or ("error", exception)."""
+    time), then ("done", ids, logprobs, truncated, version) or ("error", exception). `version`: the weights
+    that sampled the ids, when the engine says (a Ray rollout actor's VersionedEngine), else None."""
 
     ids: list[int]
     max_new: int
@@ -222,10 +223,13 @@ class Batcher:
         log.debug("Gateway: %d requests in one engine call (%.2f s).", len(jobs), self._last_call_s)
         self.engine_s += self._last_call_s
         lengths = out.completion_mask.sum(-1).long().tolist()
+        # one engine call, one set of weights: a row's stamps are its version (-1 where nothing was sampled)
+        versions = [None] * len(order) if out.weight_version is None else out.weight_version.max(-1).values
         for r, k in enumerate(order):
             ids = out.completion_ids[r, : lengths[r]].tolist()
             logprobs = out.sampling_logprobs[r, : lengths[r]].tolist()
-            jobs[k].events.put(("done", ids, logprobs, bool(out.truncated[r])))
+            version = None if versions[r] is None else int(versions[r])
+            jobs[k].events.put(("done", ids, logprobs, bool(out.truncated[r]), version))
 
     def metrics(self) -> dict[str, float]:
         batches, self.batches = self.batches, []

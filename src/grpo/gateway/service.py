@@ -178,7 +178,7 @@ class Gateway:
         self.batcher.submit(job)
         return job, row, cap
 
-    def _finish(self, session, row, req, ids, logprobs, truncated, cap) -> TurnDone:
+    def _finish(self, session, row, req, ids, logprobs, truncated, version, cap) -> TurnDone:
         cut = min(len(ids), cap)
         length = cut < len(ids) or (truncated and cut == len(ids))
         new, lps = ids[:cut], logprobs[:cut]
@@ -194,7 +194,7 @@ class Gateway:
         with session.lock:
             session.turns += 1
             turn = session.turns
-            row.add(new, lps)
+            row.add(new, lps, version)
             stored, reply = _assistant(parsed, turn)
             row.messages.append(stored)
             row.mark_turn(turn, len(new))
