@@ -4,7 +4,9 @@ Per `generate` call: each distinct prompt is prefilled once; its G completions s
 last-token distribution and decode against that one prompt KV (grouped attention). The completion
 KV cache is allocated once ([N, Hkv, T, D] per layer). Rows that finish (eos or a stop string) are
 dropped from the batch once enough of them have finished (`_COMPACT_FRACTION`), which bounds both the
-wasted decode work and the cost of compacting the cache.
+wasted decode work and the cost of compacting the cache. Hybrid decode (`compile_decode`, on by default
+once it has paid, see `_COMPILE_SAVES`): until the first rows are dropped, one compiled static-shape graph
+runs each step, sampler included; the eager step runs the compacted batch after.
 
 Sampling is exact (rollout/sampling.py): the recorded log-prob is that of the chosen token under the
 distribution it was drawn from.
