@@ -7,8 +7,7 @@ interleaved.
 Workload: one rollout of a matrix cell (8 prompts × G rows, the cell's prompt length and completion
 limit and eos rate), the matrix's random model, temperature 1. `--variants` picks what runs: `eager`,
 `hybrid` (the default compiled graph), `hybrid-cpp` (the same graph with inductor's cpp_wrapper: the
-kernels called from generated C++ instead of Python), `hybrid-colsN` (the full-batch step reads the cache
-up to the next multiple of N columns instead of all of it).
+kernels called from generated C++ instead of Python).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import types
 
 import torch
 from common import MATRIX_PROMPTS, make_matrix_model, make_prompts, matrix_cell, matrix_tokenizer
@@ -36,12 +34,6 @@ def engine(variant: str, model, tok) -> NativeEngine:
         built._full_step = torch.compile(
             native._full_batch_step, options={**native._INDUCTOR, "cpp_wrapper": True}
         )
-    elif variant.startswith("hybrid-cols"):
-        # dynamo caches graphs per code object: a copy keeps this variant's graphs apart from `hybrid`'s
-        step = native._full_batch_step
-        copy = types.FunctionType(step.__code__.replace(co_name=variant.replace("-", "_")), step.__globals__)
-        built._full_step = torch.compile(copy, options=native._INDUCTOR)
-        built.columns = int(variant.removeprefix("hybrid-cols"))
     elif variant != "hybrid":
         raise SystemExit(f"--variants: unknown {variant!r} (eager, hybrid, hybrid-cpp)")
     return built
@@ -75,7 +67,6 @@ def main() -> None:
     def generate(variant: str, seed: int) -> float:
         torch.manual_seed(seed)
         start = clock()
-        native._COLUMNS = getattr(engines[variant], "columns", 0)
         out = engines[variant].generate(prompts, cell["G"], sampling)
         tokens[variant].append(int(out.completion_mask.sum()))
         return clock() - start

@@ -38,7 +38,6 @@ _COMPACT_FRACTION = 8  # drop finished rows once ≥ 1/8 of the active batch has
 # early (few full-batch steps), or a short one, never compiles. Measured on the 4.9M matrix model
 # (docs/performance.md "Hybrid decode"): the compiled graph took 20-30% off a full-batch step; its compile
 # took 30-50 s cold at 1-2 threads, roughly in proportion to the layers it unrolls.
-_COLUMNS = 0
 _COMPILE_SAVES = 0.2
 _COMPILE_S_PER_LAYER = 10.0
 
@@ -211,17 +210,12 @@ class NativeEngine:
                     onednn, weights = wanted, dec.decode_weights(fuse=True, onednn=wanted, copy=copy)
             if full:
                 position = torch.tensor([step], device=device)
-                # The cache up to the next multiple of _COLUMNS: fewer unwritten columns read (the cache
-                # attention reads every column given), few shapes (dynamo makes the length dynamic at the
-                # second, so one more compile serves them all).
-                cols = min(t_max, (step // _COLUMNS + 1) * _COLUMNS) if _COLUMNS else t_max
-                step_caches = [(k[:, :, :cols], v[:, :, :cols]) for k, v in caches]
                 tokens, flags = self._full_step(
                     dec,
                     tokens,
                     prompt_cache,
                     layout,
-                    step_caches,
+                    caches,
                     weights,
                     *rope,
                     position,
