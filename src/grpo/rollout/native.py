@@ -36,9 +36,10 @@ _COMPACT_FRACTION = 8  # drop finished rows once ≥ 1/8 of the active batch has
 # _COMPILE_SAVES ≥ the compile's estimated cost. Like renting skis until the rent reaches the price: never
 # more than twice the cost of the best choice made knowing the run's future, and a run whose rows end
 # early (few full-batch steps), or a short one, never compiles. Measured on the 4.9M matrix model
-# (docs/performance.md "Hybrid decode"): the compiled graph took 20-30% off a full-batch step; its compile
-# took 30-50 s cold at 1-2 threads, roughly in proportion to the layers it unrolls.
-_COMPILE_SAVES = 0.2
+# (docs/performance.md): the compiled graph took 10-16% off an all-rows rollout on an AVX2 EPYC, 20% on an
+# AVX-512 Xeon; its compile took 30-50 s cold at 1-2 threads (more under load), roughly in proportion to
+# the layers it unrolls, 20-25 s from inductor's warm on-disk cache.
+_COMPILE_SAVES = 0.15
 _COMPILE_S_PER_LAYER = 10.0
 
 
