@@ -73,7 +73,7 @@ class NativeEngine:
         self.auto = self.auto and self.decoder.device.type == "cpu" and cpp_compiler() is not None
         self._rent_s = 0.0  # auto: eager full-batch decode seconds so far × _COMPILE_SAVES
         self.compiled = bool(compile_decode)
-        self._full_step = torch.compile(_full_batch_step, options=_INDUCTOR) if compile_decode else None
+        self._full_step = _compile_full_step(self.decoder.device) if compile_decode else None
         # The static-shape decode step alone (no sampling), compiled on first call: tests/gpu compares it.
         self.decode_step = (
             torch.compile(self.decoder.decode_step) if self.compiled else self.decoder.decode_step
@@ -145,7 +145,7 @@ class NativeEngine:
 
     def _start_compiling(self) -> None:
         self.auto, self.compiled = False, True
-        self._full_step = torch.compile(_full_batch_step, options=_INDUCTOR)
+        self._full_step = _compile_full_step(self.decoder.device)
         log.info(
             "Decode: eager full-batch steps have taken %.0f s so far; compiling the full-batch step now "
             "(generation.compile_decode: true compiles from the start, false never).",
@@ -249,6 +249,14 @@ class NativeEngine:
 # from the global generator exactly as the eager sampler does (inductor's own RNG would draw other numbers),
 # so a seeded run samples the same whichever step serves it and resumes with the same RNG state.
 _INDUCTOR = {"fallback_random": True}
+# On a CPU also cpp_wrapper: the graph's kernels are called from generated C++, not Python; the step is ~60
+# kernels and GEMMs, so the Python between them showed: 8-10% less CPU time per all-rows rollout than the
+# Python wrapper (docs/performance.md). Not tried on CUDA.
+_INDUCTOR_CPU = {**_INDUCTOR, "cpp_wrapper": True}
+
+
+def _compile_full_step(device: torch.device):
+    return torch.compile(_full_batch_step, options=_INDUCTOR_CPU if device.type == "cpu" else _INDUCTOR)
 
 
 def _full_batch_step(
