@@ -188,6 +188,9 @@ class Rollouts:
     episodes: list[Episode] | None = per_row(default=None)  # multi-turn: what each episode did
     # a runner's per-completion data for reward functions (TRL rollout_func's extra keys), {column: value}
     extra_fields: list[dict] | None = per_row(default=None)
+    # [N, T] long: the weight version (learner step) that sampled each token, -1 where none did; set by Ray
+    # rollout actors, where an agent's episode may span weight updates (rollout/weight_versions.py)
+    weight_version: Tensor | None = per_token(default=None)
 
     def __post_init__(self):
         if self.loss_mask is None:
