@@ -104,9 +104,11 @@ class PackedSharedPromptAttention(torch.autograd.Function):
                 queries.of(lse).copy_(m)
             cross_out, cross_lse = out[sp:], lse[sp:]
             total = torch.logaddexp(cross_lse, own_lse)  # [Sc, H]
-            w = (cross_lse - total).exp_().unsqueeze(-1).to(q.dtype)  # [Sc, H, 1]
-            # O = O₁·w + O₂·(1 − w), written in place over the cross output.
-            cross_out.sub_(own_out).mul_(w).add_(own_out)
+            w = (cross_lse - total).exp_().unsqueeze(-1)  # [Sc, H, 1] the cross piece's share
+            if q.dtype == w.dtype:  # O = O₁·w + O₂·(1 − w), in place over the cross output
+                cross_out.sub_(own_out).mul_(w).add_(own_out)
+            else:  # 16-bit: merged in float32, rounded once
+                cross_out.copy_(torch.lerp(own_out.float(), cross_out.float(), w))
             cross_lse.copy_(total)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.scale = layout, scale
