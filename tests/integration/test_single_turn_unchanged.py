@@ -21,16 +21,25 @@ BEFORE_THE_SEAM = "091d311"
 BEFORE_ISSUE_30 = "e11bfc4"
 
 
-def test_single_turn_training_is_bitwise_what_it_was(tmp_path):
+def test_single_turn_training_is_what_it_was(tmp_path):
+    """Within float32 tolerance, not bitwise: issue 34's packed attention (the CPU training route since,
+    model/packed_attention.py) sums each softmax in other pieces than the grid route of 091d311, so
+    log-probs and gradients differ by ~1e-6 (tests/unit/test_packed_attention.py), and AdamW carries
+    that into the weights. The run must still be the same run: same losses to 1e-5, and every weight
+    where it was to within 1% of how far training moved it."""
     model = tiny_run.make_model_dir(tmp_path / "model")
     data = tiny_run.write_dataset(tmp_path / "data.jsonl", 6)
     runs = {}
     for side, src in (("before", reference.source_at(BEFORE_THE_SEAM)), ("now", None)):
         out = tmp_path / side
         reference.run_python(tiny_run.config(model, data, out, steps=3, save_steps=0, report=False), src)
-        runs[side] = reference.losses(out), reference.weights_sha256(out / "final_model")
-    assert runs["now"] == runs["before"]
+        runs[side] = reference.losses(out), tiny_run.weights(out / "final_model")
     assert len(runs["now"][0]) == 3
+    assert runs["now"][0] == pytest.approx(runs["before"][0], rel=1e-5, abs=1e-7)
+    start = tiny_run.weights(model)
+    for name, before in runs["before"][1].items():
+        moved = (before - start[name]).abs().max()
+        assert (runs["now"][1][name] - before).abs().max() <= 0.01 * moved + 1e-7, name
 
 
 @pytest.mark.slow
