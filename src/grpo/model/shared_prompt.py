@@ -20,9 +20,13 @@ QUERY_CHUNK = 64  # completion queries per attention call in training (see _comp
 
 
 def attention_route(device: torch.device) -> str:
-    """How the completion attention (boolean mask, grouped-query heads) runs on `device`.
+    """How the training attention runs on `device`.
 
-    "gqa" (CPU): SDPA with the mask and `enable_gqa`; the CPU's fused kernel takes both.
+    "packed" (CPU): model/packed_attention.py, the CPU flash kernel on views of the packed tokens (no
+    padded grids, no mask, no G× prompt K/V copy, no query chunks); the same numbers as the grid routes
+    within float32 rounding (tests/unit/test_packed_attention.py). The grid routes below scatter the
+    packed tokens into padded [P, Lp] / [N, Tc] grids and run SDPA with a boolean mask over them:
+    "gqa" (other devices): SDPA with the mask and `enable_gqa`; the CPU's fused kernel takes both.
     "expand_kv" (CUDA): K/V repeated to the query heads, then SDPA with the mask. On CUDA no fused
     kernel takes a mask together with a GQA broadcast (flash takes no mask, memory-efficient attention no
     GQA), so the first route falls back to the math kernel, which keeps float32 scores [rows, H, 64,
