@@ -43,7 +43,8 @@ def attention_route(device: torch.device) -> str:
 class SharedPromptPack:
     """A micro-batch laid out for shared-prompt training: every real token once, no padding.
 
-    Token order: the P distinct prompts' tokens, then each completion's input tokens (all but its last).
+    Token order: the P distinct prompts' tokens, then each completion's input tokens (all but its last),
+    completions in group order (`layout` says where the attention pieces are).
     Slot tensors place packed tokens into the padded [P, Lp] / [N, Tc] grids attention runs on. The
     [N, Tc] grid holds the completions longest first, so the rows still real at a query position are a
     prefix of it (attention skips the rest, see NativeDecoder._completion_attention).
