@@ -106,16 +106,26 @@ class TurnCall:
         token has no K/V yet (no step fed it), so the row keeps its prompt and all but its last token."""
         if cache_rows.numel() == 0:
             return
-        rows = active[cache_rows]
-        at = cache_rows.to(cache_k[0].device)
-        done = torch.stack([torch.stack([k[at] for k in cache_k]), torch.stack([v[at] for v in cache_v])])
-        if self._prompt_kv is None:  # [2, L, P, Hkv, W, D], once per call
-            pc = self.prompt_cache
-            self._prompt_kv = torch.stack([torch.stack(pc.keys), torch.stack(pc.values)])
+        rows, at = active[cache_rows], cache_rows.to(cache_k[0].device)
+        if self._prompt_kv is None:  # ([L, P, Hkv, W, D] keys, values), once per call
+            self._prompt_kv = (torch.stack(self.prompt_cache.keys), torch.stack(self.prompt_cache.values))
+        width = int(lengths[rows].max()) - 1
+        done = (  # ([L, r, Hkv, width, D] keys, values): the rows' written columns, every layer at once
+            torch.stack([k[at, :, :width] for k in cache_k]),
+            torch.stack([v[at, :, :width] for v in cache_v]),
+        )
         for j, r in enumerate(rows.tolist()):
             g, valid = r // self.n, int(lengths[r]) - 1
-            parts = [self._prompt_kv[:, :, g, :, a:b] for a, b in self.segments[g] if b > a]
-            kv = torch.cat([*parts, done[:, :, j, :, :valid]], dim=-2)  # [2, L, Hkv, len, D]
+            segments = [(a, b) for a, b in self.segments[g] if b > a]
+            held = sum(b - a for a, b in segments)
+            first = done[0]
+            kv = first.new_empty(2, first.shape[0], first.shape[2], held + valid, first.shape[4])
+            for t in (0, 1):  # [2, L, Hkv, len, D]: the prompt's columns, then the sampled tokens'
+                start = 0
+                for a, b in segments:
+                    kv[t, :, :, start : start + b - a] = self._prompt_kv[t][:, g, :, a:b]
+                    start += b - a
+                kv[t, :, :, start:] = done[t][:, j, :, :valid]
             self.cache.rows[self.keys[r]] = _Row(self.prompts[g] + ids[r, :valid].tolist(), kv)
 
 
