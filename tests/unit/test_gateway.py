@@ -31,6 +31,18 @@ def qwen():
     return family_tokenizer("qwen2.5")
 
 
+@pytest.fixture(autouse=True)
+def agent_threads_end_with_the_test():
+    """A timed-out agent's thread outlives its episode: let it return, so no test sees another's threads."""
+    yield
+    agents.RELEASE_HANGING.set()
+    ours = [t for t in threading.enumerate() if t.name.startswith(("grpo-agent", "grpo-gateway"))]
+    for t in ours:
+        t.join(timeout=30)
+    agents.RELEASE_HANGING.clear()
+    assert not [t.name for t in ours if t.is_alive()]
+
+
 def runner(tokenizer, agent, **kw) -> AgentRunner:
     return AgentRunner(agent, tokenizer, HermesParser(), kw.pop("limits", LIMITS), **kw)
 
@@ -258,23 +270,54 @@ def test_the_server_and_its_port_are_released_on_close(qwen):
     assert not [t for t in threading.enumerate() if t.name.startswith("grpo-gateway")]
 
 
-def test_native_continue_rows_reports_each_step_as_it_is_sampled(tiny_model):
-    from grpo.rollout.native import NativeEngine
-    from tests.conftest import IdTokenizer
+@pytest.fixture(scope="module")
+def bundled():
+    from transformers import AutoModelForCausalLM
 
-    engine = NativeEngine(tiny_model, IdTokenizer())
-    rows, seen = [[5, 6, 7], [9, 3]], {0: [], 1: []}
+    from tests.chat_templates import bundled_model_path, bundled_tokenizer
+
+    tokenizer = bundled_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.float32).eval()
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        for q in ("What is 3 + 4?", "A box holds 6 eggs. How many eggs are in 7 boxes?")
+    ]  # fmt: skip
+    return model, tokenizer, [list(p) for p in prompts]
+
+
+@pytest.mark.parametrize("kind", ["native", "transformers"])
+@pytest.mark.parametrize("stop", [False, True], ids=["eos-or-length", "stop-string"])
+def test_continue_rows_reports_each_step_as_it_is_sampled(bundled, kind, stop):
+    """The reassembled stream is the reply: every sampled token once, nothing an engine pads after a row
+    ends (eos, or a stop string that cuts row 0 short)."""
+    from grpo.rollout.native import NativeEngine
+    from grpo.rollout.transformers import TransformersEngine
+
+    model, tokenizer, rows = bundled
+    engine = (NativeEngine if kind == "native" else TransformersEngine)(model, tokenizer)
+    seen = {0: [], 1: []}
 
     def on_step(which, tokens):
         for r, t in zip(which, tokens, strict=True):
             seen[r].append(t)
 
-    greedy = SamplingParams(max_new_tokens=5, greedy=True)
+    greedy = SamplingParams(max_new_tokens=24, greedy=True)
+    if stop:
+        first = engine.continue_rows(rows, greedy).completion_ids[0].tolist()
+        at = next(k for k in range(1, 24) if tokenizer.decode(first[k]).strip())
+        greedy = SamplingParams(
+            max_new_tokens=24, greedy=True, stop_strings=[tokenizer.decode(first[at]).strip()]
+        )
     out = engine.continue_rows(rows, greedy, on_step=on_step)
     plain = engine.continue_rows(rows, greedy)
     for r in range(2):
         n = int(out.completion_mask[r].sum())
         assert seen[r] == out.completion_ids[r, :n].tolist() == plain.completion_ids[r, :n].tolist()
+    lengths = out.completion_mask.sum(-1).tolist()
+    assert min(lengths) < 24  # a row ended before the cap: its padded steps did not stream
+    if stop:
+        assert lengths[0] <= at + 1
 
 
 class SlowStepsEngine(ScriptedEngine):
@@ -369,14 +412,17 @@ def test_special_token_text_in_an_agents_messages_never_becomes_control_tokens(s
     assert injected.count(start) == 2  # the template's own: the tool turn and the next generation prompt
 
 
-def test_an_agent_with_ray_rollout_is_refused_in_one_line():
-    from grpo.config import ConfigError, GRPOConfig
+def test_an_agent_with_ray_rollout_is_no_longer_refused():
+    """Ray rollout actors run the gateway and the agents themselves (rollout/ray.py); what is still refused,
+    an agent that cannot be sent to them, is tested in test_weight_versions.py."""
+    from grpo.config import GRPOConfig
+    from grpo.data import PromptFormatter
     from grpo.gateway.runner import build_agent_runner
 
     cfg = GRPOConfig()
     cfg.distributed.rollout_mode = "sync"
-    with pytest.raises(ConfigError, match=r"rollout\.mode=colocated only"):
-        build_agent_runner(cfg, None, agents.calculator_agent)
+    formatter = PromptFormatter(family_tokenizer("qwen2.5"), cfg.data)
+    assert build_agent_runner(cfg, formatter, agents.calculator_agent).agent is agents.calculator_agent
 
 
 def test_a_client_that_leaves_mid_stream_leaves_its_turn_recorded(qwen):
