@@ -183,3 +183,15 @@ def test_a_gateway_session_on_the_native_engine_reuses_its_kv_and_answers_the_sa
     with_kv, reused = _gateway_turns(tools_lm, monkeypatch, True)
     without, _ = _gateway_turns(tools_lm, monkeypatch, False)
     assert with_kv == without and reused > 0
+
+
+def test_a_weight_load_between_two_turns_empties_the_cache(tiny_model):
+    engine = NativeEngine(tiny_model, IdTokenizer())
+    greedy = SamplingParams(max_new_tokens=4, greedy=True)
+    cache = TurnCache()
+    first = engine.continue_rows([[5, 6, 7]], greedy, kv=cache.bind(["a"]))
+    row = [5, 6, 7, *first.completion_ids[0].tolist(), 11]
+    engine.load_weights([(n, p + 0.05) for n, p in tiny_model.named_parameters()])  # a Ray actor's update
+    again = engine.continue_rows([row], greedy, kv=cache.bind(["a"]))
+    assert cache.reused_tokens == 0  # the old weights' K/V are not the new weights'
+    assert torch.equal(again.completion_ids, engine.continue_rows([row], greedy).completion_ids)

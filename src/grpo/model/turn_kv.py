@@ -10,7 +10,9 @@ and decodes with the row's whole history as its prompt.
 Rows are found by the key their caller gives (an episode, a session's row) and reused only as far as the
 ids the cache holds agree, id for id, with the row asked for: a row that forked or whose history was
 rewritten prefills again from where it differs. A cache holds K/V of the weights it was filled with: its
-owner drops it when the rollout ends (the weights change between steps).
+owner drops it when the rollout ends (the weights change between steps), and it empties itself when a
+weight load lands between two of its calls (a Ray actor's asynchronous update: the parameters' version
+counters moved).
 
 The reused K/V are not bitwise those of a full prefill (a sampled token's K/V come from the decode step's
 kernels, and the softmax sums in another order), so log-probs agree to float rounding, not bit for bit.
@@ -41,6 +43,7 @@ class TurnCache:
 
     def __init__(self):
         self.rows: dict[Hashable, _Row] = {}
+        self.weights = None  # the parameters' version counters when the rows were filled
         self.reused_tokens = 0  # positions not prefilled again, since the cache was made
         self.prefilled_tokens = 0  # positions prefilled
 
@@ -70,6 +73,10 @@ class TurnCall:
         if len(self.keys) != len(prompts) * n:
             raise ValueError(f"{len(self.keys)} cache keys for {len(prompts)} prompts × {n} rows.")
         self.prompts, self.n = prompts, n
+        weights = weights_stamp(dec)
+        if weights != self.cache.weights:  # K/V of other weights: none is reused
+            self.cache.rows.clear()
+            self.cache.weights = weights
         past, reuse = [None] * len(prompts), [0] * len(prompts)
         if n == 1:  # a group's first turn (n > 1) shares one fresh prompt: nothing to look up
             for i, (key, row) in enumerate(zip(self.keys, prompts, strict=True)):
@@ -182,6 +189,12 @@ def extend(
         ~real[:, None, None], float("-inf")
     )
     return PromptCache(keys, values, bias, held + count), dec.logits(last)
+
+
+def weights_stamp(dec) -> int:
+    """Moves whenever a parameter is written in place (a weight load copies into each one). Not by a
+    fused optimizer step, which bypasses the counters: a cache lives within one rollout for that reason."""
+    return sum(p._version for p in dec.hf.parameters())
 
 
 def takes_kv(engine) -> bool:
