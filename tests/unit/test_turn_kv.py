@@ -116,8 +116,13 @@ def test_the_cache_frees_what_it_is_not_told_to_keep_and_compares_ids_not_length
 
 def test_only_an_engine_whose_calls_take_kv_is_given_a_cache(tiny_model):
     from grpo.rollout.transformers import TransformersEngine
+    from grpo.rollout.weight_versions import VersionedEngine
 
     assert takes_kv(NativeEngine(tiny_model, IdTokenizer()))
+    actors = VersionedEngine(NativeEngine(tiny_model, IdTokenizer()))  # a Ray actor's engine
+    cache, greedy = TurnCache(), SamplingParams(max_new_tokens=3, greedy=True)
+    assert takes_kv(actors) and actors.continue_rows([[5, 6]], greedy, kv=cache.bind("a")) is not None
+    assert len(cache) == 1
     assert not takes_kv(TransformersEngine(tiny_model, IdTokenizer()))
 
 

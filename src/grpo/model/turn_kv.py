@@ -198,7 +198,9 @@ def weights_stamp(dec) -> int:
 
 
 def takes_kv(engine) -> bool:
-    """Whether an engine's calls take `kv=` (the native engine; others prefill every turn)."""
+    """Whether an engine's calls take `kv=` (the native engine; others prefill every turn). A wrapper that
+    passes keyword arguments through to `.engine` (a Ray actor's VersionedEngine) is seen through."""
+    engine = getattr(engine, "engine", engine)
     try:
         return all("kv" in inspect.signature(f).parameters for f in (engine.generate, engine.continue_rows))
     except (AttributeError, TypeError, ValueError):
