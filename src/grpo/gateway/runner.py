@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 from grpo import plugins
+from grpo.agents.environments import EnvironmentContractError
+from grpo.config import ConfigError
 from grpo.gateway.server import GatewayServer
 from grpo.gateway.service import Gateway, Limits
 from grpo.gateway.sessions import Session
@@ -48,8 +50,32 @@ FAILURES = ("agent_error", "bad_request", "timeout", "no_calls", "history")
 def load_agent(spec):
     """The agent callable: itself, or `package.module:function` / `path/to/file.py:function`."""
     if callable(spec):
+        _check_signature(spec, getattr(spec, "__qualname__", repr(spec)))
         return spec
-    return plugins.load(portable_spec(spec), "env.agent", call=True)
+    agent = plugins.load(portable_spec(spec), "env.agent", call=True)
+    _check_signature(agent, str(spec))
+    return agent
+
+
+def _check_signature(agent, spec: str) -> None:
+    """grpo calls `agent(client, row)`: one that cannot take both is refused before the model loads, instead
+    of failing every episode with a TypeError."""
+    try:
+        signature = inspect.signature(agent)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+        return
+    try:
+        signature.bind(object(), {})
+    except TypeError:
+        raise ConfigError(
+            f"env.agent {spec!r} has the signature {signature}, but grpo calls it as agent(client, row): "
+            "give it exactly those two parameters (client: an openai client for this episode, row: the "
+            "dataset row as a dict)."
+        ) from None
+
+
+class AgentFailed(EnvironmentContractError):
+    """Every episode of a step failed the same way in the agent's own code: the run stops with the cause."""
 
 
 def portable_spec(spec) -> str | None:
@@ -97,6 +123,8 @@ class AgentRunner:
         self.is_async = inspect.iscoroutinefunction(self.agent)
         self.tokenizer, self.parser, self.limits = tokenizer, parser, limits
         self.timeout_s, self.failed_episode = timeout_s, failed_episode
+        self._notes: dict[str, str] = {}  # session key → why its episode failed in the agent's code
+        self._worked = False  # some episode of the run ended without failing
         self.gateway_args = dict(
             strict_history=strict_history,
             template_kwargs=template_kwargs,
@@ -178,6 +206,7 @@ class AgentRunner:
             self._episode(s, value, failure) for s, (value, failure) in zip(sessions, results, strict=True)
         ]
         self._previous = sessions
+        self._refuse_if_all_failed(sessions, episodes)
         self._count(sessions)
         return self._rollouts(prompts, sessions, episodes)
 
@@ -253,9 +282,29 @@ class AgentRunner:
         thread.join()
         return list(box[0]) if box else [(None, "agent_error")] * len(sessions)
 
+    def _refuse_if_all_failed(self, sessions: list[Session], episodes: list[Episode]) -> None:
+        """An agent whose every episode failed for the same reason in its own code (it raised the same
+        error, returned something that is not a reward, never called the model) before any episode of the
+        run worked would train on nothing and end with advice about reward spread: stop with the cause
+        instead. Timeouts and history rewrites are the model's doing as much as the agent's: never here."""
+        notes = {self._notes.get(s.key) for s in sessions}
+        kinds = {e.ended_by for e in episodes}
+        self._worked = self._worked or not kinds <= set(FAILURES)
+        if len(notes) != 1 or None in notes or not kinds <= {"agent_error", "no_calls"}:
+            return
+        if self._worked:  # it worked before: a flaky step is counted (episode/ended_by/*), the run goes on
+            log.warning("Every episode of this step failed the same way in the agent: %s.", next(iter(notes)))
+            return
+        raise AgentFailed(
+            f"Every episode of this step ({len(sessions)}) failed the same way in the agent: {notes.pop()}. "
+            "Fix the agent (run it once against any OpenAI-compatible server to see it work), then start "
+            "again."
+        )
+
     def _failure(self, s: Session, err: BaseException) -> str:
         if s.ended in FAILURES:
             return s.ended  # bad_request / history: the gateway ended it, the agent's client then raised
+        self._notes[s.key] = f"it raised {type(err).__name__}: {str(err)[:300]}"
         if not getattr(self, "_said_error", False):
             self._said_error = True
             log.warning(
@@ -275,9 +324,11 @@ class AgentRunner:
             failure = s.ended  # the agent caught the gateway's refusal and returned
         if failure is None and not s.calls:
             failure = "no_calls"
+            self._notes[s.key] = "it never called the model (no request reached this episode's session)"
         if failure is None and value is not None and not _is_number(value):
             log.warning("An agent returned %r, not a number or None: its episode is scored as failed.", value)
             failure = "agent_error"
+            self._notes[s.key] = f"it returned {value!r}, which is not a number or None"
         # The episode's own reward wins (returned, else posted without a turn); else the sum of its per-turn
         # rewards; else None: the run's reward functions score it. The "turn" estimator reads both apart.
         reward = float(value) if failure is None and value is not None else s.reward
