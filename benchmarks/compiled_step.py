@@ -6,7 +6,10 @@ process, interleaved; prints the compile time, the graphs compiled and the media
 Workload: one step's TrainBatch of a matrix cell (8 prompts × G completions, the cell's prompt length;
 completion lengths: every row at the limit with eos off, else geometric with mean limit/4 as the matrix
 model's eos rate gives), the matrix's random model, β 0.04, the learner's default micro-batches. Each
-repeat runs the eager pass and the compiled pass in alternating order.
+repeat runs the eager pass and the compiled pass in alternating order. `--compare attention` runs the
+grid attention route against the packed one instead (model/packed_attention.py):
+
+    PYTHONPATH=src python benchmarks/compiled_step.py --cell eos-off --compare attention --cpu-time
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo.config import GRPOConfig
 from grpo.learner import Learner
+from grpo.model import shared_prompt
 from grpo.model.compiled import compile_report
 from grpo.records import TrainBatch
 
@@ -65,6 +69,14 @@ def main() -> None:
         "process's work only",
     )
     ap.add_argument("--profile", action="store_true", help="after the repeats: top ops of one step each way")
+    ap.add_argument(
+        "--compare",
+        choices=["compile", "attention"],
+        default="compile",
+        help="compile: the block eager against compiled; attention: the grid attention route against the "
+        "packed one (model/packed_attention.py), both with the block as --attention-blocks says",
+    )
+    ap.add_argument("--attention-blocks", choices=["eager", "compiled"], default="compiled")
     args = ap.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     if args.threads:
@@ -88,7 +100,16 @@ def main() -> None:
     learner = Learner(policy, reference, cfg, total_optimizer_steps=1000)
     decoders = [learner.policy_forward.decoder, learner.reference_forward.decoder]
 
-    def run(compiled: bool, batch: TrainBatch) -> tuple[float, float]:
+    grid_route = shared_prompt.attention_route
+
+    def run(variant: bool, batch: TrainBatch) -> tuple[float, float]:
+        if args.compare == "attention":  # variant: the packed route
+            compiled = args.attention_blocks == "compiled"
+            route = "packed" if variant else "gqa"
+            shared_prompt.attention_route = lambda _device: route
+        else:
+            compiled = variant
+            shared_prompt.attention_route = grid_route
         for d in decoders:
             d.compile_blocks = compiled
         start = clock()
@@ -120,11 +141,16 @@ def main() -> None:
         f"after the repeats: compile {after['compile_s']} s, {after['graphs']} graphs (new: "
         f"{after['graphs'] - report['graphs']})"
     )
+    names = (
+        {False: "grid attention", True: "packed attention"}
+        if args.compare == "attention"
+        else {False: "eager", True: "compiled"}
+    )
     for compiled, values in times.items():
         ref = statistics.median(v[0] for v in values)
         upd = statistics.median(v[1] for v in values)
         print(
-            f"| {'compiled' if compiled else 'eager'} | reference {ref:.3f} s | update {upd:.3f} s | "
+            f"| {names[compiled]} | reference {ref:.3f} s | update {upd:.3f} s | "
             f"{[(round(a, 2), round(b, 2)) for a, b in values]} |"
         )
     if args.profile:
@@ -133,7 +159,7 @@ def main() -> None:
         for compiled in (False, True):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 run(compiled, batch)
-            print(f"## {'compiled' if compiled else 'eager'}: ops by self CPU time")
+            print(f"## {names[compiled]}: ops by self CPU time")
             print(
                 prof.key_averages().table(
                     sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60

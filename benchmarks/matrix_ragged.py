@@ -1,6 +1,6 @@
 """Ragged (eos-ended) work in isolation, A/B in one process: generation with finished rows dropped at
-different thresholds, and the packed training forward+backward with and without skipping the padding
-after short rows in attention.
+different thresholds, and the packed training forward+backward: the grid attention route with and
+without skipping the padding after short rows, and the packed attention route (the CPU default).
 
     PYTHONPATH=src python benchmarks/matrix_ragged.py --repeats 3 --threads 1 --cpu-time
 
@@ -19,6 +19,7 @@ import torch
 from common import MATRIX_BASE, MATRIX_PROMPTS, make_matrix_model, make_prompts, matrix_tokenizer
 from transformers import AutoModelForCausalLM
 
+from grpo.model import shared_prompt
 from grpo.model.decoder import NativeDecoder, pack_shared_prompts
 from grpo.model.packed import ChunkedTokenLogprobs
 from grpo.records import SamplingParams
@@ -83,14 +84,22 @@ def main() -> None:
     dec = NativeDecoder(model)
     real = pack.input_lengths
 
-    def train(skip_padding: bool) -> None:
-        pack.input_lengths = real if skip_padding else [pack.input_width] * pack.num_rows
+    grid_route = shared_prompt.attention_route
+
+    def train(skip_padding: bool | None) -> None:
+        """None: the packed attention (the CPU default); else the grid route, skipping padding or not."""
+        shared_prompt.attention_route = grid_route if skip_padding is None else (lambda _device: "gqa")
+        pack.input_lengths = real if skip_padding in (None, True) else [pack.input_width] * pack.num_rows
         model.zero_grad()
         hidden = dec.shared_prompt_hidden(pack)
         logp, _ = ChunkedTokenLogprobs.apply(hidden, dec.lm_head_weight, pack.targets, 1.0, False)
         logp.sum().backward()
 
-    train_t = {"attention over every row": [], "attention skips rows past their end": []}
+    train_t = {
+        "grid attention over every row": [],
+        "grid attention skips rows past their end": [],
+        "packed attention (model/packed_attention.py)": [],
+    }
     with torch.no_grad():
         generate(8)  # warm-up
     train(True)
@@ -98,7 +107,7 @@ def main() -> None:
         with torch.no_grad():
             for name, fraction in fractions.items():
                 gen[name].append(timed(lambda f=fraction: generate(f)))
-        for name, skip in zip(train_t, (False, True), strict=True):
+        for name, skip in zip(train_t, (False, True, None), strict=True):
             train_t[name].append(timed(lambda s=skip: train(s)))
     print(
         f"threads {torch.get_num_threads()}, {'CPU' if args.cpu_time else 'wall'} time; generation: 64 rows, "

@@ -130,13 +130,12 @@ def run_eval(args) -> int:
     tokenizer = load_tokenizer(cfg)
     rows = load_rows(spec, cfg.data, split="test", token=cfg.hf_token())
     rows = rows[: args.limit] if args.limit else rows
-    tools = ", ".join(cfg.env.tools) or (f"environment {cfg.env.environment}" if cfg.env.environment else "")
     log.info(
         "Evaluating %s on %s (%d rows), %s; settings from %s.",
         cfg.model.name_or_path,
         spec,
         len(rows),
-        f"with tools: {tools}" if tools else "one turn, no tools",
+        episodes_in_words(cfg),
         config,
     )
     model = load_policy(cfg, device)
@@ -167,12 +166,24 @@ def run_eval(args) -> int:
 
         write_text(args.dump, "".join(json.dumps(record) + "\n" for record in result.records))
     out = {**result.as_dict(), "dataset": spec, "tools": list(cfg.env.tools) or cfg.env.environment or None}
+    if cfg.env.agent or cfg.env.agent_command:
+        out["agent"] = cfg.env.agent or cfg.env.agent_command
     if args.json:
         print(redact(json.dumps(out)))
     else:
         shown = "  ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in out.items())
         print(redact(shown))
     return 0
+
+
+def episodes_in_words(cfg: GRPOConfig) -> str:
+    """How the evaluated episodes run, for the first line: through an agent (as _eval_episodes picks it: the
+    agent, else the command), with tools or an environment, or one turn."""
+    if cfg.env.agent or cfg.env.agent_command:
+        agent = cfg.env.agent or cfg.env.agent_command
+        return f"each episode through your agent {agent} (the gateway)"
+    tools = ", ".join(cfg.env.tools) or (f"environment {cfg.env.environment}" if cfg.env.environment else "")
+    return f"with tools: {tools}" if tools else "one turn, no tools"
 
 
 def _assignments(args) -> list[tuple[str, object]]:

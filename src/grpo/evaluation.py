@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
+from grpo.algorithm.advantages import episode_rows
 from grpo.data import PromptFormatter, make_prompt_batch, prompt_text
 from grpo.data.tasks import Scorer, scorer_for_rows
-from grpo.records import SamplingParams
+from grpo.records import Rollouts, SamplingParams, take_rows
 from grpo.rollout import RolloutEngine
 from grpo.rollout.episodes import SingleTurn, answer_texts
 
@@ -95,6 +96,7 @@ def evaluate(
         chunk = rows[start : start + batch_size]
         prompts = make_prompt_batch(list(range(start, start + len(chunk))), chunk, formatter)
         _, rollouts = sampler.sample(prompts, k, sampling)
+        rollouts = one_row_per_episode(rollouts)
         texts = answer_texts(rollouts, tokenizer)
         for i, row in enumerate(chunk):
             prompt, row_texts = prompt_text(row["prompt"]), texts[i * k : (i + 1) * k]
@@ -124,6 +126,13 @@ def evaluate(
         result.pass_at_k = sum(max(r) for r in correct) / len(rows)
         result.maj_at_k = None if None in votes else sum(votes) / len(rows)
     return result
+
+
+def one_row_per_episode(rollouts: Rollouts) -> Rollouts:
+    """An agent's episode that forked through the gateway is several rows (one Episode): an evaluation scores
+    the episode once, so k rows per prompt stay k episodes (its answer is the Episode's, whichever row)."""
+    rows = episode_rows(rollouts)
+    return rollouts if rows is None else take_rows(rollouts, rows.first)
 
 
 def _by_source(rows: list[dict[str, Any]], per_prompt: list[float]) -> dict[str, float]:

@@ -27,8 +27,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from grpo import records, trl_compat
-from grpo.algorithm.advantages import estimate_advantages, per_row_advantages
-from grpo.algorithm.filters import informative_prompts
+from grpo.algorithm.advantages import estimate_advantages, informative_groups, per_row_advantages
 from grpo.config import AlgorithmConfig, GRPOConfig
 from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
@@ -203,7 +202,7 @@ def collect(
             except RewardInterrupted as stopped:
                 log.warning("Stopping: %s, so it was killed and this step is dropped.", stopped)
                 return None, {}
-        spread = informative_prompts(last.rewards, last.rollouts.group_ids, last.num_prompts)  # [P]
+        spread = informative_groups(last, a)  # [P] DAPO: groups with reward spread (turn rewards: their own)
         drawn, informative = drawn + last.num_prompts, informative + int(spread.sum())
         if not a.dynamic_sampling:
             break

@@ -29,3 +29,15 @@ def test_a_bad_override_to_grpo_eval_is_one_line_with_a_suggestion(capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "grpo eval: error: 'nonsense' is not key=value (e.g. generation.max_new_tokens=64)."
     )
+
+
+def test_grpo_eval_names_how_its_episodes_run():
+    from grpo.cli_eval import episodes_in_words
+    from grpo.config import load_config
+
+    agent = episodes_in_words(load_config("tiny_tools_agent"))
+    assert agent == "each episode through your agent examples/tiny_tools_agent.py:run (the gateway)"
+    command = load_config("tiny_tools_agent", {"env.agent_command": "python examples/tiny_tools_agent.py"})
+    assert episodes_in_words(command).startswith("each episode through your agent python examples/")
+    assert episodes_in_words(load_config("tiny_tools")).startswith("with tools: ")
+    assert episodes_in_words(load_config("tiny_math")) == "one turn, no tools"

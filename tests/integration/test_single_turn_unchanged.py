@@ -21,32 +21,55 @@ BEFORE_THE_SEAM = "091d311"
 BEFORE_ISSUE_30 = "e11bfc4"
 
 
-def test_single_turn_training_is_bitwise_what_it_was(tmp_path):
+def test_single_turn_training_is_what_it_was(tmp_path):
+    """Within float32 tolerance, not bitwise: issue 34's packed attention (the CPU training route since,
+    model/packed_attention.py) sums each softmax in other pieces than the grid route of 091d311, so
+    log-probs and gradients differ by ~1e-6 (tests/unit/test_packed_attention.py), and AdamW carries
+    that into the weights. The run must still be the same run: same losses to 1e-5, and the weights as
+    `assert_same_training` says."""
     model = tiny_run.make_model_dir(tmp_path / "model")
     data = tiny_run.write_dataset(tmp_path / "data.jsonl", 6)
     runs = {}
     for side, src in (("before", reference.source_at(BEFORE_THE_SEAM)), ("now", None)):
         out = tmp_path / side
         reference.run_python(tiny_run.config(model, data, out, steps=3, save_steps=0, report=False), src)
-        runs[side] = reference.losses(out), reference.weights_sha256(out / "final_model")
-    assert runs["now"] == runs["before"]
+        runs[side] = reference.losses(out), tiny_run.weights(out / "final_model")
     assert len(runs["now"][0]) == 3
+    assert runs["now"][0] == pytest.approx(runs["before"][0], rel=1e-5, abs=1e-7)
+    assert_same_training(tiny_run.weights(model), runs["before"][1], runs["now"][1])
+
+
+def assert_same_training(start: dict, before: dict, now: dict) -> None:
+    """`now` is the `before` run up to float32 noise. AdamW's first steps move a weight by about ±lr
+    whatever its gradient's size, so where a gradient is ~0 that noise can flip a step's sign: single
+    weights may land up to a step apart. On average over each tensor they must agree to 1% of how far
+    training moved it, and none may be further apart than twice the furthest any weight of it moved (a
+    step flipped)."""
+    for name, b in before.items():
+        moved, diff = (b - start[name]).abs(), (now[name] - b).abs()
+        assert diff.mean() <= 0.01 * moved.mean() + 1e-9, (name, diff.mean(), moved.mean())
+        assert diff.max() <= 2 * moved.max() + 1e-9, (name, diff.max(), moved.max())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny_math", "tiny_tools"])
-def test_preset_runs_are_bitwise_what_they_were(preset, tmp_path):
+def test_preset_runs_are_what_they_were(preset, tmp_path):
+    """config.yaml byte for byte; the weights within float32 tolerance since issue 34's packed attention
+    (see test_single_turn_training_is_what_it_was)."""
+    from grpo.model.loading import bundled_model_path
+
     seen = {}
     for side, src in (("before", reference.source_at(BEFORE_ISSUE_30)), ("now", None)):
         run = tmp_path / "run"  # one path for both sides: config.yaml records it
         argv = ["train", "--config", preset, "--output-dir", str(run), "train.steps=2"]
         reference.run_cli([*argv, "train.eval_before=false", "train.eval_after=false"], src)
-        seen[side] = (run / "config.yaml").read_bytes(), reference.weights_sha256(run / "final_model")
+        seen[side] = (run / "config.yaml").read_bytes(), tiny_run.weights(run / "final_model")
         shutil.rmtree(run)
     before_yaml, now_yaml = seen["before"][0].decode(), seen["now"][0].decode()
     # config.yaml byte for byte, less the settings added since (their defaults change nothing run before)
     assert reference.without_new_settings(now_yaml, before_yaml) == before_yaml
-    assert seen["now"][1] == seen["before"][1]  # model.safetensors' sha256
+    start = tiny_run.weights(bundled_model_path(f"{preset.replace('_', '-')}-lm"))
+    assert_same_training(start, seen["before"][1], seen["now"][1])
 
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

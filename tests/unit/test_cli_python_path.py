@@ -78,3 +78,24 @@ def test_a_sweep_with_equal_accuracies_shows_reward_and_tool_call_rate():
     assert table[1].split() == ["1e-4", "50.0%", "0.300", "25.0%", "a"]
     runs[1][1]["eval/accuracy_after"] = 0.75  # accuracies differ: they tell the runs apart
     assert "final reward" not in sweep_table(runs)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--agent-command", "pythn examples/tiny_tools_agent.py"], "cannot find the program 'pythn'"),
+        (["--agent-command", "python 'unclosed"], "cannot be split into words"),
+        (["--tools", "grpo.agents.calculator:calculator"], "env.tools and an agent"),
+        (["env.episode_timeout_s=0"], "env.episode_timeout_s must be in (0, 86400]"),
+    ],
+)
+def test_an_agent_runs_settings_are_refused_before_the_model_loads(capsys, args, says):
+    assert main(["train", "--config", "tiny_tools_agent", "--dry-run", *args]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_key_given_as_null_does_not_drop_the_presets_rival(capsys):
+    # `--agent-command ""` used to drop the preset's env.agent and train one-turn episodes without the agent
+    assert main(["train", "--config", "tiny_tools_agent", "--dry-run", "--agent-command", ""]) == 0
+    plan = capsys.readouterr().out.split("\nplan:\n")[1]
+    assert "agent: examples/tiny_tools_agent.py:run" in plan and "one turn" not in plan

@@ -31,7 +31,9 @@ def test_lm_head_chunks_are_cache_sized_on_a_cpu_and_large_on_cuda():
 
 
 def test_completion_attention_route_per_device():
-    assert shared_prompt.attention_route(torch.device("cpu")) == "gqa"
+    # CPU: the packed pieces on the CPU flash kernel (model/packed_attention.py), no grids, no mask.
+    assert shared_prompt.attention_route(torch.device("cpu")) == "packed"
+    assert shared_prompt.attention_route(torch.device("mps")) == "gqa"  # the grid route elsewhere
     # CUDA: no fused kernel takes a mask with a GQA broadcast; expanded K/V reach memory-efficient SDPA.
     assert shared_prompt.attention_route(torch.device("cuda")) == "expand_kv"
 
@@ -46,6 +48,7 @@ def test_the_expanded_kv_route_gives_the_gqa_routes_logprobs_and_gradients(monke
         (logp * batch.advantages).sum().backward()
         return logp.detach(), [p.grad.clone() for p in model.parameters()]
 
+    monkeypatch.setattr(shared_prompt, "attention_route", lambda device: "gqa")
     gqa = run()
     monkeypatch.setattr(shared_prompt, "attention_route", lambda device: "expand_kv")
     expanded = run()

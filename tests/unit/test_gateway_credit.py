@@ -90,14 +90,17 @@ def test_an_episode_reward_wins_over_the_sum_of_turn_rewards_and_turn_credit_rea
     assert scored.rewards.tolist() == [-1.0, -1.0]  # "group" would see no spread
     assert torch.equal(estimate_advantages(scored, GRPOConfig().algorithm), torch.zeros(2))
     got = estimate_advantages(scored, a)  # [N, T]
-    # The group's rewards: turn 1 {k}, turn 2 {10k}, episode -1 at turn 2, for k in the two episodes.
-    k = [e.turn_rewards[1] for e in r.episodes]
-    pool = torch.tensor([k[0], k[1], 10 * k[0], 10 * k[1], -1.0, -1.0])
-    z = group_advantages(pool, torch.zeros(6, dtype=torch.long))  # normalised against the group
+    # Normalised within the group by kind: turn 1 {k}, turn 2 {10k}, episode rewards {-1, -1} (-> 0).
+    k = torch.tensor([e.turn_rewards[1] for e in r.episodes])
+    first, second = (
+        group_advantages(k, torch.zeros(2, dtype=torch.long)),
+        group_advantages(10 * k, torch.zeros(2, dtype=torch.long)),
+    )
     for i in range(2):
         turn1, turn2 = got[i][r.turn_ids[i] == 1], got[i][r.turn_ids[i] == 2]
-        torch.testing.assert_close(turn2, (z[2 + i] + z[4 + i]).expand_as(turn2))
-        torch.testing.assert_close(turn1, (z[i] + z[2 + i] + z[4 + i]).expand_as(turn1))
+        assert turn1.numel() and turn2.numel()
+        torch.testing.assert_close(turn2, second[i].expand_as(turn2))
+        torch.testing.assert_close(turn1, (first[i] + second[i]).expand_as(turn1))
     assert (got[r.turn_ids == 0] == 0).all()
 
 

@@ -141,9 +141,13 @@ def shared_prompt_batch(seed=0):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama3.1"])
-@pytest.mark.parametrize("query_chunk", [64, 2])  # one attention call; three causal query chunks
-def test_shared_prompt_loss_and_gradients_equal_unshared(arch, query_chunk, monkeypatch):
+@pytest.mark.parametrize(
+    "route, query_chunk",  # grid: one attention call; three causal query chunks. packed: the CPU default
+    [("gqa", 64), ("gqa", 2), ("packed", 64)],
+)
+def test_shared_prompt_loss_and_gradients_equal_unshared(arch, route, query_chunk, monkeypatch):
     monkeypatch.setattr(shared_prompt_module, "QUERY_CHUNK", query_chunk)
+    monkeypatch.setattr(shared_prompt_module, "attention_route", lambda _device: route)
     model = random_model(arch).train()
     batch = shared_prompt_batch()
     mask, adv = batch.completion_mask, batch.advantages

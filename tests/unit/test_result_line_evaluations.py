@@ -56,3 +56,18 @@ def test_a_sweep_never_compares_runs_by_the_accuracy_before_training():
     assert final_metric({**B, **D, **A, "eval/accuracy": 0.625}) == ("held-out accuracy", 0.625)
     runs = [({"lr": "1"}, {**B, **REWARD}, Path("a")), ({"lr": "2"}, {**B, "reward": 0.25}, Path("b"))]
     assert sweep_table(runs).splitlines()[:2] == ["lr  final reward  run dir", "1   0.591         a"]
+
+
+def test_the_reports_summary_shows_the_last_evaluation_during_training(tmp_path):
+    from grpo.run.report import _summary
+
+    rows = [
+        {"step": 0, **B},
+        {"step": 2, "eval/accuracy_during": 0.375},
+        {"step": 4, **D},
+        {"step": 4, **REWARD},
+    ]
+    shown = dict(_summary(tmp_path, rows))
+    assert shown["accuracy before"] == "25.0%"
+    assert shown["accuracy at the last evaluation during training"] == "50.0%"
+    assert "accuracy after" not in shown

@@ -24,5 +24,5 @@ def test_the_example_agent_loads_from_any_directory(tmp_path, monkeypatch):
 def test_agent_command_replaces_the_presets_agent():
     cfg = load_config("tiny_tools_agent", {"env.agent_command": "python examples/tiny_tools_agent.py"})
     assert cfg.env.agent is None and cfg.env.agent_command == "python examples/tiny_tools_agent.py"
-    both = load_config("tiny_tools", {"env.agent": "a.py:run", "env.agent_command": "cmd"})
+    both = load_config("tiny_tools", {"env.agent": "a.py:run", "env.agent_command": "python cmd.py"})
     assert both.env.agent == "a.py:run"  # both given: the in-process agent wins, as the runner takes it

@@ -93,9 +93,11 @@ def test_step_metrics_count_each_episode_once():
 # Group 0, two episodes of two turns; columns of a row: turn ids (0 = injected or padding).
 #   E1 row: turns [1, 1, 0, 2, 2]; turn reward {1: 2.0}; its episode reward 0.0 (given) at its last turn, 2.
 #   E2 row: turns [1, 0, 2, 2, 0];  no turn reward;      its episode reward 1.0 at turn 2.
-# The group's rewards [2, 0, 1]: mean 1, unbiased std 1 -> normalised (scale none: centred) [1, -1, 0].
-# Reward-to-go: E1 turn 1 gets 1 + (-1) = 0, turn 2 gets -1; E2's turns get 0.
+# Turn-1 rewards [2, 0] (E2 had turn 1 and posted none: 0): mean 1 -> centred (scale none) [1, -1].
+# Nobody posted a turn-2 reward: no turn-2 pool. Episode rewards [0, 1]: mean 0.5 -> [-0.5, 0.5].
+# Reward-to-go: E1 turn 1: 1 - 0.5 = 0.5, turn 2: -0.5; E2 turn 1: -1 + 0.5 = -0.5, turn 2: 0.5.
 TURNS = torch.tensor([[1, 1, 0, 2, 2], [1, 0, 2, 2, 0]])
+H = 0.5
 
 
 def two_turn_episodes():
@@ -105,36 +107,47 @@ def two_turn_episodes():
 
 def test_turn_rewards_are_credited_from_their_turn_on_against_the_group():
     got = adv.estimate_advantages(two_turn_episodes(), algorithm("turn", scale="none"))
-    expected = torch.tensor([[0.0, 0.0, 0.0, -1.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    expected = torch.tensor([[H, H, 0.0, -H, -H], [-H, 0.0, H, H, 0.0]])
     assert torch.equal(got, expected)
-    # scale group divides by the pool's std (1) + eps
+    # scale group: each pool by its own std + eps; turn 1's [1, -1] by sqrt(2), the episodes' by sqrt(0.5)
+    t, o = 1 / (math.sqrt(2) + 1e-4), 0.5 / (math.sqrt(0.5) + 1e-4)
     grouped = adv.estimate_advantages(two_turn_episodes(), algorithm("turn"))
-    torch.testing.assert_close(grouped, expected / 1.0001)
+    expected = torch.tensor([[t - o, t - o, 0.0, -o, -o], [o - t, 0.0, o, o, 0.0]])
+    torch.testing.assert_close(grouped, expected)
 
 
 def test_an_episode_reward_that_is_the_sum_of_its_turn_rewards_is_not_counted_twice():
-    # E1's reward is only the sum of its turn rewards {1: 2.0, 2: -1.0}: the pool is [2, -1, 1] (E2 at
-    # turn 2), mean 2/3; centred [4/3, -5/3, 1/3]. E1 turn 1: 4/3 - 5/3 = -1/3, turn 2: -5/3;
-    # E2: 1/3 on its turns.
+    # E1 posted only turn rewards {1: 2.0, 2: -1.0} (its reward 1.0 is their sum); E2's own reward is 3.
+    # Turn 1 [2, 0] -> [1, -1]; turn 2 [-1, 0] -> [-0.5, 0.5]; episode rewards: E2's alone -> 0 (E1's sum
+    # would have made them [1, 3] -> [-1, 1]). E1: turn 1 1 - 0.5 = 0.5, turn 2 -0.5; E2: -0.5, then 0.5.
     scored = two_turn_episodes()
     e1 = scored.rollouts.episodes[0]
     e1.turn_rewards, e1.reward_is_turn_sum = {1: 2.0, 2: -1.0}, True
-    scored.rewards[0] = 1.0
+    scored.rewards[0], scored.rewards[1] = 1.0, 3.0
     got = adv.estimate_advantages(scored, algorithm("turn", scale="none"))
-    t = 1 / 3
-    expected = torch.tensor([[-t, -t, 0.0, -5 * t, -5 * t], [t, 0.0, t, t, 0.0]])
-    torch.testing.assert_close(got, expected)
+    assert torch.equal(got, torch.tensor([[H, H, 0.0, -H, -H], [-H, 0.0, H, H, 0.0]]))
+
+
+def test_identical_episodes_get_no_advantage_whatever_their_turn_rewards():
+    e1, e2 = (
+        Episode(messages=[], turn_rewards={1: 1.0, 2: 5.0}),
+        Episode(messages=[], turn_rewards={1: 1.0, 2: 5.0}),
+    )
+    turns = torch.cat([TURNS[:1], TURNS[:1]])
+    scored = scored_of([e1, e2], [0.5, 0.5], [0, 0], turn_ids=turns, loss_mask=(turns > 0).float())
+    assert torch.equal(adv.estimate_advantages(scored, algorithm("turn")), torch.zeros(2, 5))
 
 
 def test_a_forked_episodes_turns_are_credited_across_its_rows_and_counted_once():
     # E1 forked after turn 1: row a holds turn 1, row b holds turn 2 (its prompt re-rendered: turn 0).
+    # The numbers of the first test: counted twice, E1 would move every pool's mean.
     e1, e2 = Episode(messages=[], turn_rewards={1: 2.0}), Episode(messages=[])
     turns = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 0, 2, 2], [1, 0, 2, 2, 0]])
     scored = scored_of(
         [e1, e1, e2], [0.0, 0.0, 1.0], [0, 0, 0], turn_ids=turns, loss_mask=(turns > 0).float()
     )
     got = adv.estimate_advantages(scored, algorithm("turn", scale="none"))
-    expected = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, -1.0, -1.0], [0.0] * 5])
+    expected = torch.tensor([[H, H, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, -H, -H], [-H, 0.0, H, H, 0.0]])
     assert torch.equal(got, expected)
 
 
@@ -153,11 +166,24 @@ def test_without_turn_rewards_the_turn_estimator_is_the_group_estimator():
 
 
 def test_a_dropped_episode_gets_no_credit_and_stays_out_of_the_pool():
+    # a third episode, dropped (reward NaN), with a turn 1: the pools stay the first test's
     scored = two_turn_episodes()
     dropped = Episode(messages=[], final_reward=math.nan)
     turns = torch.cat([TURNS, torch.tensor([[1, 1, 1, 0, 0]])])
     scored = scored_of([*scored.rollouts.episodes, dropped], [0.0, 1.0, math.nan], [0, 0, 0], turn_ids=turns,
                        loss_mask=(turns > 0).float())  # fmt: skip
     got = adv.estimate_advantages(scored, algorithm("turn", scale="none"))
-    expected = torch.tensor([[0.0, 0.0, 0.0, -1.0, -1.0], [0.0] * 5, [0.0] * 5])
+    expected = torch.tensor([[H, H, 0.0, -H, -H], [-H, 0.0, H, H, 0.0], [0.0] * 5])
     assert torch.equal(got, expected)
+
+
+def test_dynamic_sampling_keeps_a_group_whose_episodes_tie_but_whose_turn_rewards_differ():
+    # group 0: episodes tie on their own reward (0, 0) but E1's turn 1 earned 2; group 1: nothing differs
+    e1, e2 = Episode(messages=[], turn_rewards={1: 2.0}), Episode(messages=[])
+    e3, e4 = Episode(messages=[], turn_rewards={1: 1.0}), Episode(messages=[], turn_rewards={1: 1.0})
+    turns = torch.cat([TURNS, TURNS])
+    scored = scored_of([e1, e2, e3, e4], [0.0, 0.0, 0.5, 0.5], [0, 0, 1, 1], turn_ids=turns,
+                       loss_mask=(turns > 0).float())  # fmt: skip
+    assert adv.informative_groups(scored, algorithm("turn")).tolist() == [True, False]
+    # the group estimator keeps groups by their episodes' rewards, as DAPO does
+    assert adv.informative_groups(scored, algorithm("group")).tolist() == [False, False]

@@ -184,3 +184,54 @@ def test_a_runner_sent_to_an_actor_makes_the_rows_it_makes_in_one_process(qwen):
         k: v for k, v in m2.items() if k != "gateway/engine_s"
     }
     assert r1.weight_version is None and (r2.weight_version[r2.loss_mask > 0] == 3).all()
+
+
+class KeepsKV(Loadable):
+    def generate(self, prompt_ids, n, sampling, chunk_prompts=None, kv=None):
+        self.kv = kv
+        return super().generate(prompt_ids, n, sampling)
+
+    def continue_rows(self, rows, sampling, kv=None):
+        self.kv = kv
+        return super().continue_rows(rows, sampling)
+
+
+def test_kept_kv_of_older_weights_is_not_reused(qwen):
+    from grpo.model.turn_kv import TurnCache, takes_kv
+    from grpo.rollout.weight_versions import versioned
+
+    assert not takes_kv(versioned(Loadable(qwen, calls_then_answers)))
+    engine = versioned(KeepsKV(qwen, calls_then_answers))
+    assert takes_kv(engine)  # the turn loop and the gateway keep K/V on Ray actors too
+    engine.load([], 0)
+    cache = TurnCache()
+    sampling = SamplingParams(max_new_tokens=5)
+    engine.continue_rows([[1, 2]], sampling, kv=cache.bind(["a"]))
+    assert engine.engine.kv.cache is cache
+    cache.rows["a"] = "K/V of weights 0"
+    engine.continue_rows([[1, 2]], sampling, kv=cache.bind(["a"]))
+    assert "a" in cache.rows  # same weights: reused
+    engine.load([], 1)
+    engine.continue_rows([[1, 2]], sampling, kv=cache.bind(["a"]))
+    assert "a" not in cache.rows  # new weights: prefilled again
+
+
+def test_a_turn_on_a_continuously_batching_engine_completes_and_a_versioned_one_drives_whole_calls(qwen):
+    from grpo.gateway.batching import continuous
+    from grpo.gateway.service import Gateway
+    from grpo.gateway.sessions import Session
+    from grpo.gateway.wire import ChatRequest, TurnDone
+    from tests.unit.test_gateway_continuous import Stepped
+
+    engine = Stepped()
+    assert continuous(engine) and not continuous(VersionedEngine(engine))  # stamped calls need the lock
+    gateway = Gateway(qwen, HermesParser(), LIMITS, engine, SamplingParams(max_new_tokens=4))
+    session = gateway.sessions.add(Session(0, 0, {}))
+    body = {"model": "m", "messages": [{"role": "user", "content": "What is 12 * 34?"}], "max_tokens": 4}
+    try:
+        events = list(gateway.complete(session, ChatRequest.parse(body)))
+    finally:
+        gateway.batcher.close()
+    assert isinstance(events[-1], TurnDone) and events[-1].finish_reason == "length"
+    row = session.rows[0]
+    assert row.ids[row.prompt_len :] == [100, 101, 102, 103] and row.versions == [-1] * 4

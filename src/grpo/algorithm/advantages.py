@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from grpo.algorithm.filters import informative_prompts
 from grpo.plugins import Registry
 from grpo.records import Rollouts, ScoredRollouts
 
@@ -39,6 +40,7 @@ __all__ = [
     "estimate_advantages",
     "group_advantages",
     "group_reward_stats",
+    "informative_groups",
     "per_episode",
     "per_row_advantages",
 ]
@@ -232,43 +234,58 @@ def group_estimator(scored: ScoredRollouts, algorithm) -> Tensor:
 
 @ADVANTAGE_ESTIMATORS.register("turn")
 def turn_estimator(scored: ScoredRollouts, algorithm) -> Tensor:
-    """Per-turn rewards with reward-to-go: DeepSeekMath's process supervision (arXiv 2402.03300 §4.1.3) with
-    an agent's assistant turns as its steps. An episode's rewards are its turn rewards r_k (at turn k) and its
-    episode reward at its last turn K (unless that reward is only the sum of its turn rewards). Each reward is
-    normalised against all the rewards of its group, r̃ = (r - mean) / (std + eps) (algorithm.advantage_scale
-    as for "group"); a token of turn k gets Σ r̃ over its episode's rewards at turns ≥ k. Without per-turn
-    data (Rollouts.turn_ids unset: any runner but the gateway) this is "group", [N]. Returns [N, T]."""
+    """Per-turn rewards with reward-to-go (the multi-turn GRPO of Zeng et al., arXiv 2505.11821, for any
+    number of turns). Each reward is normalised against the group's rewards of the same kind, as GRPO
+    normalises episode rewards: a turn-k reward against the group's turn-k rewards (0 for an episode that had
+    turn k and posted none), the episode's own reward against the group's episode rewards (left out where it
+    is only the sum of its turn rewards). A token of turn k gets the sum of its episode's normalised rewards
+    at turns ≥ k, the episode's own counting at its last turn. Without any turn reward this is "group" on
+    every sampled token; without per-turn data (Rollouts.turn_ids unset: any runner but the gateway) it is
+    "group" itself, [N]. Returns [N, T]."""
     a, rollouts = algorithm, scored.rollouts
     if rollouts.turn_ids is None or rollouts.episodes is None:
         return group_estimator(scored, algorithm)  # [N]
     n = rollouts.completion_ids.shape[0]
     rows = episode_rows(rollouts) or EpisodeRows(torch.arange(n), torch.arange(n))
-    episodes = [rollouts.episodes[i] for i in rows.first.tolist()]
     rewards = per_episode(scored.rewards, rows)  # [E]
     turns = rollouts.turn_ids * (rollouts.loss_mask > 0)  # [N, T] long: 0 where nothing was sampled
-    last = torch.zeros(len(episodes), dtype=torch.long).scatter_reduce(
+    last = torch.zeros(rewards.numel(), dtype=torch.long).scatter_reduce(
         0, rows.index, turns.max(-1).values, "amax"
-    )  # [E]
-    # every reward as (episode, turn, value): the per-turn ones, then the episode's own at its last turn
-    events = [(k, t, r) for k, ep in enumerate(episodes) for t, r in sorted(ep.turn_rewards.items())]
-    events += [
-        (k, max(int(last[k]), 1), rewards[k].item())
-        for k, ep in enumerate(episodes)
-        if not ep.reward_is_turn_sum
-    ]
-    which = torch.tensor([k for k, _, _ in events], dtype=torch.long)  # [M]
-    at = torch.tensor([t for _, t, _ in events], dtype=torch.long)  # [M]
-    normalised = group_advantages(
-        torch.tensor([r for _, _, r in events], dtype=rewards.dtype),
-        rollouts.group_ids[rows.first][which],
-        a.advantage_scale,
-        a.advantage_eps,
-    )  # [M], 0 for a dropped episode's NaN
-    width = max(int(at.max()), int(turns.max())) + 1
-    per_turn = rewards.new_zeros(len(episodes), width).index_put_((which, at), normalised, accumulate=True)
-    to_go = per_turn.flip(-1).cumsum(-1).flip(-1)  # [E, K + 1]: Σ of the rewards at turns ≥ k
+    )  # [E] each episode's last sampled turn
+    episodes = [rollouts.episodes[i] for i in rows.first.tolist()]
+    events = _reward_events(
+        episodes, rewards.tolist(), last.tolist(), rollouts.group_ids[rows.first].tolist()
+    )
+    width = max([int(turns.max()), *(t for _, t, _, _ in events)]) + 1
+    per_turn = rewards.new_zeros(rewards.numel(), width)  # [E, K + 1]: normalised rewards by turn
+    if events:
+        which, at, pool, values = (list(x) for x in zip(*events, strict=True))
+        normalised = group_advantages(
+            torch.tensor(values, dtype=rewards.dtype), torch.tensor(pool), a.advantage_scale, a.advantage_eps
+        )  # [M]
+        per_turn.index_put_((torch.tensor(which), torch.tensor(at)), normalised, accumulate=True)
+    to_go = per_turn.flip(-1).cumsum(-1).flip(-1)  # [E, K + 1]: Σ over turns ≥ k
     to_go[:, 0] = 0.0  # turn 0: tokens no turn sampled
     return to_go[rows.index[:, None], turns]  # [N, T]
+
+
+def _reward_events(episodes: list, rewards: list[float], last: list[int], groups: list[int]) -> list[tuple]:
+    """(episode, turn it is credited at, pool, reward) for every reward the turn estimator normalises. A pool
+    is one kind of reward in one group: (group, turn k) for turn rewards, (group, 0) for episode rewards. A
+    dropped episode (reward NaN) is in no pool."""
+    live = [k for k, r in enumerate(rewards) if r == r]
+    posted = {(groups[k], t) for k in live for t in episodes[k].turn_rewards}
+    slots = 1 + max([*last, *(t for _, t in posted)], default=0)
+    events = []
+    for k in live:
+        ep, g = episodes[k], groups[k]
+        had = max(last[k], *ep.turn_rewards, 0) if ep.turn_rewards else last[k]
+        events += [
+            (k, t, g * slots + t, ep.turn_rewards.get(t, 0.0)) for t in range(1, had + 1) if (g, t) in posted
+        ]
+        if not ep.reward_is_turn_sum:
+            events.append((k, max(last[k], 1), g * slots, rewards[k]))
+    return events
 
 
 def estimate_advantages(scored: ScoredRollouts, algorithm, estimator: str | None = None) -> Tensor:
@@ -283,6 +300,17 @@ def estimate_advantages(scored: ScoredRollouts, algorithm, estimator: str | None
             f"[N] = ({n},) or [N, T] = ({n}, {t})"
         )
     return advantages
+
+
+def informative_groups(scored: ScoredRollouts, algorithm) -> Tensor:
+    """[P] bool: the groups DAPO's dynamic sampling keeps. By the spread of their rewards (DAPO §3.2); under
+    the "turn" estimator with per-turn data, by whether any of their tokens gets an advantage (episodes
+    that tie on their own reward may differ turn by turn)."""
+    rollouts = scored.rollouts
+    if getattr(algorithm, "advantage_estimator", "group") != "turn" or rollouts.turn_ids is None:
+        return informative_prompts(scored.rewards, rollouts.group_ids, scored.num_prompts)  # [P]
+    moved = (turn_estimator(scored, algorithm) != 0).any(-1).float()  # [N]
+    return torch.zeros(scored.num_prompts).index_add(0, rollouts.group_ids, moved) > 0  # [P]
 
 
 def per_row_advantages(advantages: Tensor, loss_mask: Tensor) -> Tensor:

@@ -149,7 +149,14 @@ COMPETING_KEYS = (
     ("train.gradient_accumulation_steps", "train.micro_batch_size"),
     ("algorithm.reward_funcs", "algorithm.reward_weights"),
     ("env.agent_command", "env.agent"),  # --agent-command on the tiny_tools_agent preset runs the command
+    # --agent on a preset with tools (tiny_tools): the agent runs its own tools, the preset's are not used
+    ("env.agent", "env.tools"),
+    ("env.agent_command", "env.tools"),
+    ("env.agent", "env.environment"),
+    ("env.agent_command", "env.environment"),
 )
+# Pairs that may not both be given by the user: validation refuses them, naming both.
+_REFUSED_TOGETHER = {pair for pair in COMPETING_KEYS if pair[1] in ("env.tools", "env.environment")}
 # Pairs of COMPETING_KEYS that compete only with a preset's value: given both, the user's weights are the
 # weights of the user's functions, and both are used.
 _USED_TOGETHER = {("algorithm.reward_funcs", "algorithm.reward_weights")}
@@ -169,10 +176,11 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
     explicit = cfg.explicit_keys
     for given, rival in COMPETING_KEYS:
         rival_value = get_path(cfg, rival)
-        if given not in explicit or rival_value is None:
+        # a key given as null (`--agent-command ""`) asks for nothing: it must not drop the preset's rival
+        if given not in explicit or rival_value in (None, []) or get_path(cfg, given) is None:
             continue
         if rival in explicit:
-            if (given, rival) in _USED_TOGETHER:
+            if (given, rival) in _USED_TOGETHER | _REFUSED_TOGETHER:
                 continue
             mine, theirs = cfg.name_of(given), cfg.name_of(rival)  # as the user wrote them
             notes.append(
@@ -180,7 +188,8 @@ def apply_user_precedence(cfg: GRPOConfig) -> list[str]:
                 f"{theirs} wins, {mine} is not used."
             )
             continue
-        set_path(cfg, rival, field_of(rival).default)
+        spec = field_of(rival)  # a list's default comes from its factory (`.default` is MISSING there)
+        set_path(cfg, rival, spec.default_factory() if spec.default is dataclasses.MISSING else spec.default)
         notes.append(f"{given} = {get_path(cfg, given)} replaces the preset's {rival} = {rival_value}.")
     for key in ("data.hf_path", "data.dataset"):
         if key in explicit and get_path(cfg, key):

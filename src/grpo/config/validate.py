@@ -13,6 +13,7 @@ import importlib.util
 import math
 import os
 import re
+import shlex
 import shutil
 from typing import TYPE_CHECKING
 
@@ -461,6 +462,38 @@ def _env(cfg: ConfigTree) -> None:
         raise ConfigError(f"env.tool_timeout_s must be in (0, 86400] seconds, got {e.tool_timeout_s}.")
     if e.tool_max_chars < 1:
         raise ConfigError(f"env.tool_max_chars must be at least 1, got {e.tool_max_chars}.")
+    _agent(e)
+
+
+def _agent(e) -> None:
+    """An agent run's settings, refused before the model loads (each used to fail every episode later, or, for
+    an empty command, to train one-turn episodes without the agent)."""
+    if e.agent_command is not None:
+        try:
+            argv = shlex.split(e.agent_command)
+        except ValueError as err:
+            raise ConfigError(
+                f"env.agent_command cannot be split into words ({err}): check its quotes."
+            ) from None
+        if not argv:
+            raise ConfigError(
+                "env.agent_command is empty: give the program to run once per episode, e.g. "
+                '--agent-command "python my_agent.py" (or leave it unset).'
+            )
+        program = argv[0]
+        if program not in ("python", "python3") and shutil.which(program) is None:
+            raise ConfigError(
+                f"env.agent_command: cannot find the program {program!r} (not an executable file, nor on "
+                "PATH): check its spelling, or give its path."
+            )
+    if (e.agent or e.agent_command) and (e.tools or e.environment):
+        which = "env.tools" if e.tools else "env.environment"
+        raise ConfigError(
+            f"{which} and an agent (env.agent / env.agent_command) are both set: an agent runs its own tools "
+            f"and sends their schemas with its requests, so {which} would not be used. Remove one."
+        )
+    if not 0 < e.episode_timeout_s <= 86400:
+        raise ConfigError(f"env.episode_timeout_s must be in (0, 86400] seconds, got {e.episode_timeout_s}.")
 
 
 def _runtime_values(cfg: ConfigTree) -> None:

@@ -177,7 +177,8 @@ class Batcher:
                     job.events.put(("token", t))
             if finished:
                 self._in_flight.pop(id(job), None)
-                job.events.put(("done", ids, logprobs, truncated))
+                # no weight version: a Ray actor's VersionedEngine drives whole calls, not steps
+                job.events.put(("done", ids, logprobs, truncated, None))
 
         def fail(err: BaseException) -> None:
             if self._in_flight.pop(id(job), None) is not None:

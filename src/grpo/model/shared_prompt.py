@@ -14,14 +14,19 @@ import torch.nn.functional as F
 
 from grpo.model.arch import rms_norm
 from grpo.model.compiled import compiled_block
+from grpo.model.packed_attention import PackedLayout, Run, packed_attention, runs
 
 QUERY_CHUNK = 64  # completion queries per attention call in training (see _completion_attention)
 
 
 def attention_route(device: torch.device) -> str:
-    """How the completion attention (boolean mask, grouped-query heads) runs on `device`.
+    """How the training attention runs on `device`.
 
-    "gqa" (CPU): SDPA with the mask and `enable_gqa`; the CPU's fused kernel takes both.
+    "packed" (CPU): model/packed_attention.py, the CPU flash kernel on views of the packed tokens (no
+    padded grids, no mask, no G× prompt K/V copy, no query chunks); the same numbers as the grid routes
+    within float32 rounding (tests/unit/test_packed_attention.py). The grid routes below scatter the
+    packed tokens into padded [P, Lp] / [N, Tc] grids and run SDPA with a boolean mask over them:
+    "gqa" (other devices): SDPA with the mask and `enable_gqa`; the CPU's fused kernel takes both.
     "expand_kv" (CUDA): K/V repeated to the query heads, then SDPA with the mask. On CUDA no fused
     kernel takes a mask together with a GQA broadcast (flash takes no mask, memory-efficient attention no
     GQA), so the first route falls back to the math kernel, which keeps float32 scores [rows, H, 64,
@@ -29,6 +34,8 @@ def attention_route(device: torch.device) -> str:
     completions run out of memory). Expanded K/V go to memory-efficient attention, whose memory is
     linear in T; the copy costs H/Hkv × the K/V of a layer. (FlexAttention with a block mask over the
     packed tokens is the fused route past this one.)"""
+    if device.type == "cpu":
+        return "packed"
     return "expand_kv" if device.type == "cuda" else "gqa"
 
 
@@ -36,7 +43,8 @@ def attention_route(device: torch.device) -> str:
 class SharedPromptPack:
     """A micro-batch laid out for shared-prompt training: every real token once, no padding.
 
-    Token order: the P distinct prompts' tokens, then each completion's input tokens (all but its last).
+    Token order: the P distinct prompts' tokens, then each completion's input tokens (all but its last),
+    completions in group order (`layout` says where the attention pieces are).
     Slot tensors place packed tokens into the padded [P, Lp] / [N, Tc] grids attention runs on. The
     [N, Tc] grid holds the completions longest first, so the rows still real at a query position are a
     prefix of it (attention skips the rest, see NativeDecoder._completion_attention).
@@ -58,6 +66,7 @@ class SharedPromptPack:
     predictor_index: torch.Tensor  # [M] packed token whose output predicts each real completion token
     target_slot: torch.Tensor  # [M] where that prediction goes in the [N·T] grid
     targets: torch.Tensor  # [M] the completion token predicted there
+    layout: PackedLayout  # the attention pieces in packed order (model/packed_attention.py)
 
 
 def pack_shared_prompts(
@@ -86,8 +95,16 @@ def pack_shared_prompts(
     grid_row = [0] * n
     for r, i in enumerate(order):
         grid_row[i] = r
-    for i, c in enumerate(completions):
-        g = row_group[i]
+    # Completions in group order (stable), so a group's completion tokens are one segment that attends
+    # to its prompt in one piece (model/packed_attention.py); rows of a group are adjacent already in a
+    # TrainBatch, so this is usually the identity.
+    row_starts, group_span = [0] * n, [[0, 0] for _ in range(p)]
+    for i in sorted(range(n), key=lambda i: row_group[i]):
+        c, g = completions[i], row_group[i]
+        row_starts[i] = len(ids)
+        if group_span[g][1] == 0:
+            group_span[g][0] = len(ids)
+        group_span[g][1] += lengths[i]
         if not c:
             continue
         inputs = c[:-1]
@@ -105,6 +122,14 @@ def pack_shared_prompts(
     own = torch.arange(tc)  # [Tc]
     causal = (own[None, :] <= own[:, None])[None] & (own[None, None, :] < clens[:, None, None])  # [N, Tc, Tc]
     mask = torch.cat([prompt_ok[:, None, :].expand(n, tc, lp), causal], dim=-1)  # [N, Tc, Lp+Tc]
+
+    by_start = sorted(range(n), key=lambda i: row_starts[i])
+    layout = PackedLayout(
+        prompt=runs(pstart, plen),
+        cross=_cross_runs(group_span, plen, pstart),
+        own=runs([row_starts[i] for i in by_start], [lengths[i] for i in by_start]),
+        num_prompt_tokens=prompt_tokens,
+    )
 
     def t(v):
         return torch.tensor(v, dtype=torch.long, device=device)
@@ -126,7 +151,24 @@ def pack_shared_prompts(
         predictor_index=t(predictor),
         target_slot=t(target),
         targets=t(target_ids),
+        layout=layout,
     )
+
+
+def _cross_runs(group_span: list[list[int]], plen: list[int], pstart: list[int]) -> list[tuple[Run, Run]]:
+    """(completion tokens, prompt) runs: adjacent groups whose completion token counts and prompt lengths
+    agree attend in one batched call."""
+    out: list[tuple[Run, Run]] = []
+    for g, (start, size) in enumerate(group_span):
+        if size == 0:
+            continue
+        if out:
+            q, k = out[-1]
+            if (q.length, k.length, q.end, k.end) == (size, plen[g], start, pstart[g]):
+                out[-1] = (Run(q.start, q.count + 1, size), Run(k.start, k.count + 1, plen[g]))
+                continue
+        out.append((Run(start, 1, size), Run(pstart[g], 1, plen[g])))
+    return out
 
 
 def _scatter_rows(x: torch.Tensor, slots: torch.Tensor, size: int) -> torch.Tensor:
@@ -157,6 +199,18 @@ def _shared_block(dec, layer, h, cos, sin, packed: SharedPromptPack) -> torch.Te
         q, k, v = dec.qkv(
             layer, rms_norm(h, dec.w(layer.input_layernorm.weight), dec.eps), cos, sin
         )  # [S, H|Hkv, D]
+    if attention_route(h.device) == "packed":
+        attn = packed_attention(q, k, v, packed.layout, dec.scale)  # [S, H·D]
+    else:
+        attn = _grid_attention(dec, q, k, v, packed)
+    if dec.compile_blocks:
+        return _compiled_post_attention(dec, layer, h, attn)
+    return dec.block_tail(layer, h, attn)
+
+
+def _grid_attention(dec, q, k, v, packed: SharedPromptPack) -> torch.Tensor:
+    """The packed q [S, H, D], k, v [S, Hkv, D] scattered into padded [P, Lp] / [N, Tc] grids, SDPA on
+    them, gathered back: [S, H·D]. The route where the packed one cannot run (not a CPU)."""
     p, lp, n, tc = packed.num_groups, packed.prompt_width, packed.num_rows, packed.input_width
 
     def pad_p(x):  # [S, ·] → [P, heads, Lp, D]
@@ -178,15 +232,12 @@ def _shared_block(dec, layer, h, cos, sin, packed: SharedPromptPack) -> torch.Te
     attn_c = _completion_attention(
         dec, qc, keys, vals, packed.completion_mask, lp, packed.input_lengths
     )  # [N, H, Tc, D]
-    attn = torch.cat(
+    return torch.cat(
         [
             attn_p.transpose(1, 2).reshape(p * lp, -1).index_select(0, packed.prompt_slot),
             attn_c.transpose(1, 2).reshape(n * tc, -1).index_select(0, packed.completion_slot),
         ]
     )
-    if dec.compile_blocks:
-        return _compiled_post_attention(dec, layer, h, attn)
-    return dec.block_tail(layer, h, attn)
 
 
 def _compiled_pre_attention(dec, layer, h, cos, sin):

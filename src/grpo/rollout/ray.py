@@ -43,7 +43,7 @@ from grpo.records import PromptBatch, Rollouts, SamplingParams, concat_rollouts
 from grpo.redact import argv_redacted
 from grpo.rewards.isolation import request_stop, stop_requested
 from grpo.rollout.source import PromptFeed, join_prompts, prompt_rows
-from grpo.rollout.weight_versions import VersionedEngine, drop_stale, mixed_rows, row_lags
+from grpo.rollout.weight_versions import drop_stale, mixed_rows, row_lags, versioned
 
 log = logging.getLogger("grpo")
 ACTOR_PREFIX = "grpo-rollout-"
@@ -103,7 +103,7 @@ class RolloutWorker:
         model.to("cuda" if use_gpu else "cpu").eval()
         g = spec.generation
         engine = build_engine(g.engine, model, spec.tokenizer, generation=g, seed=spec.seed)  # vllm: own LLM
-        self.engine = VersionedEngine(engine)
+        self.engine = versioned(engine)
         torch.manual_seed(
             spec.seed
         )  # after the random init: sampling noise starts where a colocated run's does

@@ -6,7 +6,8 @@ weights that sampled it (`Rollouts.weight_version`, the learner step that made t
 engine call, so its rows hold one version. An agent's episode through the gateway is many engine calls, and
 under `rollout.mode=async` the learner's new weights may land between two of them: its rows can mix
 versions. The source then reads each row's *oldest* token (`row_lags`), and an episode with a row older
-than `max_staleness` is dropped and counted (`drop_stale`), as a whole stale batch is.
+than `max_staleness` is dropped and counted (`drop_stale`), as a whole stale batch is. Rows' K/V kept
+between turns (model/turn_kv.py) are dropped when the weights changed since they were computed.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import dataclasses
 import inspect
 import math
 import threading
+import weakref
 
 import torch
 
+from grpo.model.turn_kv import takes_kv
 from grpo.records import Rollouts
 
 _NONE = torch.iinfo(torch.long).max  # "no sampled token" when taking a row's oldest version
@@ -31,8 +34,11 @@ class VersionedEngine:
         self.engine = engine
         self.lock = threading.RLock()  # re-entrant: a runner holding it for a whole step still calls through
         self.version = -1  # no weights loaded yet
+        self._kv_versions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TurnCache → version
 
     def __getattr__(self, name: str):
+        if name in ("add_row", "step_rows"):  # continuous batching's steps would sample outside the lock,
+            raise AttributeError(name)  # unstamped: the gateway drives whole engine calls instead
         return getattr(self.engine, name)
 
     def load(self, named_tensors, version: int) -> None:
@@ -51,11 +57,30 @@ class VersionedEngine:
         if on_step is not None and _takes_on_step(method):  # the gateway streams the native engine's steps
             kwargs = {**kwargs, "on_step": on_step}
         with self.lock:
+            if (kv := kwargs.get("kv")) is not None:  # rows' K/V kept between turns (model/turn_kv.py)
+                if self._kv_versions.get(kv.cache, self.version) != self.version:
+                    kv.cache.retain([])  # computed by older weights: every row is prefilled again
+                self._kv_versions[kv.cache] = self.version
             out = method(*args, **kwargs)
             version = self.version
         sampled = out.loss_mask > 0  # [N, T]
         stamp = torch.where(sampled, version, -1).long()  # [N, T]
         return dataclasses.replace(out, weight_version=stamp)
+
+
+class _KeepsKV(VersionedEngine):
+    """An engine that keeps rows' K/V between turns (`kv=`, the native one): so does its wrapper."""
+
+    def generate(self, *args, on_step=None, kv=None, **kwargs) -> Rollouts:
+        return self._call(self.engine.generate, args, {**kwargs, "kv": kv}, on_step)
+
+    def continue_rows(self, *args, on_step=None, kv=None, **kwargs) -> Rollouts:
+        return self._call(self.engine.continue_rows, args, {**kwargs, "kv": kv}, on_step)
+
+
+def versioned(engine) -> VersionedEngine:
+    """`engine` wrapped, taking `kv=` where it does."""
+    return _KeepsKV(engine) if takes_kv(engine) else VersionedEngine(engine)
 
 
 def _takes_on_step(method) -> bool:

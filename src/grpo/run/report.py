@@ -202,6 +202,7 @@ def _summary(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple[str, str]]
         items.append(("steps logged", f"{min(steps)}–{max(steps)}"))
     for key, label in (
         ("eval/accuracy_before", "accuracy before"),
+        ("eval/accuracy_during", "accuracy at the last evaluation during training"),
         ("eval/accuracy_after", "accuracy after"),
     ):
         _, values = series(rows, key)
