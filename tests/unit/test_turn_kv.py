@@ -116,8 +116,13 @@ def test_the_cache_frees_what_it_is_not_told_to_keep_and_compares_ids_not_length
 
 def test_only_an_engine_whose_calls_take_kv_is_given_a_cache(tiny_model):
     from grpo.rollout.transformers import TransformersEngine
+    from grpo.rollout.weight_versions import VersionedEngine
 
     assert takes_kv(NativeEngine(tiny_model, IdTokenizer()))
+    actors = VersionedEngine(NativeEngine(tiny_model, IdTokenizer()))  # a Ray actor's engine
+    cache, greedy = TurnCache(), SamplingParams(max_new_tokens=3, greedy=True)
+    assert takes_kv(actors) and actors.continue_rows([[5, 6]], greedy, kv=cache.bind("a")) is not None
+    assert len(cache) == 1
     assert not takes_kv(TransformersEngine(tiny_model, IdTokenizer()))
 
 
@@ -183,3 +188,15 @@ def test_a_gateway_session_on_the_native_engine_reuses_its_kv_and_answers_the_sa
     with_kv, reused = _gateway_turns(tools_lm, monkeypatch, True)
     without, _ = _gateway_turns(tools_lm, monkeypatch, False)
     assert with_kv == without and reused > 0
+
+
+def test_a_weight_load_between_two_turns_empties_the_cache(tiny_model):
+    engine = NativeEngine(tiny_model, IdTokenizer())
+    greedy = SamplingParams(max_new_tokens=4, greedy=True)
+    cache = TurnCache()
+    first = engine.continue_rows([[5, 6, 7]], greedy, kv=cache.bind(["a"]))
+    row = [5, 6, 7, *first.completion_ids[0].tolist(), 11]
+    engine.load_weights([(n, p + 0.05) for n, p in tiny_model.named_parameters()])  # a Ray actor's update
+    again = engine.continue_rows([row], greedy, kv=cache.bind(["a"]))
+    assert cache.reused_tokens == 0  # the old weights' K/V are not the new weights'
+    assert torch.equal(again.completion_ids, engine.continue_rows([row], greedy).completion_ids)

@@ -10,7 +10,9 @@ and decodes with the row's whole history as its prompt.
 Rows are found by the key their caller gives (an episode, a session's row) and reused only as far as the
 ids the cache holds agree, id for id, with the row asked for: a row that forked or whose history was
 rewritten prefills again from where it differs. A cache holds K/V of the weights it was filled with: its
-owner drops it when the rollout ends (the weights change between steps).
+owner drops it when the rollout ends (the weights change between steps), and it empties itself when a
+weight load lands between two of its calls (a Ray actor's asynchronous update: the parameters' version
+counters moved).
 
 The reused K/V are not bitwise those of a full prefill (a sampled token's K/V come from the decode step's
 kernels, and the softmax sums in another order), so log-probs agree to float rounding, not bit for bit.
@@ -41,6 +43,7 @@ class TurnCache:
 
     def __init__(self):
         self.rows: dict[Hashable, _Row] = {}
+        self.weights = None  # the parameters' version counters when the rows were filled
         self.reused_tokens = 0  # positions not prefilled again, since the cache was made
         self.prefilled_tokens = 0  # positions prefilled
 
@@ -70,6 +73,10 @@ class TurnCall:
         if len(self.keys) != len(prompts) * n:
             raise ValueError(f"{len(self.keys)} cache keys for {len(prompts)} prompts × {n} rows.")
         self.prompts, self.n = prompts, n
+        weights = weights_stamp(dec)
+        if weights != self.cache.weights:  # K/V of other weights: none is reused
+            self.cache.rows.clear()
+            self.cache.weights = weights
         past, reuse = [None] * len(prompts), [0] * len(prompts)
         if n == 1:  # a group's first turn (n > 1) shares one fresh prompt: nothing to look up
             for i, (key, row) in enumerate(zip(self.keys, prompts, strict=True)):
@@ -106,16 +113,26 @@ class TurnCall:
         token has no K/V yet (no step fed it), so the row keeps its prompt and all but its last token."""
         if cache_rows.numel() == 0:
             return
-        rows = active[cache_rows]
-        at = cache_rows.to(cache_k[0].device)
-        done = torch.stack([torch.stack([k[at] for k in cache_k]), torch.stack([v[at] for v in cache_v])])
-        if self._prompt_kv is None:  # [2, L, P, Hkv, W, D], once per call
-            pc = self.prompt_cache
-            self._prompt_kv = torch.stack([torch.stack(pc.keys), torch.stack(pc.values)])
+        rows, at = active[cache_rows], cache_rows.to(cache_k[0].device)
+        if self._prompt_kv is None:  # ([L, P, Hkv, W, D] keys, values), once per call
+            self._prompt_kv = (torch.stack(self.prompt_cache.keys), torch.stack(self.prompt_cache.values))
+        width = int(lengths[rows].max()) - 1
+        done = (  # ([L, r, Hkv, width, D] keys, values): the rows' written columns, every layer at once
+            torch.stack([k[at, :, :width] for k in cache_k]),
+            torch.stack([v[at, :, :width] for v in cache_v]),
+        )
         for j, r in enumerate(rows.tolist()):
             g, valid = r // self.n, int(lengths[r]) - 1
-            parts = [self._prompt_kv[:, :, g, :, a:b] for a, b in self.segments[g] if b > a]
-            kv = torch.cat([*parts, done[:, :, j, :, :valid]], dim=-2)  # [2, L, Hkv, len, D]
+            segments = [(a, b) for a, b in self.segments[g] if b > a]
+            held = sum(b - a for a, b in segments)
+            first = done[0]
+            kv = first.new_empty(2, first.shape[0], first.shape[2], held + valid, first.shape[4])
+            for t in (0, 1):  # [2, L, Hkv, len, D]: the prompt's columns, then the sampled tokens'
+                start = 0
+                for a, b in segments:
+                    kv[t, :, :, start : start + b - a] = self._prompt_kv[t][:, g, :, a:b]
+                    start += b - a
+                kv[t, :, :, start:] = done[t][:, j, :, :valid]
             self.cache.rows[self.keys[r]] = _Row(self.prompts[g] + ids[r, :valid].tolist(), kv)
 
 
@@ -174,8 +191,16 @@ def extend(
     return PromptCache(keys, values, bias, held + count), dec.logits(last)
 
 
+def weights_stamp(dec) -> int:
+    """Moves whenever a parameter is written in place (a weight load copies into each one). Not by a
+    fused optimizer step, which bypasses the counters: a cache lives within one rollout for that reason."""
+    return sum(p._version for p in dec.hf.parameters())
+
+
 def takes_kv(engine) -> bool:
-    """Whether an engine's calls take `kv=` (the native engine; others prefill every turn)."""
+    """Whether an engine's calls take `kv=` (the native engine; others prefill every turn). A wrapper that
+    passes keyword arguments through to `.engine` (a Ray actor's VersionedEngine) is seen through."""
+    engine = getattr(engine, "engine", engine)
     try:
         return all("kv" in inspect.signature(f).parameters for f in (engine.generate, engine.continue_rows))
     except (AttributeError, TypeError, ValueError):
