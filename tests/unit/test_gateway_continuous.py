@@ -115,3 +115,20 @@ def test_closing_the_batcher_ends_waiting_requests():
     batcher.close()
     with pytest.raises(RuntimeError, match="closed"):
         batcher.submit(Job([1], 3))
+
+
+def test_greedy_copies_of_one_prompt_are_rows_not_a_group():
+    """Evaluation (greedy) of agents that send one prompt: vLLM and transformers refuse generate's n > 1
+    without sampling, so the batcher sends the copies as rows."""
+    from grpo.rollout.transformers import TransformersEngine
+    from tests.conftest import IdTokenizer, tiny_llama
+
+    model = tiny_llama()
+    engine = TransformersEngine(model, IdTokenizer())
+    batcher = Batcher(engine, SamplingParams(max_new_tokens=4, greedy=True), live=lambda: (3, 0))
+    try:
+        jobs = [batcher.submit(Job([5, 6, 7], 4)) for _ in range(3)]
+        events = [drain(j)[1] for j in jobs]
+    finally:
+        batcher.close()
+    assert [e[0] for e in events] == ["done"] * 3 and events[0][1] == events[1][1] == events[2][1]

@@ -189,7 +189,10 @@ class Batcher:
         sampling = dataclasses.replace(sampling, max_new_tokens=max(j.max_new for j in jobs))
         self.batches.append(len(jobs))
         started = time.perf_counter()
-        prompts, n, order = shared_prompts([j.ids for j in jobs])  # order[output row] = job index
+        rows = [j.ids for j in jobs]
+        # A group's first calls share a prompt: the engine's shared-prompt path (one prefill per prompt), but
+        # not greedy, where vLLM and transformers refuse n > 1 (the copies would be equal): rows then.
+        prompts, n, order = (rows, 1, list(range(len(rows)))) if sampling.greedy else shared_prompts(rows)
 
         def on_step(rows: list[int], tokens: list[int]) -> None:
             for r, t in zip(rows, tokens, strict=True):
@@ -199,10 +202,10 @@ class Batcher:
         streamed = any(j.stream for j in jobs)
 
         try:
-            if n > 1:  # a group's first calls: the engine's shared-prompt path (one prefill per prompt)
+            if n > 1:  # order[output row] = job index
                 call, args = engine.generate, (prompts, n, sampling)
             else:
-                call, args = engine.continue_rows, ([j.ids for j in jobs], sampling)
+                call, args = engine.continue_rows, (rows, sampling)
             with torch.no_grad():  # grad mode is per thread: the step's no_grad does not reach this one
                 out = call(*args, on_step=on_step) if streamed and takes_on_step(call) else call(*args)
         except Exception as err:  # noqa: BLE001 - every waiting request gets the error; the server stays up
