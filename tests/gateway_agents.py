@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-import time
+import threading
 
 from transformers.utils import get_json_schema
 
@@ -105,9 +105,14 @@ def raising_agent(client, row: dict):
     raise RuntimeError("the agent's own bug")
 
 
+# A thread cannot be stopped: a test that runs hanging_agent sets this at its end, so the agent's thread ends
+# with the test instead of 30 s later, inside whichever test runs next.
+RELEASE_HANGING = threading.Event()
+
+
 def hanging_agent(client, row: dict):
     client.chat.completions.create(model="policy", messages=opening(row))
-    time.sleep(30)
+    RELEASE_HANGING.wait(30)
 
 
 def silent_agent(client, row: dict):

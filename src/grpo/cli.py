@@ -425,14 +425,15 @@ _ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\-]*=")
 
 
 def _assignments_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """Move `key=value` words of `grpo train` before the flags. argparse takes a run of positionals only
-    once, so `--steps 1 lr=1e-3 --seed 1 beta=0` would otherwise fail with "unrecognized arguments"; and a
-    flag that may be given bare (`--resume`, `--dynamic-sampling`) must not take a following key=value."""
-    if not argv or argv[0] != "train":
+    """Move `key=value` words of `grpo train` / `grpo eval` before the flags. argparse takes a run of
+    positionals only once, so `--steps 1 lr=1e-3 --seed 1 beta=0` would otherwise fail with "unrecognized
+    arguments"; and a flag that may be given bare (`--resume`, `--dynamic-sampling`) must not take a
+    following key=value."""
+    if not argv or argv[0] not in ("train", "eval"):  # the commands that take key=value overrides
         return argv
-    train = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("train"))
+    command = parser._subparsers._group_actions[0].choices[argv[0]]
     takes_value = {
-        opt for action in train._actions if action.nargs not in (0, "?") for opt in action.option_strings
+        opt for action in command._actions if action.nargs not in (0, "?") for opt in action.option_strings
     }
     flags, assignments = [argv[0]], []
     for i, word in enumerate(argv[1:], start=1):

@@ -31,6 +31,18 @@ def qwen():
     return family_tokenizer("qwen2.5")
 
 
+@pytest.fixture(autouse=True)
+def agent_threads_end_with_the_test():
+    """A timed-out agent's thread outlives its episode: let it return, so no test sees another's threads."""
+    yield
+    agents.RELEASE_HANGING.set()
+    ours = [t for t in threading.enumerate() if t.name.startswith(("grpo-agent", "grpo-gateway"))]
+    for t in ours:
+        t.join(timeout=30)
+    agents.RELEASE_HANGING.clear()
+    assert not [t.name for t in ours if t.is_alive()]
+
+
 def runner(tokenizer, agent, **kw) -> AgentRunner:
     return AgentRunner(agent, tokenizer, HermesParser(), kw.pop("limits", LIMITS), **kw)
 
@@ -214,16 +226,61 @@ def test_a_rewritten_history_starts_a_new_row_of_the_same_episode(qwen):
 )
 @pytest.mark.parametrize("failed", ["zero", "drop"])
 def test_a_failing_agent_ends_its_episode_not_the_run(qwen, agent, reason, failed):
-    run = runner(qwen, agent, timeout_s=2.0, failed_episode=failed)
+    def some_fail(client, row):  # the second prompt's episodes work: the run has seen the agent work
+        return (agent if row["prompt"].startswith("What") else agents.calculator_agent)(client, row)
+
+    run = runner(qwen, some_fail, timeout_s=2.0, failed_episode=failed)
     try:
-        _, r = run.run(ScriptedEngine(qwen, calls_then_answers), batch(["What is 12 * 34?"]), 2, SAMPLING)
+        prompts = batch(["What is 12 * 34?", "Compute 12 * 34."])
+        _, r = run.run(ScriptedEngine(qwen, calls_then_answers), prompts, 2, SAMPLING)
+        if (
+            agent is not agents.hanging_agent
+        ):  # now every episode fails the same way: counted, the run goes on
+            _, again = run.run(
+                ScriptedEngine(qwen, calls_then_answers), batch(["What is 12 * 34?"]), 2, SAMPLING
+            )
+            assert [e.ended_by for e in again.episodes] == [reason, reason]
     finally:
         run.close()
-    assert [e.ended_by for e in r.episodes] == [reason, reason]
+    assert [e.ended_by for e in r.episodes] == [reason, reason, "answer", "answer"]
     assert all(
-        (e.final_reward == 0.0) if failed == "zero" else math.isnan(e.final_reward) for e in r.episodes
+        (e.final_reward == 0.0) if failed == "zero" else math.isnan(e.final_reward) for e in r.episodes[:2]
     )
-    assert r.loss_mask.shape[0] == 2 and torch.isfinite(r.sampling_logprobs).all()
+    assert r.loss_mask.shape[0] == 4 and torch.isfinite(r.sampling_logprobs).all()
+
+
+@pytest.mark.parametrize(
+    ("agent", "cause"),
+    [
+        (agents.raising_agent, "it raised RuntimeError: the agent's own bug"),
+        (agents.silent_agent, "it never called the model"),
+        (lambda client, row: (agents.calculator_agent(client, row), "1.0")[1], "it returned '1.0'"),
+    ],
+)
+def test_an_agent_that_never_works_stops_the_run_with_the_cause(qwen, agent, cause):
+    from grpo.gateway.runner import AgentFailed
+
+    run = runner(qwen, agent)
+    try:
+        with pytest.raises(
+            AgentFailed, match="Every episode of this step \\(2\\) failed the same way"
+        ) as err:
+            run.run(ScriptedEngine(qwen, calls_then_answers), batch(["What is 12 * 34?"]), 2, SAMPLING)
+    finally:
+        run.close()
+    assert cause in str(err.value)
+
+
+def test_an_agent_that_cannot_take_client_and_row_is_refused_when_loaded():
+    from grpo.config import ConfigError
+    from grpo.gateway.runner import load_agent
+
+    with pytest.raises(
+        ConfigError, match=r"has the signature \(client\), but grpo calls it as agent\(client, row\)"
+    ):
+        load_agent(lambda client: 1.0)
+    assert load_agent(agents.calculator_agent) is agents.calculator_agent
+    assert load_agent(lambda client, row, extra=None: 1.0)  # more parameters with defaults are fine
 
 
 def test_the_agents_reward_returned_or_posted_replaces_the_reward_functions(qwen):
@@ -400,14 +457,17 @@ def test_special_token_text_in_an_agents_messages_never_becomes_control_tokens(s
     assert injected.count(start) == 2  # the template's own: the tool turn and the next generation prompt
 
 
-def test_an_agent_with_ray_rollout_is_refused_in_one_line():
-    from grpo.config import ConfigError, GRPOConfig
+def test_an_agent_with_ray_rollout_is_no_longer_refused():
+    """Ray rollout actors run the gateway and the agents themselves (rollout/ray.py); what is still refused,
+    an agent that cannot be sent to them, is tested in test_weight_versions.py."""
+    from grpo.config import GRPOConfig
+    from grpo.data import PromptFormatter
     from grpo.gateway.runner import build_agent_runner
 
     cfg = GRPOConfig()
     cfg.distributed.rollout_mode = "sync"
-    with pytest.raises(ConfigError, match=r"rollout\.mode=colocated only"):
-        build_agent_runner(cfg, None, agents.calculator_agent)
+    formatter = PromptFormatter(family_tokenizer("qwen2.5"), cfg.data)
+    assert build_agent_runner(cfg, formatter, agents.calculator_agent).agent is agents.calculator_agent
 
 
 def test_a_client_that_leaves_mid_stream_leaves_its_turn_recorded(qwen):

@@ -67,8 +67,11 @@ def drain(job: Job) -> tuple[list[int], tuple]:
 
 
 def test_an_engine_with_add_row_and_step_rows_is_continuous():
+    from grpo.rollout.weight_versions import VersionedEngine
+
     assert continuous(Stepped())
     assert not continuous(object())
+    assert not continuous(VersionedEngine(Stepped()))  # its calls stamp weight versions: served by them
 
 
 def test_a_request_arriving_mid_decode_joins_at_the_next_step():
@@ -85,7 +88,7 @@ def test_a_request_arriving_mid_decode_joins_at_the_next_step():
     assert b.events.first("token") < a.events.first("done")
     assert engine.added_at_step[0] == 0 and 0 < engine.added_at_step[1] < 40  # B joined while A decoded
     (ta, da), (tb, db), (tc, dc) = results
-    assert da == ("done", list(range(100, 140)), [-0.5] * 40, True) and ta[-1] == 139
+    assert da == ("done", list(range(100, 140)), [-0.5] * 40, True, None) and ta[-1] == 139
     assert db[1] == tb == [100, 101, 102, 103, 104]
     assert dc[1] == [100, 101, 102] and tc == []  # not streamed: the reply only
     metrics = batcher.metrics()

@@ -95,3 +95,15 @@ def test_other_methods_and_unreadable_requests_get_error_objects(served):  # noq
         assert json.loads(payload)["error"]["message"]
     s = gateway.sessions.add(Session(0, 0, {}))
     assert post(server, s.key, GOOD).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"stream": "yes"}, "stream"), ({"max_output_tokens": 0}, "max_output_tokens"),
+     ({"max_output_tokens": "9"}, "max_output_tokens")],
+)  # fmt: skip
+def test_the_responses_route_names_its_own_fields_in_its_errors(served, body, param):  # noqa: F811
+    gateway, server = served
+    s = gateway.sessions.add(Session(0, 0, {}))
+    reply = post(server, s.key, {"model": "m", "input": "What is 12 * 34?", **body}, path="/v1/responses")
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text

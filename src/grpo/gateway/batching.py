@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from grpo.model.turn_kv import TurnCache, takes_kv
 from grpo.records import SamplingParams
 
 log = logging.getLogger("grpo")
@@ -35,13 +36,15 @@ log = logging.getLogger("grpo")
 class Job:
     """One request's sampling: continue `ids` by at most `max_new` tokens. Its `events` queue receives
     ("token", id) as tokens are sampled (streamed jobs only: a thread woken per token costs the decode
-    time), then ("done", ids, logprobs, truncated) or ("error", exception)."""
+    time), then ("done", ids, logprobs, truncated, version) or ("error", exception). `version`: the weights
+    that sampled the ids, when the engine says (a Ray rollout actor's VersionedEngine), else None."""
 
     ids: list[int]
     max_new: int
     stream: bool = False  # the client streams: it gets each token as it is sampled
     events: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
     cancelled: bool = False
+    key: object = None  # the row's session: its K/V are kept for its next turn (model/turn_kv.py)
 
 
 class Batcher:
@@ -54,6 +57,7 @@ class Batcher:
         max_wait_s: float = 5.0,
     ):
         self.engine, self.sampling, self.live = engine, sampling, live
+        self.kv = TurnCache() if takes_kv(engine) else None
         self.window_s, self.max_wait_s = window_s, max(window_s, max_wait_s)
         self._last_call_s = 0.0
         self._pending: list[Job] = []
@@ -69,6 +73,8 @@ class Batcher:
         """The engine and run sampling of the next calls (a step, or an evaluation with greedy sampling)."""
         with self._cond:
             self.engine, self.sampling = engine, sampling
+            # Sessions' K/V, kept between their turns; new each step (they are the old weights' K/V).
+            self.kv = TurnCache() if takes_kv(engine) else None
 
     def submit(self, job: Job) -> Job:
         with self._cond:
@@ -171,7 +177,7 @@ class Batcher:
                     job.events.put(("token", t))
             if finished:
                 self._in_flight.pop(id(job), None)
-                job.events.put(("done", ids, logprobs, truncated))
+                job.events.put(("done", ids, logprobs, truncated, None))  # in-process: no weight versions
 
         def fail(err: BaseException) -> None:
             if self._in_flight.pop(id(job), None) is not None:
@@ -185,7 +191,7 @@ class Batcher:
 
     def _run(self, jobs: list[Job]) -> None:
         with self._cond:
-            engine, sampling = self.engine, self.sampling
+            engine, sampling, cache = self.engine, self.sampling, self.kv
         sampling = dataclasses.replace(sampling, max_new_tokens=max(j.max_new for j in jobs))
         self.batches.append(len(jobs))
         started = time.perf_counter()
@@ -206,8 +212,11 @@ class Batcher:
                 call, args = engine.generate, (prompts, n, sampling)
             else:
                 call, args = engine.continue_rows, (rows, sampling)
+            kw = {"on_step": on_step} if streamed and takes_on_step(call) else {}
+            if cache is not None:  # result row r is job order[r]'s; a row without a session keeps nothing
+                kw["kv"] = cache.bind(jobs[k].key if jobs[k].key is not None else object() for k in order)
             with torch.no_grad():  # grad mode is per thread: the step's no_grad does not reach this one
-                out = call(*args, on_step=on_step) if streamed and takes_on_step(call) else call(*args)
+                out = call(*args, **kw)
         except Exception as err:  # noqa: BLE001 - every waiting request gets the error; the server stays up
             log.warning("The gateway's engine call failed: %s: %s", type(err).__name__, err)
             for job in jobs:
@@ -217,10 +226,13 @@ class Batcher:
         log.debug("Gateway: %d requests in one engine call (%.2f s).", len(jobs), self._last_call_s)
         self.engine_s += self._last_call_s
         lengths = out.completion_mask.sum(-1).long().tolist()
+        # one engine call, one set of weights: a row's stamps are its version (-1 where nothing was sampled)
+        versions = [None] * len(order) if out.weight_version is None else out.weight_version.max(-1).values
         for r, k in enumerate(order):
             ids = out.completion_ids[r, : lengths[r]].tolist()
             logprobs = out.sampling_logprobs[r, : lengths[r]].tolist()
-            jobs[k].events.put(("done", ids, logprobs, bool(out.truncated[r])))
+            version = None if versions[r] is None else int(versions[r])
+            jobs[k].events.put(("done", ids, logprobs, bool(out.truncated[r]), version))
 
     def metrics(self) -> dict[str, float]:
         batches, self.batches = self.batches, []
@@ -235,8 +247,11 @@ class Batcher:
 
 
 def continuous(engine) -> bool:
-    """The engine batches continuously itself: rows join at its next step (`add_row` / `step_rows`)."""
-    return callable(getattr(engine, "add_row", None)) and callable(getattr(engine, "step_rows", None))
+    """The engine batches continuously itself: rows join at its next step (`add_row` / `step_rows`). Read on
+    its class: a wrapper that forwards attributes (VersionedEngine, which stamps weight versions per call)
+    is served by its own calls."""
+    kind = type(engine)
+    return callable(getattr(kind, "add_row", None)) and callable(getattr(kind, "step_rows", None))
 
 
 def takes_on_step(method) -> bool:

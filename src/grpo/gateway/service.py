@@ -174,11 +174,11 @@ class Gateway:
             cap = min(self.limits.turn_tokens, left, req.max_tokens or left)
             row.busy = True
             session.calls += 1
-            job = Job(list(row.ids), cap, stream=req.stream)
+            job = Job(list(row.ids), cap, stream=req.stream, key=session.key)
         self.batcher.submit(job)
         return job, row, cap
 
-    def _finish(self, session, row, req, ids, logprobs, truncated, cap) -> TurnDone:
+    def _finish(self, session, row, req, ids, logprobs, truncated, version, cap) -> TurnDone:
         cut = min(len(ids), cap)
         length = cut < len(ids) or (truncated and cut == len(ids))
         new, lps = ids[:cut], logprobs[:cut]
@@ -194,9 +194,10 @@ class Gateway:
         with session.lock:
             session.turns += 1
             turn = session.turns
-            row.add(new, lps)
+            row.add(new, lps, version)
             stored, reply = _assistant(parsed, turn)
             row.messages.append(stored)
+            row.mark_turn(turn, len(new))
             row.busy = False
             session.tool_calls += len(parsed.calls)
             finish = "length" if length else "tool_calls" if parsed.calls else "stop"
