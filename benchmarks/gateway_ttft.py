@@ -4,13 +4,15 @@ step-wise driving (issue 31 §2: real streaming; on vLLM its continuous batching
     PYTHONPATH=src .venv-vllm/bin/python benchmarks/gateway_ttft.py --repeats 5 --threads 1
 
 The bundled tiny-math-lm, greedy. Batch A: 4 streamed requests on a prompt that decodes 96 tokens (no eos).
-Request B (a chat question, ~10 tokens) arrives half-way through A (half of A's duration, measured alone
-first). Through the gateway's batcher (gateway/batching.py, its default window), four variants, interleaved
-in each repeat so drift in the machine's speed hits all alike:
+Request B (another 96-token prompt) arrives half-way through A (half of A's duration alone, measured after
+one warm-up run of each variant). Through the gateway's batcher (gateway/batching.py, its default window),
+four variants, interleaved in each repeat so drift in the machine's speed hits all alike:
   vllm-before          vLLM through generate/continue_rows only: the batcher's engine calls, no streaming
   vllm-continuous      vLLM driven step by step (add_row/step_rows): B joins the running batch
   transformers-before  transformers generate without on_step: a request's tokens arrive when its call ends
   transformers-stream  transformers generate with on_step: B waits for A's call, then streams
+B's time to first token (submitted → first streamed token, or the reply when nothing streams), B's reply and
+A's batch (all four done).
 Wall clock (what a client waits), so name the machine's load beside the numbers; prints medians (seconds).
 """
 
@@ -64,7 +66,7 @@ def drain(job: Job) -> None:
         pass
 
 
-def once(engine, long_ids, short_ids, delay: float | None) -> dict:
+def once(engine, long_ids, b_ids, delay: float | None) -> dict:
     """A's 4 requests, then B after `delay` (None: A alone); times from A's submission."""
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True)
     batcher = Batcher(engine, greedy, live=lambda: (5, 0))  # five live sessions: A's four and B
@@ -77,7 +79,7 @@ def once(engine, long_ids, short_ids, delay: float | None) -> dict:
             return {"a_s": time.perf_counter() - start}
         time.sleep(delay)
         b_at = time.perf_counter()
-        b = batcher.submit(Job(list(short_ids), NEW_TOKENS, stream=True, events=Stamped()))
+        b = batcher.submit(Job(list(b_ids), NEW_TOKENS, stream=True, events=Stamped()))
         for job in (*a, b):
             drain(job)
     finally:
@@ -98,7 +100,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     long_ids = tok("1 2 3 4 5 6 7 8", add_special_tokens=False)["input_ids"]  # greedy: 96 tokens, no eos
-    short_ids = tok.apply_chat_template(
+    b_ids = tok.apply_chat_template(
         [{"role": "user", "content": "What is 3 + 4?"}],
         add_generation_prompt=True,
         tokenize=True,
@@ -113,11 +115,13 @@ def main() -> None:
         "transformers-before": CallsOnly(hf_engine),
         "transformers-stream": hf_engine,
     }
-    delays = {name: once(engine, long_ids, short_ids, None)["a_s"] / 2 for name, engine in variants.items()}
+    for engine in variants.values():  # warm-up: first calls allocate and pick kernels
+        once(engine, long_ids, b_ids, None)
+    delays = {name: once(engine, long_ids, b_ids, None)["a_s"] / 2 for name, engine in variants.items()}
     rows: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(args.repeats):
         for name, engine in variants.items():
-            rows[name].append(once(engine, long_ids, short_ids, delays[name]))
+            rows[name].append(once(engine, long_ids, b_ids, delays[name]))
     vllm_engine.close()
     for name, runs in rows.items():
         medians = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}

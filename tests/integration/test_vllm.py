@@ -281,7 +281,7 @@ def test_agent_episodes_through_the_gateway_on_vllm_are_token_exact():
 
 
 def _events(job, first_only: bool = False):
-    """A gateway job's streamed tokens and its ("done", ids, logprobs, truncated) event."""
+    """A gateway job's streamed tokens and its ("done", ids, logprobs, truncated, version) event."""
     tokens = []
     while (event := job.events.get(timeout=120))[0] == "token":
         tokens.append(event[1])
@@ -307,7 +307,7 @@ def test_a_streamed_row_equals_the_non_streamed_one_and_continue_rows(parts):
     finally:
         batcher.close()
     reference = engine.continue_rows(prompts, greedy)
-    for k, (tokens, (ids, logprobs, truncated)) in enumerate(results):
+    for k, (tokens, (ids, logprobs, truncated, _)) in enumerate(results):
         row = k % len(prompts)
         n = int(reference.completion_mask[row].sum())
         assert ids == reference.completion_ids[row, :n].tolist() and truncated == bool(

@@ -67,8 +67,11 @@ def drain(job: Job) -> tuple[list[int], tuple]:
 
 
 def test_an_engine_with_add_row_and_step_rows_is_continuous():
+    from grpo.rollout.weight_versions import VersionedEngine
+
     assert continuous(Stepped())
     assert not continuous(object())
+    assert not continuous(VersionedEngine(Stepped()))  # its calls stamp weight versions: served by them
 
 
 def test_a_request_arriving_mid_decode_joins_at_the_next_step():
@@ -115,3 +118,20 @@ def test_closing_the_batcher_ends_waiting_requests():
     batcher.close()
     with pytest.raises(RuntimeError, match="closed"):
         batcher.submit(Job([1], 3))
+
+
+def test_greedy_copies_of_one_prompt_are_rows_not_a_group():
+    """Evaluation (greedy) of agents that send one prompt: vLLM and transformers refuse generate's n > 1
+    without sampling, so the batcher sends the copies as rows."""
+    from grpo.rollout.transformers import TransformersEngine
+    from tests.conftest import IdTokenizer, tiny_llama
+
+    model = tiny_llama()
+    engine = TransformersEngine(model, IdTokenizer())
+    batcher = Batcher(engine, SamplingParams(max_new_tokens=4, greedy=True), live=lambda: (3, 0))
+    try:
+        jobs = [batcher.submit(Job([5, 6, 7], 4)) for _ in range(3)]
+        events = [drain(j)[1] for j in jobs]
+    finally:
+        batcher.close()
+    assert [e[0] for e in events] == ["done"] * 3 and events[0][1] == events[1][1] == events[2][1]

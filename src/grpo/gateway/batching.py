@@ -196,7 +196,10 @@ class Batcher:
         sampling = dataclasses.replace(sampling, max_new_tokens=max(j.max_new for j in jobs))
         self.batches.append(len(jobs))
         started = time.perf_counter()
-        prompts, n, order = shared_prompts([j.ids for j in jobs])  # order[output row] = job index
+        rows = [j.ids for j in jobs]
+        # A group's first calls share a prompt: the engine's shared-prompt path (one prefill per prompt), but
+        # not greedy, where vLLM and transformers refuse n > 1 (the copies would be equal): rows then.
+        prompts, n, order = (rows, 1, list(range(len(rows)))) if sampling.greedy else shared_prompts(rows)
 
         def on_step(rows: list[int], tokens: list[int]) -> None:
             for r, t in zip(rows, tokens, strict=True):
@@ -206,10 +209,10 @@ class Batcher:
         streamed = any(j.stream for j in jobs)
 
         try:
-            if n > 1:  # a group's first calls: the engine's shared-prompt path (one prefill per prompt)
+            if n > 1:  # order[output row] = job index
                 call, args = engine.generate, (prompts, n, sampling)
             else:
-                call, args = engine.continue_rows, ([j.ids for j in jobs], sampling)
+                call, args = engine.continue_rows, (rows, sampling)
             kw = {"on_step": on_step} if streamed and takes_on_step(call) else {}
             if cache is not None:  # result row r is job order[r]'s; a row without a session keeps nothing
                 kw["kv"] = cache.bind(jobs[k].key if jobs[k].key is not None else object() for k in order)
@@ -245,8 +248,11 @@ class Batcher:
 
 
 def continuous(engine) -> bool:
-    """The engine batches continuously itself: rows join at its next step (`add_row` / `step_rows`)."""
-    return callable(getattr(engine, "add_row", None)) and callable(getattr(engine, "step_rows", None))
+    """The engine batches continuously itself: rows join at its next step (`add_row` / `step_rows`). Read on
+    its class: a wrapper that forwards attributes (VersionedEngine, which stamps weight versions per call)
+    is served by its own calls."""
+    kind = type(engine)
+    return callable(getattr(kind, "add_row", None)) and callable(getattr(kind, "step_rows", None))
 
 
 def takes_on_step(method) -> bool:

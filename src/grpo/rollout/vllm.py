@@ -10,7 +10,9 @@ calls `sync_weights(policy)`: the new weights are written to the engine's safete
 worker's `reload_weights` reads them into the running model (on CPU `load_weights` cannot be used:
 vLLM repacks the CPU linear weights), then the prefix cache is dropped. LoRA: only the adapter is saved
 and served as a `LoRARequest` (`vllm_lora_sync=adapter`), or it is merged into the base weights first.
-On CUDA the engine sleeps (frees its KV cache and weights) while the learner updates.
+On CUDA the engine sleeps (frees its KV cache and weights) while the learner updates. Requests go through
+one `StepDriver` (rollout/vllm_steps.py) rather than `LLM.generate`, so the gateway's calls join the running
+batch at the next engine step (`add_row` / `step_rows`) and stream as they are sampled.
 
 Server: the same requests go to `/v1/completions` with token-id prompts; weights travel as the same
 safetensors file, loaded by `POST /collective_rpc` (`reload_weights`) and `POST /reset_prefix_cache`,
