@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import inspect
 import itertools
 import logging
 import re
@@ -366,6 +367,8 @@ def _episode_plan(cfg: GRPOConfig) -> dict:
     tool's name, description and arguments as the chat template will show them, and the episode limits."""
     from grpo.agents.factory import build_factory
 
+    if cfg.env.agent or cfg.env.agent_command:
+        return _agent_plan(cfg)
     factory = build_factory(cfg.env.tools, cfg.env.environment)
     if factory is None:
         return {"episodes": "one turn (no env.tools or env.environment)"}
@@ -387,6 +390,27 @@ def _episode_plan(cfg: GRPOConfig) -> dict:
     return {"tools": tools, "episodes": episodes}
 
 
+def _agent_plan(cfg: GRPOConfig) -> dict:
+    """An agent run's episodes: the agent imported (a typo stops here) or the command named; its tools arrive
+    with its requests, so only the limits the gateway enforces are known before it runs."""
+    if cfg.env.agent:
+        from grpo.gateway.runner import load_agent
+
+        agent = load_agent(cfg.env.agent)
+        driver = {"agent": cfg.env.agent, "async": inspect.iscoroutinefunction(agent)}
+    else:
+        driver = {"agent_command": cfg.env.agent_command}
+    episodes = {
+        "driven_by": "your agent through the OpenAI-compatible gateway (tools arrive with its requests)",
+        "max_new_tokens_per_turn": cfg.effective_max_new_tokens,
+        "max_tokens": cfg.episode_max_tokens,
+        "episode_timeout_s": cfg.env.episode_timeout_s,
+        "failed_episode": cfg.env.failed_episode,
+        "strict_history": cfg.env.strict_history,
+    }
+    return {**driver, "episodes": episodes}
+
+
 def cmd_report(args) -> int:
     from grpo.run.report import write_report
 
@@ -401,14 +425,15 @@ _ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\-]*=")
 
 
 def _assignments_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """Move `key=value` words of `grpo train` before the flags. argparse takes a run of positionals only
-    once, so `--steps 1 lr=1e-3 --seed 1 beta=0` would otherwise fail with "unrecognized arguments"; and a
-    flag that may be given bare (`--resume`, `--dynamic-sampling`) must not take a following key=value."""
-    if not argv or argv[0] != "train":
+    """Move `key=value` words of `grpo train` / `grpo eval` before the flags. argparse takes a run of
+    positionals only once, so `--steps 1 lr=1e-3 --seed 1 beta=0` would otherwise fail with "unrecognized
+    arguments"; and a flag that may be given bare (`--resume`, `--dynamic-sampling`) must not take a
+    following key=value."""
+    if not argv or argv[0] not in ("train", "eval"):  # the commands that take key=value overrides
         return argv
-    train = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("train"))
+    command = parser._subparsers._group_actions[0].choices[argv[0]]
     takes_value = {
-        opt for action in train._actions if action.nargs not in (0, "?") for opt in action.option_strings
+        opt for action in command._actions if action.nargs not in (0, "?") for opt in action.option_strings
     }
     flags, assignments = [argv[0]], []
     for i, word in enumerate(argv[1:], start=1):

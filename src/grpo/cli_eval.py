@@ -3,6 +3,9 @@
     grpo eval --json                                      # bundled model on the bundled held-out split
     grpo eval --model runs/x/final_model                  # the run's eval set and tools (its config.yaml)
     grpo eval --config tiny_tools --k 8 --limit 100       # sampled: pass@8, maj@8, tool-call rate
+    grpo eval --config tiny_tools_agent train.eval_batch_size=8 generation.engine=transformers --json
+
+key=value overrides apply to the config as `grpo train`'s do (after it, before the flags' own settings).
 
 Without --config, the config.yaml a training run saved beside the model (final_model/, checkpoint-N/)
 gives the eval set, the generation settings and the tools, so a tool-trained model is evaluated with its
@@ -16,7 +19,7 @@ import json
 import logging
 from pathlib import Path
 
-from grpo.config import SECTIONS, ConfigError, GRPOConfig, load_config
+from grpo.config import SECTIONS, ConfigError, GRPOConfig, load_config, resolve_key
 from grpo.ranges import INT_LIMIT, check_range
 from grpo.redact import redact
 
@@ -56,6 +59,12 @@ def add_eval_parser(sub, default_preset: str) -> None:
         ev.add_argument(flag, default=None, metavar="VALUE", help=help_text.replace("%", "%%"))
     ev.add_argument("--dump", default=None, help="Write every completion and its score to this JSONL file.")
     ev.add_argument("--json", action="store_true", help="Print one JSON object (accuracy, n, ...) only.")
+    ev.add_argument(
+        "assignments",
+        nargs="*",
+        metavar="key=value",
+        help="Overrides of the config, as grpo train takes them, e.g. generation.max_new_tokens=64.",
+    )
     ev.set_defaults(default_preset=default_preset)
 
 
@@ -100,16 +109,20 @@ def run_eval(args) -> int:
     from grpo.run.preflight import check_model_paths
 
     _check_flags(args)
-    overrides = {"model.hf_token": args.hf_token} if args.hf_token else {}
+    overrides = _assignments(args)
+    if args.hf_token:
+        overrides.append(("model.hf_token", args.hf_token))
     if args.model:
-        overrides["model.name_or_path"] = args.model
+        overrides.append(("model.name_or_path", args.model))
     for name in ("tools", "environment", "agent", "agent_command"):  # in place of the config's
         if getattr(args, name) is not None:
-            overrides[f"env.{name}"] = getattr(args, name)
+            overrides.append((f"env.{name}", getattr(args, name)))
     config = args.config or _config_beside(args.model, args.default_preset)
     if config != (args.config or args.default_preset):  # the run's: its model paths are not this model's
-        overrides.update({"model.tokenizer_path": None, "model.load_parameters_path": None})
-    cfg = load_config(config, overrides)
+        given = {path for key, _ in overrides for path in resolve_key(key)}
+        paths = ("model.tokenizer_path", "model.load_parameters_path")
+        overrides += [(k, None) for k in paths if k not in given]
+    cfg = load_config(config, overrides, origin="the command line")
     check_model_paths(cfg, model_given=False, tokenizer_given=False)  # a missing directory, not a "repo id"
     spec = args.dataset or cfg.data.eval_dataset or "tiny_math:test"
     _refuse_unloadable_eval(cfg, spec, config)
@@ -160,6 +173,20 @@ def run_eval(args) -> int:
         shown = "  ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in out.items())
         print(redact(shown))
     return 0
+
+
+def _assignments(args) -> list[tuple[str, object]]:
+    """The `key=value` words in order, as (key as typed, value), the way `grpo train` reads them."""
+    pairs: list[tuple[str, object]] = []
+    for item in getattr(args, "assignments", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"'{item}' is not key=value (e.g. generation.max_new_tokens=64).")
+        if key.replace("-", "_") in ("config", "config_file", "config_name"):  # Hydra's spelling of --config
+            args.config = value
+            continue
+        pairs.append((key.lstrip("+"), value))
+    return pairs
 
 
 def _config_beside(model: str | None, default_preset: str) -> str:

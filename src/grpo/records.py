@@ -131,6 +131,10 @@ class Episode:
     # set: the episode's reward in place of the reward functions' total (an agent's own reward through the
     # gateway; a failed episode's 0, or NaN = dropped from its group's baseline)
     final_reward: float | None = None
+    # rewards given for single assistant turns (turn number → reward, 1 = the first turn), e.g. posted to the
+    # gateway's /v1/reward with a "turn"; the "turn" advantage estimator credits each from its turn back
+    turn_rewards: dict[int, float] = field(default_factory=dict)
+    reward_is_turn_sum: bool = False  # final_reward is the sum of turn_rewards (no episode reward was given)
 
     @property
     def truncated(self) -> bool:
@@ -178,9 +182,15 @@ class Rollouts:
     # [N, T] float: 1 on the tokens the policy sampled, 0 on injected ones (tool results, environment
     # messages); None → the completion mask (single turn: every token was sampled)
     loss_mask: Tensor | None = per_token(default=None)
+    # [N, T] long: which assistant turn of its episode sampled each token (1 = the first), 0 where none did;
+    # set by runners that have per-turn rewards (the gateway), read by the "turn" advantage estimator
+    turn_ids: Tensor | None = per_token(default=None)
     episodes: list[Episode] | None = per_row(default=None)  # multi-turn: what each episode did
     # a runner's per-completion data for reward functions (TRL rollout_func's extra keys), {column: value}
     extra_fields: list[dict] | None = per_row(default=None)
+    # [N, T] long: the weight version (learner step) that sampled each token, -1 where none did; set by Ray
+    # rollout actors, where an agent's episode may span weight updates (rollout/weight_versions.py)
+    weight_version: Tensor | None = per_token(default=None)
 
     def __post_init__(self):
         if self.loss_mask is None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import queue
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -276,6 +278,85 @@ def test_agent_episodes_through_the_gateway_on_vllm_are_token_exact():
         [sys.executable, "-c", _TOKEN_EXACT_ON_VLLM], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0 and "token-exact" in done.stdout, done.stderr[-3000:]
+
+
+def _events(job, first_only: bool = False):
+    """A gateway job's streamed tokens and its ("done", ids, logprobs, truncated) event."""
+    tokens = []
+    while (event := job.events.get(timeout=120))[0] == "token":
+        tokens.append(event[1])
+        if first_only:
+            return tokens, None
+    assert event[0] == "done", event
+    return tokens, event[1:]
+
+
+def test_a_streamed_row_equals_the_non_streamed_one_and_continue_rows(parts):
+    """The gateway drives vLLM step by step (continuous batching): streamed or not, a request's tokens and
+    log-probs are those of continue_rows on the same ids, and the engine was stepped, not called once."""
+    from grpo.gateway.batching import Batcher, Job
+
+    model, _, engine, prompts = parts
+    engine.sync_weights(model)
+    greedy = SamplingParams(max_new_tokens=40, greedy=True)
+    batcher = Batcher(engine, greedy, live=lambda: (1, 0))
+    try:
+        jobs = [batcher.submit(Job(list(p), 40, stream=s)) for s in (True, False) for p in prompts]
+        results = [_events(j) for j in jobs]
+        steps = batcher.metrics()["gateway/engine_calls"]
+    finally:
+        batcher.close()
+    reference = engine.continue_rows(prompts, greedy)
+    for k, (tokens, (ids, logprobs, truncated)) in enumerate(results):
+        row = k % len(prompts)
+        n = int(reference.completion_mask[row].sum())
+        assert ids == reference.completion_ids[row, :n].tolist() and truncated == bool(
+            reference.truncated[row]
+        )
+        assert torch.allclose(torch.tensor(logprobs), reference.sampling_logprobs[row, :n], atol=1e-4)
+        assert tokens == (ids if jobs[k].stream else [])
+    assert steps >= reference.completion_mask.sum(-1).max()  # one engine step per token, all rows at once
+
+
+class _Stamped(queue.Queue):
+    """A job's events, each put stamped with the time (the order in which the batcher sent them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stamps: list[tuple[float, str]] = []
+
+    def put(self, item, block=True, timeout=None):
+        self.stamps.append((time.monotonic(), item[0]))
+        super().put(item, block, timeout)
+
+    def first(self, kind: str) -> float:
+        return next(t for t, k in self.stamps if k == kind)
+
+
+def test_a_request_arriving_mid_decode_joins_the_running_batch(parts):
+    """Continuous batching: B arrives while A decodes; B's first token comes before A finishes, and both
+    replies are what each would have been alone."""
+    from grpo.gateway.batching import Batcher, Job
+
+    model, tokenizer, engine, prompts = parts
+    engine.sync_weights(model)
+    long = tokenizer("1 2 3 4 5 6 7 8", add_special_tokens=False)["input_ids"]  # greedy: 96 tokens, no eos
+    greedy = SamplingParams(max_new_tokens=96, greedy=True)
+    batcher = Batcher(engine, greedy, live=lambda: (2, 0))
+    try:
+        a = batcher.submit(Job(list(long), 96, stream=True, events=_Stamped()))
+        a.events.get(timeout=120)  # A's first token: A is decoding
+        b = batcher.submit(Job(list(prompts[1]), 96, stream=True, events=_Stamped()))
+        _, a_done = _events(a)
+        _, b_done = _events(b)
+    finally:
+        batcher.close()
+    assert b.events.first("token") < a.events.first("done")  # B streamed while A was still decoding
+    alone = engine.continue_rows([long, prompts[1]], greedy)
+    for row, done in enumerate((a_done, b_done)):
+        n = int(alone.completion_mask[row].sum())
+        assert done[0] == alone.completion_ids[row, :n].tolist()
+    assert len(a_done[0]) == 96 > len(b_done[0])
 
 
 def _free_port() -> int:

@@ -21,6 +21,32 @@ def test_dry_run_imports_the_tools_and_lists_them_with_the_episode_limits(capsys
     assert "has no attribute 'calc'" in capsys.readouterr().err  # a typo stops here, as in --reward-funcs
 
 
+def test_dry_run_of_an_agent_run_imports_the_agent_and_lists_the_gateways_limits(capsys):
+    assert main(["train", "--config", "tiny_tools_agent", "--dry-run"]) == 0
+    plan = capsys.readouterr().out.split("\nplan:\n")[1]
+    assert "one turn" not in plan  # the agent's episodes are multi-turn: its tools come with its requests
+    assert "agent: examples/tiny_tools_agent.py:run" in plan and "async: false" in plan
+    assert (
+        "max_new_tokens_per_turn: 48" in plan and "max_tokens: 160" in plan and "episode_timeout_s:" in plan
+    )
+    assert main(["train", "--config", "tiny_tools_agent", "--dry-run", "--agent-command", "python x.py"]) == 0
+    assert "agent_command: python x.py" in capsys.readouterr().out.split("\nplan:\n")[1]
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                "tiny_tools_agent",
+                "--dry-run",
+                "--agent",
+                "examples/tiny_tools_agent.py:nope",
+            ]
+        )
+        == 2
+    )
+    assert "has no attribute 'nope'" in capsys.readouterr().err  # a typo stops before the model loads
+
+
 def test_train_help_shows_the_chosen_presets_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--config", "tiny_tools", "--help"])

@@ -226,16 +226,61 @@ def test_a_rewritten_history_starts_a_new_row_of_the_same_episode(qwen):
 )
 @pytest.mark.parametrize("failed", ["zero", "drop"])
 def test_a_failing_agent_ends_its_episode_not_the_run(qwen, agent, reason, failed):
-    run = runner(qwen, agent, timeout_s=2.0, failed_episode=failed)
+    def some_fail(client, row):  # the second prompt's episodes work: the run has seen the agent work
+        return (agent if row["prompt"].startswith("What") else agents.calculator_agent)(client, row)
+
+    run = runner(qwen, some_fail, timeout_s=2.0, failed_episode=failed)
     try:
-        _, r = run.run(ScriptedEngine(qwen, calls_then_answers), batch(["What is 12 * 34?"]), 2, SAMPLING)
+        prompts = batch(["What is 12 * 34?", "Compute 12 * 34."])
+        _, r = run.run(ScriptedEngine(qwen, calls_then_answers), prompts, 2, SAMPLING)
+        if (
+            agent is not agents.hanging_agent
+        ):  # now every episode fails the same way: counted, the run goes on
+            _, again = run.run(
+                ScriptedEngine(qwen, calls_then_answers), batch(["What is 12 * 34?"]), 2, SAMPLING
+            )
+            assert [e.ended_by for e in again.episodes] == [reason, reason]
     finally:
         run.close()
-    assert [e.ended_by for e in r.episodes] == [reason, reason]
+    assert [e.ended_by for e in r.episodes] == [reason, reason, "answer", "answer"]
     assert all(
-        (e.final_reward == 0.0) if failed == "zero" else math.isnan(e.final_reward) for e in r.episodes
+        (e.final_reward == 0.0) if failed == "zero" else math.isnan(e.final_reward) for e in r.episodes[:2]
     )
-    assert r.loss_mask.shape[0] == 2 and torch.isfinite(r.sampling_logprobs).all()
+    assert r.loss_mask.shape[0] == 4 and torch.isfinite(r.sampling_logprobs).all()
+
+
+@pytest.mark.parametrize(
+    ("agent", "cause"),
+    [
+        (agents.raising_agent, "it raised RuntimeError: the agent's own bug"),
+        (agents.silent_agent, "it never called the model"),
+        (lambda client, row: (agents.calculator_agent(client, row), "1.0")[1], "it returned '1.0'"),
+    ],
+)
+def test_an_agent_that_never_works_stops_the_run_with_the_cause(qwen, agent, cause):
+    from grpo.gateway.runner import AgentFailed
+
+    run = runner(qwen, agent)
+    try:
+        with pytest.raises(
+            AgentFailed, match="Every episode of this step \\(2\\) failed the same way"
+        ) as err:
+            run.run(ScriptedEngine(qwen, calls_then_answers), batch(["What is 12 * 34?"]), 2, SAMPLING)
+    finally:
+        run.close()
+    assert cause in str(err.value)
+
+
+def test_an_agent_that_cannot_take_client_and_row_is_refused_when_loaded():
+    from grpo.config import ConfigError
+    from grpo.gateway.runner import load_agent
+
+    with pytest.raises(
+        ConfigError, match=r"has the signature \(client\), but grpo calls it as agent\(client, row\)"
+    ):
+        load_agent(lambda client: 1.0)
+    assert load_agent(agents.calculator_agent) is agents.calculator_agent
+    assert load_agent(lambda client, row, extra=None: 1.0)  # more parameters with defaults are fine
 
 
 def test_the_agents_reward_returned_or_posted_replaces_the_reward_functions(qwen):
@@ -270,23 +315,54 @@ def test_the_server_and_its_port_are_released_on_close(qwen):
     assert not [t for t in threading.enumerate() if t.name.startswith("grpo-gateway")]
 
 
-def test_native_continue_rows_reports_each_step_as_it_is_sampled(tiny_model):
-    from grpo.rollout.native import NativeEngine
-    from tests.conftest import IdTokenizer
+@pytest.fixture(scope="module")
+def bundled():
+    from transformers import AutoModelForCausalLM
 
-    engine = NativeEngine(tiny_model, IdTokenizer())
-    rows, seen = [[5, 6, 7], [9, 3]], {0: [], 1: []}
+    from tests.chat_templates import bundled_model_path, bundled_tokenizer
+
+    tokenizer = bundled_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.float32).eval()
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        for q in ("What is 3 + 4?", "A box holds 6 eggs. How many eggs are in 7 boxes?")
+    ]  # fmt: skip
+    return model, tokenizer, [list(p) for p in prompts]
+
+
+@pytest.mark.parametrize("kind", ["native", "transformers"])
+@pytest.mark.parametrize("stop", [False, True], ids=["eos-or-length", "stop-string"])
+def test_continue_rows_reports_each_step_as_it_is_sampled(bundled, kind, stop):
+    """The reassembled stream is the reply: every sampled token once, nothing an engine pads after a row
+    ends (eos, or a stop string that cuts row 0 short)."""
+    from grpo.rollout.native import NativeEngine
+    from grpo.rollout.transformers import TransformersEngine
+
+    model, tokenizer, rows = bundled
+    engine = (NativeEngine if kind == "native" else TransformersEngine)(model, tokenizer)
+    seen = {0: [], 1: []}
 
     def on_step(which, tokens):
         for r, t in zip(which, tokens, strict=True):
             seen[r].append(t)
 
-    greedy = SamplingParams(max_new_tokens=5, greedy=True)
+    greedy = SamplingParams(max_new_tokens=24, greedy=True)
+    if stop:
+        first = engine.continue_rows(rows, greedy).completion_ids[0].tolist()
+        at = next(k for k in range(1, 24) if tokenizer.decode(first[k]).strip())
+        greedy = SamplingParams(
+            max_new_tokens=24, greedy=True, stop_strings=[tokenizer.decode(first[at]).strip()]
+        )
     out = engine.continue_rows(rows, greedy, on_step=on_step)
     plain = engine.continue_rows(rows, greedy)
     for r in range(2):
         n = int(out.completion_mask[r].sum())
         assert seen[r] == out.completion_ids[r, :n].tolist() == plain.completion_ids[r, :n].tolist()
+    lengths = out.completion_mask.sum(-1).tolist()
+    assert min(lengths) < 24  # a row ended before the cap: its padded steps did not stream
+    if stop:
+        assert lengths[0] <= at + 1
 
 
 class SlowStepsEngine(ScriptedEngine):
@@ -381,14 +457,17 @@ def test_special_token_text_in_an_agents_messages_never_becomes_control_tokens(s
     assert injected.count(start) == 2  # the template's own: the tool turn and the next generation prompt
 
 
-def test_an_agent_with_ray_rollout_is_refused_in_one_line():
-    from grpo.config import ConfigError, GRPOConfig
+def test_an_agent_with_ray_rollout_is_no_longer_refused():
+    """Ray rollout actors run the gateway and the agents themselves (rollout/ray.py); what is still refused,
+    an agent that cannot be sent to them, is tested in test_weight_versions.py."""
+    from grpo.config import GRPOConfig
+    from grpo.data import PromptFormatter
     from grpo.gateway.runner import build_agent_runner
 
     cfg = GRPOConfig()
     cfg.distributed.rollout_mode = "sync"
-    with pytest.raises(ConfigError, match=r"rollout\.mode=colocated only"):
-        build_agent_runner(cfg, None, agents.calculator_agent)
+    formatter = PromptFormatter(family_tokenizer("qwen2.5"), cfg.data)
+    assert build_agent_runner(cfg, formatter, agents.calculator_agent).agent is agents.calculator_agent
 
 
 def test_a_client_that_leaves_mid_stream_leaves_its_turn_recorded(qwen):

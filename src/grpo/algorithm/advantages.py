@@ -12,7 +12,12 @@ group members sit next to each other. See docs/algorithm.md for the sources of e
 The loop asks `ADVANTAGE_ESTIMATORS` for advantages: an estimator takes the scored batch and the algorithm
 settings and returns one value per completion [N] (spread over the tokens with γ credit when the learner's
 batch is built) or one per completion token [N, T] (its own credit, e.g. per-turn rewards; taken as is on
-the sampled tokens). Today's path is the "group" entry.
+the sampled tokens). Today's path is the "group" entry; `algorithm.advantage_estimator` picks another ("turn":
+per-turn rewards with reward-to-go, docs/agents.md).
+
+An episode is one member of its group however many rows it has: an agent that rewrote its history through
+the gateway (a fork) leaves several rows of one episode (the same `Episode` object), which count once in
+the group's mean and std and share the episode's advantage.
 """
 
 from __future__ import annotations
@@ -24,15 +29,17 @@ import torch
 from torch import Tensor
 
 from grpo.plugins import Registry
-from grpo.records import ScoredRollouts
+from grpo.records import Rollouts, ScoredRollouts
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ADVANTAGE_SCALINGS",
     "discounted_token_advantages",
+    "episode_rows",
     "estimate_advantages",
     "group_advantages",
     "group_reward_stats",
+    "per_episode",
     "per_row_advantages",
 ]
 
@@ -168,6 +175,41 @@ def discounted_token_advantages(advantages: Tensor, mask: Tensor, gamma: float) 
     return advantages[:, None] * credit * mask_f  # [B, T]
 
 
+# -- episodes: a forked episode is several rows and one member of its group --------------------------------
+class EpisodeRows(NamedTuple):
+    index: Tensor  # [N] long: each row's episode, 0..E-1 in the order of their first rows
+    first: Tensor  # [E] long: each episode's first row
+
+
+def episode_rows(rollouts: Rollouts) -> EpisodeRows | None:
+    """Which rows are one episode (rows holding the same `Episode` object: an agent's forks through the
+    gateway). None when every row is its own episode (single turn, tools=, an agent that never forked): then
+    nothing is merged and every caller keeps its per-row path."""
+    episodes = rollouts.episodes
+    if not episodes:
+        return None
+    seen: dict[int, int] = {}
+    index = [seen.setdefault(id(e), len(seen)) for e in episodes]  # the list holds every object alive
+    if len(seen) == len(index):
+        return None
+    index_t = torch.tensor(index, dtype=torch.long)  # [N]
+    rows = torch.arange(len(index))  # [N]
+    first = torch.full((len(seen),), len(index), dtype=torch.long)  # [E]
+    return EpisodeRows(index_t, first.scatter_reduce(0, index_t, rows, "amin"))
+
+
+def per_episode(values: Tensor, rows: EpisodeRows) -> Tensor:
+    """[N] → [E]: the value an episode's rows share; their mean where they differ (DAPO's overlong shaping
+    reads each row's length). A shared value is taken as it is, so that equal episodes stay exactly equal."""
+    e = rows.first.numel()
+    zeros = values.new_zeros(e)  # [E]
+    low = zeros.scatter_reduce(0, rows.index, values, "amin", include_self=False)  # [E]
+    high = zeros.scatter_reduce(0, rows.index, values, "amax", include_self=False)  # [E]
+    counts = torch.bincount(rows.index, minlength=e).to(values.dtype)  # [E]
+    mean = zeros.index_add(0, rows.index, values) / counts  # [E]
+    return torch.where(low == high, values[rows.first], mean)  # [E]
+
+
 # -- estimators: (scored batch, algorithm settings) -> [N] or [N, T] ---------------------------------------
 AdvantageEstimator = Callable[[ScoredRollouts, object], Tensor]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
@@ -175,15 +217,64 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimat
 
 @ADVANTAGE_ESTIMATORS.register("group")
 def group_estimator(scored: ScoredRollouts, algorithm) -> Tensor:
-    """GRPO's: one scalar per completion from its group's rewards (`group_advantages`)."""
+    """GRPO's: one scalar per completion from its group's rewards (`group_advantages`), each episode counted
+    once (a forked episode's rows share its reward and its advantage)."""
     a = algorithm
-    return group_advantages(
-        scored.rewards, scored.rollouts.group_ids, a.advantage_scale, a.advantage_eps
-    )  # [N]
+    rewards, group_ids = scored.rewards, scored.rollouts.group_ids  # [N], [N]
+    rows = episode_rows(scored.rollouts)
+    if rows is None:
+        return group_advantages(rewards, group_ids, a.advantage_scale, a.advantage_eps)  # [N]
+    by_episode = group_advantages(
+        per_episode(rewards, rows), group_ids[rows.first], a.advantage_scale, a.advantage_eps
+    )  # [E]
+    return by_episode[rows.index]  # [N]
 
 
-def estimate_advantages(scored: ScoredRollouts, algorithm, estimator: str = "group") -> Tensor:
-    """The registered estimator's advantages: [N], or [N, T] aligned with the completion columns."""
+@ADVANTAGE_ESTIMATORS.register("turn")
+def turn_estimator(scored: ScoredRollouts, algorithm) -> Tensor:
+    """Per-turn rewards with reward-to-go: DeepSeekMath's process supervision (arXiv 2402.03300 §4.1.3) with
+    an agent's assistant turns as its steps. An episode's rewards are its turn rewards r_k (at turn k) and its
+    episode reward at its last turn K (unless that reward is only the sum of its turn rewards). Each reward is
+    normalised against all the rewards of its group, r̃ = (r - mean) / (std + eps) (algorithm.advantage_scale
+    as for "group"); a token of turn k gets Σ r̃ over its episode's rewards at turns ≥ k. Without per-turn
+    data (Rollouts.turn_ids unset: any runner but the gateway) this is "group", [N]. Returns [N, T]."""
+    a, rollouts = algorithm, scored.rollouts
+    if rollouts.turn_ids is None or rollouts.episodes is None:
+        return group_estimator(scored, algorithm)  # [N]
+    n = rollouts.completion_ids.shape[0]
+    rows = episode_rows(rollouts) or EpisodeRows(torch.arange(n), torch.arange(n))
+    episodes = [rollouts.episodes[i] for i in rows.first.tolist()]
+    rewards = per_episode(scored.rewards, rows)  # [E]
+    turns = rollouts.turn_ids * (rollouts.loss_mask > 0)  # [N, T] long: 0 where nothing was sampled
+    last = torch.zeros(len(episodes), dtype=torch.long).scatter_reduce(
+        0, rows.index, turns.max(-1).values, "amax"
+    )  # [E]
+    # every reward as (episode, turn, value): the per-turn ones, then the episode's own at its last turn
+    events = [(k, t, r) for k, ep in enumerate(episodes) for t, r in sorted(ep.turn_rewards.items())]
+    events += [
+        (k, max(int(last[k]), 1), rewards[k].item())
+        for k, ep in enumerate(episodes)
+        if not ep.reward_is_turn_sum
+    ]
+    which = torch.tensor([k for k, _, _ in events], dtype=torch.long)  # [M]
+    at = torch.tensor([t for _, t, _ in events], dtype=torch.long)  # [M]
+    normalised = group_advantages(
+        torch.tensor([r for _, _, r in events], dtype=rewards.dtype),
+        rollouts.group_ids[rows.first][which],
+        a.advantage_scale,
+        a.advantage_eps,
+    )  # [M], 0 for a dropped episode's NaN
+    width = max(int(at.max()), int(turns.max())) + 1
+    per_turn = rewards.new_zeros(len(episodes), width).index_put_((which, at), normalised, accumulate=True)
+    to_go = per_turn.flip(-1).cumsum(-1).flip(-1)  # [E, K + 1]: Σ of the rewards at turns ≥ k
+    to_go[:, 0] = 0.0  # turn 0: tokens no turn sampled
+    return to_go[rows.index[:, None], turns]  # [N, T]
+
+
+def estimate_advantages(scored: ScoredRollouts, algorithm, estimator: str | None = None) -> Tensor:
+    """The registered estimator's advantages (default: algorithm.advantage_estimator, else "group"): [N], or
+    [N, T] aligned with the completion columns."""
+    estimator = estimator or getattr(algorithm, "advantage_estimator", "group")
     advantages = ADVANTAGE_ESTIMATORS[estimator](scored, algorithm)
     n, t = scored.rollouts.completion_ids.shape
     if tuple(advantages.shape) not in ((n,), (n, t)):

@@ -278,6 +278,13 @@ class AlgorithmConfig:
         choices=Registry("grpo.algorithm.advantages:ADVANTAGE_SCALINGS"),
     )
     advantage_eps: float = _f(1e-4, "Added to the std before dividing.")
+    advantage_estimator: str = _f(
+        "group",
+        "How rewards become advantages: group (GRPO: one per episode, from its group's episode rewards) or "
+        "turn (an agent's per-turn rewards, posted to the gateway's /v1/reward with a turn: each turn's "
+        "tokens get the group-normalised rewards from that turn on; docs/agents.md).",
+        choices=Registry("grpo.algorithm.advantages:ADVANTAGE_ESTIMATORS"),
+    )
     num_iterations: int = _f(1, "Optimisation passes μ over each rollout batch.")
     mask_truncated_completions: bool = _f(
         False, "Exclude completions cut off at max_new_tokens from the loss."

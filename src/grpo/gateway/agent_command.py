@@ -58,6 +58,15 @@ class AgentCommand:
         self.__qualname__ = f"command {shlex.join(argv)!r}"  # how the runner names the agent in its log
         _ALL.add(self)
 
+    def __getstate__(self) -> dict:
+        """To a Ray rollout actor: the command, run from this directory when the actor's machine has it."""
+        return {"argv": self.argv, "timeout_s": self.timeout_s, "cwd": self.cwd or os.getcwd()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(
+            state["argv"], state["timeout_s"], state["cwd"] if os.path.isdir(state["cwd"]) else None
+        )
+
     def __call__(self, client: Any, row: dict) -> float | None:
         base_url = str(client.base_url).rstrip("/")
         env = {

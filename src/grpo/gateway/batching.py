@@ -7,8 +7,11 @@ call if longer (a batch split in two decodes twice, while a straggler costs only
 `max_wait_s` after the first request. An episode that has not called yet is always waited for (up to
 `max_wait_s`): an agent's first act is to call the model. An agent running its tools joins the next batch.
 
-An engine whose `generate` / `continue_rows` take `on_step` (the native one) reports each decode step's
-tokens, which the waiting requests stream as they are sampled; another engine's arrive when its call ends.
+An engine whose `generate` / `continue_rows` take `on_step` (native, transformers) reports each decode
+step's tokens, which the waiting requests stream as they are sampled; another engine's arrive when its call
+ends. An engine with its own continuous batching (`add_row` / `step_rows`: vLLM in-process) is driven step
+by step instead: a request joins the running batch at the next engine step, with no window, and its tokens
+stream after every step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from grpo.model.turn_kv import TurnCache, takes_kv
 from grpo.records import SamplingParams
 
 log = logging.getLogger("grpo")
@@ -32,13 +36,15 @@ log = logging.getLogger("grpo")
 class Job:
     """One request's sampling: continue `ids` by at most `max_new` tokens. Its `events` queue receives
     ("token", id) as tokens are sampled (streamed jobs only: a thread woken per token costs the decode
-    time), then ("done", ids, logprobs, truncated) or ("error", exception)."""
+    time), then ("done", ids, logprobs, truncated, version) or ("error", exception). `version`: the weights
+    that sampled the ids, when the engine says (a Ray rollout actor's VersionedEngine), else None."""
 
     ids: list[int]
     max_new: int
     stream: bool = False  # the client streams: it gets each token as it is sampled
     events: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
     cancelled: bool = False
+    key: object = None  # the row's session: its K/V are kept for its next turn (model/turn_kv.py)
 
 
 class Batcher:
@@ -51,9 +57,11 @@ class Batcher:
         max_wait_s: float = 5.0,
     ):
         self.engine, self.sampling, self.live = engine, sampling, live
+        self.kv = TurnCache() if takes_kv(engine) else None
         self.window_s, self.max_wait_s = window_s, max(window_s, max_wait_s)
         self._last_call_s = 0.0
         self._pending: list[Job] = []
+        self._in_flight: dict[int, Callable] = {}  # id → fail(error) of each job a continuous engine samples
         self._cond = threading.Condition()
         self._closed = False
         self.batches: list[int] = []  # rows per engine call, since the last metrics()
@@ -65,6 +73,8 @@ class Batcher:
         """The engine and run sampling of the next calls (a step, or an evaluation with greedy sampling)."""
         with self._cond:
             self.engine, self.sampling = engine, sampling
+            # Sessions' K/V, kept between their turns; new each step (they are the old weights' K/V).
+            self.kv = TurnCache() if takes_kv(engine) else None
 
     def submit(self, job: Job) -> Job:
         with self._cond:
@@ -114,13 +124,74 @@ class Batcher:
             return jobs
 
     def _loop(self) -> None:
-        while (jobs := self._take()) is not None:
-            if jobs:
+        while True:
+            with self._cond:
+                engine = self.engine
+            if continuous(engine):
+                if not self._step(engine):
+                    return
+            elif (jobs := self._take()) is None:
+                return
+            elif jobs:
                 self._run(jobs)
+
+    # -- an engine with continuous batching ---------------------------------------------------------------
+    def _step(self, engine) -> bool:
+        """Add the requests that arrived, then one engine step; False once closed."""
+        with self._cond:
+            while not self._pending and not self._in_flight and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                for job in self._pending:
+                    job.events.put(("error", RuntimeError("the gateway closed")))
+                return False
+            jobs, self._pending, sampling = [j for j in self._pending if not j.cancelled], [], self.sampling
+        for job in jobs:
+            self._join(engine, sampling, job)
+        if not self._in_flight:
+            return True
+        started = time.perf_counter()
+        try:
+            with torch.no_grad():
+                rows = engine.step_rows()
+        except Exception as err:  # noqa: BLE001 - every row in flight gets the error; the server stays up
+            log.warning("The gateway's engine step failed: %s: %s", type(err).__name__, err)
+            for fail in list(self._in_flight.values()):
+                fail(err)
+            return True
+        self.engine_s += time.perf_counter() - started
+        if rows:
+            self.batches.append(rows)
+        return True
+
+    def _join(self, engine, sampling: SamplingParams, job: Job) -> None:
+        """`job` joins the engine's running batch; its tokens go to its events as each step samples them."""
+        ids: list[int] = []
+        logprobs: list[float] = []
+
+        def report(tokens: list[int], lps: list[float], finished: bool, truncated: bool) -> None:
+            ids.extend(tokens)
+            logprobs.extend(lps)
+            if job.stream:
+                for t in tokens:
+                    job.events.put(("token", t))
+            if finished:
+                self._in_flight.pop(id(job), None)
+                job.events.put(("done", ids, logprobs, truncated))
+
+        def fail(err: BaseException) -> None:
+            if self._in_flight.pop(id(job), None) is not None:
+                job.events.put(("error", err))
+
+        self._in_flight[id(job)] = fail
+        try:
+            engine.add_row(job.ids, dataclasses.replace(sampling, max_new_tokens=job.max_new), report, fail)
+        except Exception as err:  # noqa: BLE001 - this request gets the error; the others go on
+            fail(err)
 
     def _run(self, jobs: list[Job]) -> None:
         with self._cond:
-            engine, sampling = self.engine, self.sampling
+            engine, sampling, cache = self.engine, self.sampling, self.kv
         sampling = dataclasses.replace(sampling, max_new_tokens=max(j.max_new for j in jobs))
         self.batches.append(len(jobs))
         started = time.perf_counter()
@@ -138,8 +209,11 @@ class Batcher:
                 call, args = engine.generate, (prompts, n, sampling)
             else:
                 call, args = engine.continue_rows, ([j.ids for j in jobs], sampling)
+            kw = {"on_step": on_step} if streamed and takes_on_step(call) else {}
+            if cache is not None:  # result row r is job order[r]'s; a row without a session keeps nothing
+                kw["kv"] = cache.bind(jobs[k].key if jobs[k].key is not None else object() for k in order)
             with torch.no_grad():  # grad mode is per thread: the step's no_grad does not reach this one
-                out = call(*args, on_step=on_step) if streamed and takes_on_step(call) else call(*args)
+                out = call(*args, **kw)
         except Exception as err:  # noqa: BLE001 - every waiting request gets the error; the server stays up
             log.warning("The gateway's engine call failed: %s: %s", type(err).__name__, err)
             for job in jobs:
@@ -149,10 +223,13 @@ class Batcher:
         log.debug("Gateway: %d requests in one engine call (%.2f s).", len(jobs), self._last_call_s)
         self.engine_s += self._last_call_s
         lengths = out.completion_mask.sum(-1).long().tolist()
+        # one engine call, one set of weights: a row's stamps are its version (-1 where nothing was sampled)
+        versions = [None] * len(order) if out.weight_version is None else out.weight_version.max(-1).values
         for r, k in enumerate(order):
             ids = out.completion_ids[r, : lengths[r]].tolist()
             logprobs = out.sampling_logprobs[r, : lengths[r]].tolist()
-            jobs[k].events.put(("done", ids, logprobs, bool(out.truncated[r])))
+            version = None if versions[r] is None else int(versions[r])
+            jobs[k].events.put(("done", ids, logprobs, bool(out.truncated[r]), version))
 
     def metrics(self) -> dict[str, float]:
         batches, self.batches = self.batches, []
@@ -164,6 +241,11 @@ class Batcher:
             "gateway/engine_calls": float(len(batches)),
             "gateway/batch_rows": sum(batches) / len(batches),
         }
+
+
+def continuous(engine) -> bool:
+    """The engine batches continuously itself: rows join at its next step (`add_row` / `step_rows`)."""
+    return callable(getattr(engine, "add_row", None)) and callable(getattr(engine, "step_rows", None))
 
 
 def takes_on_step(method) -> bool:

@@ -94,11 +94,16 @@ def _chat_settings(body: dict) -> dict:
         request["tool_choice"] = _chat_tool_choice(body["tool_choice"])
     if body.get("parallel_tool_calls") is not None:
         request["parallel_tool_calls"] = bool(body["parallel_tool_calls"])
-    if body.get("max_output_tokens") is not None:
-        request["max_completion_tokens"] = body["max_output_tokens"]
+    if (cap := body.get("max_output_tokens")) is not None:
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise GatewayError(400, f"max_output_tokens must be an integer of at least 1, got {cap!r}.",
+                               param="max_output_tokens")  # fmt: skip
+        request["max_completion_tokens"] = cap
     for key in ("temperature", "top_p"):
         if body.get(key) is not None:
             request[key] = body[key]
+    if body.get("stream") not in (None, True, False):
+        raise GatewayError(400, f"stream must be true or false, got {body['stream']!r}.", param="stream")
     if body.get("stream"):
         request["stream"] = True
         request["stream_options"] = {"include_usage": True}
@@ -372,6 +377,8 @@ def responses_route(gateway: Any, session: Any, body: Any) -> dict | Iterator[tu
             return (c for c in stream_chunks(events, request_id, model, True) if isinstance(c, dict))
         return chat_completion(next(e for e in events if isinstance(e, TurnDone)), request_id, model)
 
+    if isinstance(body, dict) and body.get("stream") not in (None, True, False):
+        raise GatewayError(400, f"stream must be true or false, got {body['stream']!r}.", param="stream")
     try:
         if isinstance(body, dict) and body.get("stream"):
             return ((event["type"], event) for event in respond_stream(body, store, complete))

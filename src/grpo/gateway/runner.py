@@ -32,12 +32,15 @@ from pathlib import Path
 import torch
 
 from grpo import plugins
+from grpo.agents.environments import EnvironmentContractError
+from grpo.config import ConfigError
 from grpo.gateway.server import GatewayServer
 from grpo.gateway.service import Gateway, Limits
 from grpo.gateway.sessions import Session
 from grpo.records import Episode, PromptBatch
 from grpo.rewards.isolation import STOP_GRACE_S, stop_requested
 from grpo.rollout.multi_turn import episode_rollouts
+from grpo.rollout.weight_versions import with_versions
 
 log = logging.getLogger("grpo")
 
@@ -47,14 +50,46 @@ FAILURES = ("agent_error", "bad_request", "timeout", "no_calls", "history")
 def load_agent(spec):
     """The agent callable: itself, or `package.module:function` / `path/to/file.py:function`."""
     if callable(spec):
+        _check_signature(spec, getattr(spec, "__qualname__", repr(spec)))
         return spec
+    agent = plugins.load(portable_spec(spec), "env.agent", call=True)
+    _check_signature(agent, str(spec))
+    return agent
+
+
+def _check_signature(agent, spec: str) -> None:
+    """grpo calls `agent(client, row)`: one that cannot take both is refused before the model loads, instead
+    of failing every episode with a TypeError."""
+    try:
+        signature = inspect.signature(agent)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+        return
+    try:
+        signature.bind(object(), {})
+    except TypeError:
+        raise ConfigError(
+            f"env.agent {spec!r} has the signature {signature}, but grpo calls it as agent(client, row): "
+            "give it exactly those two parameters (client: an openai client for this episode, row: the "
+            "dataset row as a dict)."
+        ) from None
+
+
+class AgentFailed(EnvironmentContractError):
+    """Every episode of a step failed the same way in the agent's own code: the run stops with the cause."""
+
+
+def portable_spec(spec) -> str | None:
+    """A string spec as any process on this machine loads it: a file path made absolute (a relative one not
+    found here may be one of grpo's own examples, the tiny_tools_agent preset's); None for a callable."""
+    if callable(spec):
+        return None
     module_name, _, name = str(spec).rpartition(":")
     path = Path(module_name)
-    if (module_name.endswith(".py") or "/" in module_name) and not path.is_absolute() and not path.is_file():
-        # a relative path not found here may be one of grpo's own examples (the tiny_tools_agent preset)
-        checkout = Path(__file__).resolve().parents[3] / path
-        spec = f"{checkout}:{name}" if checkout.is_file() else spec
-    return plugins.load(str(spec), "env.agent", call=True)
+    if not (module_name.endswith(".py") or "/" in module_name) or path.is_absolute():
+        return str(spec)
+    if not path.is_file():
+        path = Path(__file__).resolve().parents[3] / path
+    return f"{path.resolve()}:{name}" if path.is_file() else str(spec)
 
 
 class AgentRunner:
@@ -65,6 +100,9 @@ class AgentRunner:
     # where it left the scoring to the run's reward functions.
     reward_names = ("agent",)
     renders_prompts = False
+    # An episode is many engine calls: on a Ray actor under rollout.mode=async, new weights may load between
+    # two of them (each token keeps the version that sampled it: rollout/weight_versions.py).
+    weights_mid_episode = True
 
     def __init__(
         self,
@@ -81,9 +119,12 @@ class AgentRunner:
         window_s: float = 0.2,
     ):
         self.agent = load_agent(agent)
+        self.agent_spec = portable_spec(agent)  # set: a Ray rollout actor loads the agent by it
         self.is_async = inspect.iscoroutinefunction(self.agent)
         self.tokenizer, self.parser, self.limits = tokenizer, parser, limits
         self.timeout_s, self.failed_episode = timeout_s, failed_episode
+        self._notes: dict[str, str] = {}  # session key → why its episode failed in the agent's code
+        self._worked = False  # some episode of the run ended without failing
         self.gateway_args = dict(
             strict_history=strict_history,
             template_kwargs=template_kwargs,
@@ -96,6 +137,19 @@ class AgentRunner:
         self._previous: list[Session] = []
         self._metrics: dict[str, float] = {}
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        """What travels to a Ray rollout actor: the settings, not the live server, threads or sessions (the
+        actor serves its own gateway); an agent named by a path is loaded there again by that path."""
+        state = dict(self.__dict__, gateway=None, server=None, _http=None, _previous=[], _lock=None)
+        if self.agent_spec is not None:
+            state["agent"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+        if self.agent is None:
+            self.agent = load_agent(self.agent_spec)
 
     # -- the gateway lives as long as the runner ---------------------------------------------------------
     def _serve(self, engine, sampling) -> Gateway:
@@ -152,6 +206,7 @@ class AgentRunner:
             self._episode(s, value, failure) for s, (value, failure) in zip(sessions, results, strict=True)
         ]
         self._previous = sessions
+        self._refuse_if_all_failed(sessions, episodes)
         self._count(sessions)
         return self._rollouts(prompts, sessions, episodes)
 
@@ -227,9 +282,29 @@ class AgentRunner:
         thread.join()
         return list(box[0]) if box else [(None, "agent_error")] * len(sessions)
 
+    def _refuse_if_all_failed(self, sessions: list[Session], episodes: list[Episode]) -> None:
+        """An agent whose every episode failed for the same reason in its own code (it raised the same
+        error, returned something that is not a reward, never called the model) before any episode of the
+        run worked would train on nothing and end with advice about reward spread: stop with the cause
+        instead. Timeouts and history rewrites are the model's doing as much as the agent's: never here."""
+        notes = {self._notes.get(s.key) for s in sessions}
+        kinds = {e.ended_by for e in episodes}
+        self._worked = self._worked or not kinds <= set(FAILURES)
+        if len(notes) != 1 or None in notes or not kinds <= {"agent_error", "no_calls"}:
+            return
+        if self._worked:  # it worked before: a flaky step is counted (episode/ended_by/*), the run goes on
+            log.warning("Every episode of this step failed the same way in the agent: %s.", next(iter(notes)))
+            return
+        raise AgentFailed(
+            f"Every episode of this step ({len(sessions)}) failed the same way in the agent: {notes.pop()}. "
+            "Fix the agent (run it once against any OpenAI-compatible server to see it work), then start "
+            "again."
+        )
+
     def _failure(self, s: Session, err: BaseException) -> str:
         if s.ended in FAILURES:
             return s.ended  # bad_request / history: the gateway ended it, the agent's client then raised
+        self._notes[s.key] = f"it raised {type(err).__name__}: {str(err)[:300]}"
         if not getattr(self, "_said_error", False):
             self._said_error = True
             log.warning(
@@ -249,11 +324,16 @@ class AgentRunner:
             failure = s.ended  # the agent caught the gateway's refusal and returned
         if failure is None and not s.calls:
             failure = "no_calls"
+            self._notes[s.key] = "it never called the model (no request reached this episode's session)"
         if failure is None and value is not None and not _is_number(value):
             log.warning("An agent returned %r, not a number or None: its episode is scored as failed.", value)
             failure = "agent_error"
+            self._notes[s.key] = f"it returned {value!r}, which is not a number or None"
+        # The episode's own reward wins (returned, else posted without a turn); else the sum of its per-turn
+        # rewards; else None: the run's reward functions score it. The "turn" estimator reads both apart.
         reward = float(value) if failure is None and value is not None else s.reward
-        if reward is None and s.turn_rewards:
+        from_turns = reward is None and bool(s.turn_rewards)
+        if from_turns:
             reward = sum(s.turn_rewards.values())
         last = s.rows[-1] if s.rows else None
         ep = Episode(messages=[] if last is None else [dict(m) for m in last.messages[last.first_messages :]])
@@ -264,6 +344,7 @@ class AgentRunner:
         else:
             ep.ended_by = "max_tokens" if s.last_finish == "length" else "answer"
             ep.final_reward = reward
+            ep.turn_rewards, ep.reward_is_turn_sum = dict(s.turn_rewards), from_turns
         ep.env_reward = reward if failure is None else None
         ep.env_class = "agent"  # its reward column
         return ep
@@ -286,6 +367,8 @@ class AgentRunner:
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else pad
         prompt_ids = list(prompts.prompt_token_ids)
         rows: list[tuple[int, Episode, list[int], list[float], list[float]]] = []
+        turns: list[list[int]] = []  # per row: the episode turn that sampled each id (0: none)
+        stamps: list[list[int]] = []  # per row: the weight version of each id (Ray rollout actors)
         for i in range(len(prompts)):
             members = [(s, e) for s, e in zip(sessions, episodes, strict=True) if s.group == i]
             own = [r for s, _ in members for r in s.rows]
@@ -302,7 +385,11 @@ class AgentRunner:
             for s, e in members:
                 if not s.rows:
                     rows.append((i, e, [eos], [0.0], [0.0]))
+                    turns.append([0])
+                    stamps.append([-1])
                 for r in s.rows:
+                    turns.append(r.turns_from(start) or [0])
+                    stamps.append(r.versions_from(start) or [-1])
                     rows.append(
                         (
                             i,
@@ -312,7 +399,12 @@ class AgentRunner:
                             r.logprobs[start:] or [0.0],
                         )
                     )
-        return dataclasses.replace(prompts, prompt_token_ids=prompt_ids), episode_rollouts(rows, pad)
+        rollouts = with_versions(episode_rollouts(rows, pad), stamps)
+        turn_ids = torch.zeros_like(rollouts.completion_ids)  # [N, T]
+        for k, row_turns in enumerate(turns):
+            turn_ids[k, : len(row_turns)] = torch.tensor(row_turns, dtype=torch.long)
+        rollouts = dataclasses.replace(rollouts, turn_ids=turn_ids)
+        return dataclasses.replace(prompts, prompt_token_ids=prompt_ids), rollouts
 
 
 def _is_number(value) -> bool:
@@ -332,14 +424,6 @@ def build_agent_runner(cfg, formatter, agent=None, **objects) -> AgentRunner:
         from grpo.gateway.agent_command import AgentCommand
 
         agent = AgentCommand(cfg.env.agent_command, timeout_s=cfg.env.episode_timeout_s)
-    if cfg.distributed.rollout_mode != "colocated":
-        from grpo.config import ConfigError
-
-        raise ConfigError(
-            f"env.agent / env.agent_command run with rollout.mode=colocated only (this run has "
-            f"{cfg.distributed.rollout_mode}): the gateway serves the learner process's engine. Drop "
-            "rollout.mode, or use tools= / an environment with Ray rollout."
-        )
     tokenizer = formatter.tokenizer
     parser = detect_parser(tokenizer, cfg.model.name_or_path, cfg.env.tool_parser)
     limits = Limits(

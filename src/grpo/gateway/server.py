@@ -4,7 +4,8 @@ Routes (ROUTES, path → handler(gateway, session, body)) answer a dict as JSON,
 server-sent event stream; GET /v1/models needs no body; /v1/responses is responses.py's translation. Every
 request must carry a live session's key as `Authorization: Bearer ...` (401 otherwise). A request that
 cannot be served gets an OpenAI-style error object and the server stays up: malformed JSON 400, a body
-over `max_body` bytes 413, an ended session 409. A session's malformed request (400/413) ends its episode
+over `max_body` bytes 413, an ended session 409, another method 405 (even what the stdlib answers itself, a
+malformed request line, is an error object). A session's malformed request (400/413) ends its episode
 (counted as `bad_request`).
 """
 
@@ -119,9 +120,12 @@ class _Handler(BaseHTTPRequestHandler):
         session = self._session()
         if session is None:
             return
-        if self.path.rstrip("/") == "/v1/models":
-            model = {"id": self.gateway.model_name, "object": "model", "created": 0, "owned_by": "grpo"}
+        path = self.path.split("?")[0].rstrip("/")
+        model = {"id": self.gateway.model_name, "object": "model", "created": 0, "owned_by": "grpo"}
+        if path == "/v1/models":
             self._json(200, {"object": "list", "data": [model]})
+        elif path.startswith("/v1/models/"):  # client.models.retrieve(name): the policy answers to any name
+            self._json(200, {**model, "id": path[len("/v1/models/") :]})
         else:
             self._error(GatewayError(404, f"No route GET {self.path}.", code="not_found"))
 
@@ -155,6 +159,24 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._stream(reply)
 
+    def _not_allowed(self):
+        self._discard_body()
+        allow = "GET" if self.path.split("?")[0].rstrip("/").startswith("/v1/models") else "POST"
+        self._error(GatewayError(405, f"{self.command} is not served on {self.path}: use {allow}.",
+                                 code="method_not_allowed"), {"Allow": allow})  # fmt: skip
+
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed
+
+    def send_error(self, code, message=None, explain=None):
+        """What the stdlib answers itself (a malformed request line, an unsupported method) as an OpenAI-style
+        error object, like every other reply, instead of its HTML page."""
+        del explain
+        self.close_connection = True
+        # A request line it could not read leaves the stdlib assuming HTTP/0.9, which has no status line or
+        # headers: answer as HTTP/1.1 so the client can read the status.
+        self.request_version = self.protocol_version
+        self._error(GatewayError(code, message or "The request could not be read."))
+
     def _session(self) -> Session | None:
         auth = self.headers.get("Authorization", "")
         key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
@@ -172,7 +194,10 @@ class _Handler(BaseHTTPRequestHandler):
         return session
 
     def _discard_body(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
         if 0 < length <= self.max_body:
             self.rfile.read(length)
         elif length:
@@ -182,7 +207,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
-            raise GatewayError(400, "Content-Length is not a number.") from None
+            length = -1
+        if length < 0:
+            self.close_connection = True
+            raise GatewayError(400, "Content-Length must be a number of bytes (0 or more).")
         if length > self.max_body:
             self.close_connection = True  # the body is not read: the connection cannot be reused
             raise GatewayError(413, f"The request body is {length} bytes, over the limit of {self.max_body}.")
@@ -192,9 +220,11 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, RecursionError) as err:  # RecursionError: a body nested past the limit
             raise GatewayError(400, f"The request body is not valid JSON ({err}).") from None
 
-    def _json(self, status: int, obj: dict) -> None:
+    def _json(self, status: int, obj: dict, headers: dict | None = None) -> None:
         data = json.dumps(obj).encode()
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         # One request per connection: a pooled keep-alive connection that a client reuses just as the other
@@ -205,8 +235,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _error(self, err: GatewayError) -> None:
-        self._json(err.status, err.body())
+    def _error(self, err: GatewayError, headers: dict | None = None) -> None:
+        self._json(err.status, err.body(), headers)
 
     def _stream(self, items) -> None:
         self.send_response(200)

@@ -87,6 +87,15 @@ class Gateway:
             )
         if req.seed is not None:
             self._say_once("seed", "Gateway: requests' seed is ignored (the run's seed drives sampling).")
+        if req.tool_choice not in (None, "auto", "none"):
+            self._say_once(
+                "tool_choice",
+                f"Gateway: requests set tool_choice {req.tool_choice!r}; the model is shown the tools and "
+                "asked, not forced (no constrained decoding: the reply may not call a tool).",
+            )
+        for key in req.ignored:
+            said = "which the gateway does not act on (the policy's own decoding is what training needs)"
+            self._say_once(key, f"Gateway: requests set {key}, {said}; replies come without it.")
 
     # -- one turn --------------------------------------------------------------------------------------------
     def complete(self, session: Session, req: ChatRequest) -> Iterator[TextDelta | ToolCallDelta | TurnDone]:
@@ -98,7 +107,8 @@ class Gateway:
                 {"role": "assistant", "content": ""}, "length", _usage(len(row.ids) if row else 0, 0)
             )
             return
-        stream = _TextStream(self.tokenizer, self.special_ids, _CALL_MARKERS.get(self.parser.name, ()))
+        markers = _CALL_MARKERS.get(self.parser.name, ()) if req.calls else ()
+        stream = _TextStream(self.tokenizer, self.special_ids, markers, calls=req.calls)
         sampled: list[int] = []
         event = None
         try:
@@ -164,11 +174,11 @@ class Gateway:
             cap = min(self.limits.turn_tokens, left, req.max_tokens or left)
             row.busy = True
             session.calls += 1
-            job = Job(list(row.ids), cap, stream=req.stream)
+            job = Job(list(row.ids), cap, stream=req.stream, key=session.key)
         self.batcher.submit(job)
         return job, row, cap
 
-    def _finish(self, session, row, req, ids, logprobs, truncated, cap) -> TurnDone:
+    def _finish(self, session, row, req, ids, logprobs, truncated, version, cap) -> TurnDone:
         cut = min(len(ids), cap)
         length = cut < len(ids) or (truncated and cut == len(ids))
         new, lps = ids[:cut], logprobs[:cut]
@@ -179,13 +189,15 @@ class Gateway:
         ):  # the request's own stop strings: the turn ends at the first (the run's stop in the engine)
             text, new, lps, stopped = self._cut_at_stop(text, new, lps, req.stop)
             length = length and not stopped
-        parsed = parse_turn(self.parser, text)  # nothing a model writes raises (agents/parsing.py)
+        # nothing a model writes raises (agents/parsing.py); tool_choice "none": the text is the reply
+        parsed = parse_turn(self.parser, text) if req.calls else ParsedTurn(text.strip(), [], [])
         with session.lock:
             session.turns += 1
             turn = session.turns
-            row.add(new, lps)
+            row.add(new, lps, version)
             stored, reply = _assistant(parsed, turn)
             row.messages.append(stored)
+            row.mark_turn(turn, len(new))
             row.busy = False
             session.tool_calls += len(parsed.calls)
             finish = "length" if length else "tool_calls" if parsed.calls else "stop"
@@ -238,10 +250,10 @@ class _TextStream:
     """Content text as tokens arrive: what is safe to send before the turn is parsed. It stops where a tool
     call may begin, holds trailing whitespace and a partial character (the parsed content is stripped)."""
 
-    def __init__(self, tokenizer, special_ids: set[int], markers: tuple[str, ...]):
+    def __init__(self, tokenizer, special_ids: set[int], markers: tuple[str, ...], calls: bool = True):
         self.tokenizer, self.special_ids, self.markers = tokenizer, special_ids, markers
         self.sent = ""
-        self.stopped = not markers  # an unknown format: nothing is safe before the parse
+        self.stopped = calls and not markers  # an unknown format: nothing is safe before the parse
 
     def feed(self, ids: list[int]) -> str:
         if self.stopped:

@@ -30,16 +30,41 @@ class Row:
     messages: list[dict]  # the conversation as it stands (normalized), ending with the last reply
     tools_key: str
     first_messages: int  # how many messages the row's first request had (its prompt)
+    # (start, end, turn): the ids[start:end] that the episode's assistant turn `turn` (1 = its first) sampled
+    turn_spans: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     busy: bool = False  # a turn is being sampled from it: a concurrent request starts a row of its own
+    # per id: the weight version that sampled it (-1: not sampled, or the engine does not say); a Ray
+    # rollout actor's weights may change between two turns of one row (rollout/weight_versions.py)
+    versions: list[int] = dataclasses.field(default_factory=list)
 
-    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+    def add(self, ids: list[int], logprobs: list[float] | None, version: int | None = None) -> None:
         self.ids += ids
         self.sampled += [1.0 if logprobs is not None else 0.0] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        stamp = -1 if logprobs is None or version is None else version
+        self.versions += [stamp] * len(ids)
+
+    def versions_from(self, start: int) -> list[int]:
+        """The versions of ids[start:] (the prompt's ids were never sampled: -1)."""
+        own = [-1] * (
+            len(self.ids) - len(self.versions)
+        ) + self.versions  # the prompt came in by the constructor
+        return own[start:]
 
     @property
     def completion_tokens(self) -> int:
         return len(self.ids) - self.prompt_len
+
+    def mark_turn(self, turn: int, sampled: int) -> None:
+        """The last `sampled` ids are the episode's assistant turn `turn` (per-turn rewards credit them)."""
+        self.turn_spans.append((len(self.ids) - sampled, len(self.ids), turn))
+
+    def turns_from(self, start: int) -> list[int]:
+        """Per id of ids[start:]: the turn that sampled it, 0 for prompt and injected ids."""
+        turns = [0] * len(self.ids)
+        for begin, end, turn in self.turn_spans:
+            turns[begin:end] = [turn] * (end - begin)
+        return turns[start:]
 
 
 @dataclasses.dataclass

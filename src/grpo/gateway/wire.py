@@ -116,6 +116,19 @@ def normalize_messages(messages: Any) -> list[dict]:
     return out
 
 
+# Request fields the gateway accepts but does not act on, with the values that ask for nothing (any other
+# value is said once in the log): decoding is the policy's own, as training needs.
+IGNORED = {
+    "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (True,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+}
+
+
 def _number(body: dict, key: str, kind=float, low=None, high=None):
     value = body.get(key)
     if value is None:
@@ -127,8 +140,33 @@ def _number(body: dict, key: str, kind=float, low=None, high=None):
     ):
         raise bad(f"{key} must be {'an integer' if kind is int else 'a number'}.", key)
     if (low is not None and value < low) or (high is not None and value > high):
-        raise bad(f"{key} must be between {low} and {high}.", key)
+        if high is None:
+            raise bad(f"{key} must be at least {low}, got {value}.", key)
+        raise bad(f"{key} must be between {low} and {high}, got {value}.", key)
     return kind(value)
+
+
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise bad(f"{key} must be true or false, got {value!r}.", key)
+    return bool(value)
+
+
+def _tool_choice(choice: Any, tools: list[dict] | None) -> str | None:
+    """ "auto" / "none" / "required", or the name of the one function the request insists on."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise bad(
+            'tool_choice must be "auto", "none", "required" or '
+            '{"type": "function", "function": {"name": ...}}.',
+            "tool_choice",
+        )
+    if name not in {t["function"]["name"] for t in tools or []}:
+        raise bad(f"tool_choice names {name!r}, which is not among the request's tools.", "tool_choice")
+    return name
 
 
 @dataclass
@@ -145,6 +183,9 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     model: str = ""
+    calls: bool = True  # read the reply for tool calls (tool_choice "none": no)
+    tool_choice: str | None = None  # as validated; "required" or a name is asked of the model, not forced
+    ignored: list[str] = field(default_factory=list)  # fields given that the gateway does not honour
 
     @classmethod
     def parse(cls, body: Any) -> ChatRequest:
@@ -159,18 +200,21 @@ class ChatRequest:
             ):
                 raise bad("tools must be a list of {'type': 'function', 'function': {'name': ...}}.", "tools")
             tools = [{"type": "function", "function": t["function"]} for t in tools] or None
-        if body.get("tool_choice") == "none":
-            tools = None  # the model is not shown the tools, so it does not call them
-        n = _number(body, "n", int, 1, 1)
-        del n  # only one choice: a group's episodes are the agent's own calls, one sample each
+        tool_choice = _tool_choice(body.get("tool_choice"), tools)
+        if tool_choice == "none":
+            tools = None  # the model is not shown the tools, and its reply is not read for calls
+        if body.get("n") not in (None, 1):
+            # one choice: a group's episodes are the agent's own calls, one sample each
+            raise bad(f"n must be 1 (each episode is one sample of its group), got {body.get('n')!r}.", "n")
         stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        stop = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [stop] if stop else []
         if not all(isinstance(s, str) and s for s in stop):
             raise bad("stop must be a string or a list of non-empty strings.", "stop")
         cap = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise bad("stream_options must be an object.", "stream_options")
+        ignored = [k for k in IGNORED if body.get(k) not in (None, *IGNORED[k])]
         return cls(
             messages=normalize_messages(body.get("messages")),
             tools=tools,
@@ -179,9 +223,12 @@ class ChatRequest:
             temperature=_number(body, "temperature", float, 0.0, 2.0),
             top_p=_number(body, "top_p", float, 0.0, 1.0),
             seed=_number(body, "seed", int),
-            stream=bool(body.get("stream")),
-            include_usage=bool(options.get("include_usage")),
+            stream=_flag(body, "stream"),
+            include_usage=_flag(options, "include_usage"),
             model=str(body.get("model") or ""),
+            calls=tool_choice != "none",
+            tool_choice=tool_choice,
+            ignored=ignored,
         )
 
 

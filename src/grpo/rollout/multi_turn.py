@@ -30,6 +30,7 @@ from grpo.agents.messages import assistant_message, tool_messages
 from grpo.agents.parsing import ParsedTurn, ToolCallParser, detect_parser, parse_turn
 from grpo.agents.tools import ToolBox
 from grpo.config import ConfigError
+from grpo.model.turn_kv import TurnCache, takes_kv
 from grpo.records import Episode, PromptBatch, Rollouts
 
 log = logging.getLogger("grpo")
@@ -72,6 +73,9 @@ class MultiTurn:
 
     multi_turn = True
     renders_prompts = True  # with the tools each row's environment declares
+    # A later turn prefills only its new ids where the engine keeps each row's K/V (the native one,
+    # model/turn_kv.py); off, every turn prefills each row's whole conversation.
+    reuse_kv = True
 
     def __init__(
         self,
@@ -99,6 +103,7 @@ class MultiTurn:
         self._said_template = False
         self._template_errors: list[str] = []
         self._renderers: dict[str, ChatRenderer] = {}
+        self.kv_tokens = (0, 0)  # the last step's (positions reused, positions prefilled)
 
     def renderer(self, schemas: list[dict]) -> ChatRenderer:
         key = repr(schemas)
@@ -112,6 +117,8 @@ class MultiTurn:
         del chunk_prompts  # one row per live episode; the engine bounds its own batch
         prompts, live = self._start(prompts, n)
         lim = self.limits
+        # Lives for this step's episodes only: its K/V are of the weights they were sampled with.
+        cache = TurnCache() if self.reuse_kv and takes_kv(engine) else None
         for turn in range(1, lim.max_turns + 1):
             for e in live:
                 if not e.done and len(e.ids) >= lim.max_tokens:
@@ -123,11 +130,7 @@ class MultiTurn:
             step_sampling = dataclasses.replace(
                 sampling, max_new_tokens=max(1, min(lim.turn_tokens, max(room)))
             )
-            if turn == 1:  # every episode of a group starts from its prompt: the shared-prompt fast path
-                out = engine.generate(prompts.prompt_token_ids, n, step_sampling)
-            else:
-                rows = [prompts.prompt_token_ids[e.group] + e.ids for e in active]
-                out = engine.continue_rows(rows, step_sampling)
+            out = self._sample(engine, prompts, live, n, turn, step_sampling, cache)
             waiting: list[tuple[EpisodeState, ParsedTurn]] = []
             for r, (e, budget) in enumerate(zip(active, room, strict=True)):
                 parsed = self._take_turn(e, out, r, budget, turn)
@@ -149,7 +152,21 @@ class MultiTurn:
                 "role/content text the template accepts."
             )
         self._template_errors.clear()
+        self.kv_tokens = (cache.reused_tokens, cache.prefilled_tokens) if cache is not None else (0, 0)
         return prompts, self._rollouts(live)
+
+    @staticmethod
+    def _sample(engine, prompts, live: list[EpisodeState], n, turn, sampling, cache: TurnCache | None):
+        """One turn of every live episode, in one engine call; with a cache, each episode's rows by its
+        index in `live`."""
+        keys = [k for k, e in enumerate(live) if turn == 1 or not e.done]  # turn 1: P·n rows, every episode
+        if cache is not None:
+            cache.retain(keys)  # an episode that ended holds no K/V
+        kv = {} if cache is None else {"kv": cache.bind(keys)}
+        if turn == 1:  # every episode of a group starts from its prompt: the shared-prompt fast path
+            return engine.generate(prompts.prompt_token_ids, n, sampling, **kv)
+        rows = [prompts.prompt_token_ids[live[k].group] + live[k].ids for k in keys]
+        return engine.continue_rows(rows, sampling, **kv)
 
     def _run_tools(self, waiting: list[tuple[EpisodeState, ParsedTurn]]) -> None:
         """Every waiting episode's calls at once; each episode gets its results as tool messages."""

@@ -71,18 +71,22 @@ class NativeEngine:
         sampling: SamplingParams,
         chunk_prompts: int | None = None,
         on_step=None,
+        kv=None,
     ) -> Rollouts:
-        if on_step is not None:  # the gateway: one call, each step's tokens reported (see continue_rows)
+        """kv: a TurnCache's call (model/turn_kv.py) that keeps the rows' K/V for their next turn."""
+        if on_step is not None or kv is not None:  # one call: each step's tokens reported (continue_rows)
             with torch.no_grad():
-                return self._generate(prompt_token_ids, n, sampling, on_step)
+                return self._generate(prompt_token_ids, n, sampling, on_step, kv)
         return generate_in_chunks(self._generate, prompt_token_ids, n, sampling, chunk_prompts, self.pad_id)
 
-    def continue_rows(self, rows: list[list[int]], sampling: SamplingParams, on_step=None) -> Rollouts:
+    def continue_rows(
+        self, rows: list[list[int]], sampling: SamplingParams, on_step=None, kv=None
+    ) -> Rollouts:
         """on_step(rows, tokens), when given, receives each decode step's sampled tokens (the gateway
-        streams them as they are sampled)."""
-        if on_step is not None:
+        streams them as they are sampled). kv: as in `generate`, and the K/V it holds are reused."""
+        if on_step is not None or kv is not None:
             with torch.no_grad():
-                return self._generate(rows, 1, sampling, on_step)
+                return self._generate(rows, 1, sampling, on_step, kv)
         return self.generate(rows, 1, sampling)  # each row its own prompt: prefill, then decode
 
     def close(self) -> None:
@@ -114,11 +118,16 @@ class NativeEngine:
             )
         return fits
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, on_step=None) -> Rollouts:
+    def _generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams, on_step=None, kv=None
+    ) -> Rollouts:
         dec, device = self.decoder, self.decoder.device
         p, t_max = len(prompts), sampling.max_new_tokens
         rows = p * n
-        prompt_cache, first_logits = dec.prefill(prompts, self.pad_id)  # first_logits [P, V]
+        if kv is None:
+            prompt_cache, first_logits = dec.prefill(prompts, self.pad_id)  # first_logits [P, V]
+        else:  # a later turn: the positions kv holds from the rows' earlier turns are not run again
+            prompt_cache, first_logits = kv.prefill(dec, prompts, n, self.pad_id)
         # oneDNN's own weight tensors are opaque to torch.compile: a compiled step keeps plain ones.
         width = dec.hf.config.hidden_size
         copy = self._copy_fits()
@@ -161,6 +170,8 @@ class NativeEngine:
             finished = int((~alive).sum())
             if not self.compiled and finished * _COMPACT_FRACTION >= alive.numel():
                 keep = alive.nonzero().squeeze(-1)
+                if kv is not None:  # finished rows leave the cache: keep their K/V first
+                    kv.save(active, (~alive).nonzero().squeeze(-1), cache_k, cache_v, ids, lengths)
                 for cache in (*cache_k, *cache_v):
                     cache[: keep.numel(), :, :step] = cache[keep.to(device), :, :step]
                 active, alive, tokens = active[keep], alive[keep], tokens[keep.to(device)]
@@ -183,6 +194,8 @@ class NativeEngine:
                 ]
             logits = self.decode_step(tokens, prompt_cache, layout, caches, weights, cos, sin, **static)
 
+        if kv is not None:
+            kv.save(active, torch.arange(active.numel()), cache_k, cache_v, ids, lengths)
         mask = (torch.arange(t_max)[None, :] < lengths[:, None]).float()  # [N, T]
         return Rollouts(
             group_ids=torch.arange(p).repeat_interleave(n),

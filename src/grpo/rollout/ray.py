@@ -12,6 +12,14 @@ learner corrects the rest with the behaviour log-probs the actor returned (learn
 
 Faults: every Ray call waits at most `timeout_s`; an actor that dies is replaced (up to
 `max_actor_restarts` times), given the current weights, and its share of the batch is sampled again.
+
+Agents (env.agent / env.agent_command, gateway/runner.py): the runner travels to each actor, which serves
+its own gateway on 127.0.0.1 of its node (a free port, a key per episode) and runs the agents there (a
+command is spawned on the actor's node). Under `async` the learner's weights load between two engine calls
+of a running episode (a second thread of the actor, the "control" concurrency group), so one row may hold
+tokens of two versions: every token carries its own (rollout/weight_versions.py), the staleness bound reads
+each row's oldest, and an episode with a row past `max_staleness` is dropped and counted. A stop signal
+reaches the actors' agents (STOP_GRACE_S, as in one process); closing ends their agents and servers.
 """
 
 from __future__ import annotations
@@ -33,10 +41,15 @@ from grpo.distributed.runtime import Runtime
 from grpo.model.lora import ADAPTER_MARK, is_lora
 from grpo.records import PromptBatch, Rollouts, SamplingParams, concat_rollouts
 from grpo.redact import argv_redacted
+from grpo.rewards.isolation import request_stop, stop_requested
 from grpo.rollout.source import PromptFeed, join_prompts, prompt_rows
+from grpo.rollout.weight_versions import VersionedEngine, drop_stale, mixed_rows, row_lags
 
 log = logging.getLogger("grpo")
 ACTOR_PREFIX = "grpo-rollout-"
+CONTROL = "control"  # the concurrency group of an agent actor's calls that must not wait for a step
+# Gateway metrics that add up over the actors; the others are per episode or per call: averaged.
+_SUMMED = ("gateway/forks", "gateway/drift_tokens", "gateway/engine_calls")
 
 
 @dataclass
@@ -89,33 +102,50 @@ class RolloutWorker:
             model = apply_lora(model, LoraSettings(**spec.lora))
         model.to("cuda" if use_gpu else "cpu").eval()
         g = spec.generation
-        self.engine = build_engine(
-            g.engine, model, spec.tokenizer, generation=g, seed=spec.seed
-        )  # vllm: its own LLM
+        engine = build_engine(g.engine, model, spec.tokenizer, generation=g, seed=spec.seed)  # vllm: own LLM
+        self.engine = VersionedEngine(engine)
         torch.manual_seed(
             spec.seed
         )  # after the random init: sampling noise starts where a colocated run's does
         self.version = -1  # no weights yet
         self.episodes = spec.episodes or SingleTurn()
         self.environments = spec.environments
+        self.ended = False  # end_episodes was called: no step starts again
 
     def sampler_differs(self) -> bool:
         return self.engine.sampler_differs
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> int:
-        self.engine.load_weights(named_tensors)
+        self.engine.load(named_tensors, version)  # between two engine calls, never during one
         self.version = version
         return version
 
     def generate(
         self, prompts: PromptBatch, n: int, sampling: SamplingParams, chunk_prompts: int | None
-    ) -> tuple[PromptBatch, Rollouts, int]:
-        """The prompts' episodes (one turn or many) and the weight version that sampled them."""
-        prompts, rollouts = self.episodes.run(self.engine, prompts, n, sampling, chunk_prompts)
+    ) -> tuple[PromptBatch, Rollouts, int, dict]:
+        """The prompts' episodes (one turn or many), the weight version that sampled them (each token's own
+        is in rollouts.weight_version when the runner keeps it) and the runner's metrics."""
+        if self.ended:
+            raise RuntimeError("this rollout actor is closing")
+        if getattr(self.episodes, "weights_mid_episode", False):
+            prompts, rollouts = self.episodes.run(self.engine, prompts, n, sampling, chunk_prompts)
+        else:
+            with self.engine.lock:  # one turn, or turns whose rows keep no versions: one set of weights
+                prompts, rollouts = self.episodes.run(self.engine, prompts, n, sampling, chunk_prompts)
         if rollouts.episodes is not None and not self.environments:
             for episode in rollouts.episodes:  # no reward function reads them: they stay here
                 episode.environment = None
-        return prompts, rollouts, self.version
+        metrics = getattr(self.episodes, "metrics", None)  # the agent gateway's (rows, forks, batching)
+        return prompts, rollouts, self.version, metrics() if metrics is not None else {}
+
+    def stop(self) -> None:
+        """The learner got SIGINT/SIGTERM: the episodes in flight get STOP_GRACE_S, as in one process."""
+        request_stop()
+
+    def end_episodes(self) -> None:
+        """End every agent and server now (the run is over), even while a step runs; no step starts again."""
+        self.ended = True
+        self.episodes.close()
 
     def close(self) -> None:
         try:
@@ -174,10 +204,14 @@ class RayRollout:
                     "before `ray start --address` and torchrun."
                 ) from e
         self.spawned = 0
+        self.live = getattr(spec.episodes, "weights_mid_episode", False)
+        self.stopping = False  # the actors were told of a stop signal
         self.actors = [self._spawn(i) for i in range(placement.replicas)]
         self.sampler_differs = self._get(self.actors[0].sampler_differs.remote(), "sampler_differs")
         self.pending: deque[_Request] = deque()
         self.multi_turn = spec.episodes is not None and spec.episodes.multi_turn
+        self.runner_metrics: dict[str, float] = {}
+        self.dropped_rows = self.mixed = 0
         self.policy: torch.nn.Module | None = None  # what sync_weights last pushed; None: nothing yet
         self.version = 0  # optimizer steps the learner had taken at the last sync
         self.pushed = -1  # the version the actors hold
@@ -205,7 +239,9 @@ class RayRollout:
         if pinned:
             devices = ",".join(map(str, pinned[i % len(pinned)]))
             options.update(num_gpus=0, runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": devices}})
-        return ray.remote(RolloutWorker).options(**options).remote(self.spec, gpus > 0)
+        # agents: the actors take weights and stop requests while a step runs (a second thread)
+        remote = ray.remote(concurrency_groups={CONTROL: 1}) if self.live else ray.remote
+        return remote(RolloutWorker).options(**options).remote(self.spec, gpus > 0)
 
     def sync_weights(self, step: int, policy: torch.nn.Module) -> None:
         """Every weight_sync_steps learner steps (and first of all), push the policy to every actor."""
@@ -227,8 +263,11 @@ class RayRollout:
             self.pushed = self.version
         weights = ray.put(self._weights(full))
         for i in range(len(self.actors)) if actors is None else actors:
+            load = self.actors[i].load_weights
+            if self.live and self.d.rollout_mode == "async":
+                load = load.options(concurrency_group=CONTROL)  # into running episodes, between engine calls
             try:
-                self._get(self.actors[i].load_weights.remote(weights, self.version), "load_weights")
+                self._get(load.remote(weights, self.version), "load_weights")
             except ray.exceptions.RayActorError as e:
                 self._replace(i, e)
 
@@ -250,11 +289,12 @@ class RayRollout:
             while len(self.pending) < self.ahead:  # keep sampling while the learner trains on this batch
                 self._submit()
             prompts, rollouts, behaviour = self._collect(request)
-            lag = self.version - behaviour
             self.consumed = request.data_state
+            rollouts, lag = self._fresh_rows(rollouts, behaviour)
             if lag <= self.d.max_staleness:
                 self.staleness_max = max(self.staleness_max, lag)
-                self.last_lag, self.behaviour = lag, behaviour
+                self.last_lag, self.behaviour = lag, self.version - lag
+                self.mixed += mixed_rows(rollouts)
                 return prompts, rollouts, lag
             self.dropped += len(request.prompts)
             log.warning(
@@ -263,6 +303,25 @@ class RayRollout:
                 lag,
                 self.d.max_staleness,
             )
+
+    def _fresh_rows(self, rollouts: Rollouts, behaviour: int) -> tuple[Rollouts, int]:
+        """The batch's lag: its oldest token's (rows keep per-token versions) or the actors' version. Where
+        only some episodes are past max_staleness (an agent's episode spans weight updates), those are
+        dropped and counted, and the lag is the oldest kept row's."""
+        lags = row_lags(rollouts, self.version)  # [N], or None: every row sampled with `behaviour`
+        if lags is None:
+            return rollouts, self.version - behaviour
+        fresh = lags <= self.d.max_staleness  # [N]
+        if bool(fresh.all()) or not bool(fresh.any()) or rollouts.episodes is None:
+            return rollouts, int(lags.max())
+        rollouts, dropped = drop_stale(rollouts, lags, self.d.max_staleness)
+        self.dropped_rows += dropped
+        log.warning(
+            "Dropped %d rows with tokens sampled more than %d steps ago (max_staleness).",
+            dropped,
+            self.d.max_staleness,
+        )
+        return rollouts, int(lags[fresh].max())
 
     def data_state(self) -> dict:
         """After the last batch the learner *used*, not after the batches still sampling ahead of it."""
@@ -273,6 +332,7 @@ class RayRollout:
         if self.policy is not None and self.pushed != self.version:
             self._push(full=False)
         out = self._get(self.actors[0].generate.remote(prompts, n, sampling, self.chunk_prompts), "sample")
+        self.runner_metrics = {}  # an evaluation's gateway metrics are not the next step's
         return out[0], out[1]
 
     def _collect(self, request: _Request) -> tuple[PromptBatch, Rollouts, int]:
@@ -289,8 +349,9 @@ class RayRollout:
             self.wait_s += time.perf_counter() - start
         sizes = [s.stop - s.start for s in request.splits]
         pad_id = self.spec.tokenizer.pad_token_id
-        rollouts = concat_rollouts([r for _, r, _ in results], sizes, pad_id)
-        return join_prompts([p for p, _, _ in results]), rollouts, min(v for _, _, v in results)
+        rollouts = concat_rollouts([r for _, r, _, _ in results], sizes, pad_id)
+        self.runner_metrics = combine_metrics([m for *_, m in results])
+        return join_prompts([p for p, *_ in results]), rollouts, min(v for _, _, v, _ in results)
 
     def _generate(self, i: int, prompts: PromptBatch):
         return self.actors[i].generate.remote(prompts, self.n, self.sampling, self.chunk_prompts)
@@ -324,7 +385,7 @@ class RayRollout:
         import ray
 
         try:
-            return ray.get(refs, timeout=self.timeout)
+            return self._wait(refs) if self.live else ray.get(refs, timeout=self.timeout)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, EnvironmentContractError | ConfigError):  # the user's one-line error
                 raise e.cause.with_traceback(None) from None
@@ -335,8 +396,30 @@ class RayRollout:
                 f"{self.timeout:.0f}s; the actor is hung or starved of resources."
             ) from e
 
+    def _wait(self, refs):
+        """ray.get, watching for a stop signal meanwhile: the actors' agents then get STOP_GRACE_S, as in one
+        process (an agent may hang for env.episode_timeout_s, and the step waits for every episode)."""
+        import ray
+
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return ray.get(refs, timeout=max(0.0, min(0.25, deadline - time.monotonic())))
+            except ray.exceptions.GetTimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+            if stop_requested() and not self.stopping:
+                self.stopping = True
+                for actor in self.actors:
+                    actor.stop.options(concurrency_group=CONTROL).remote()
+
     def metrics(self) -> dict[str, float]:
+        runner, self.runner_metrics = self.runner_metrics, {}
+        if self.live:
+            runner["rollout/dropped_stale_rows"] = float(self.dropped_rows)
+            runner["rollout/mixed_version_rows"] = float(self.mixed)
         return {
+            **runner,
             "rollout/policy_version": float(self.version),
             "rollout/behaviour_version": float(self.behaviour),
             "rollout/staleness": float(self.last_lag),
@@ -349,6 +432,12 @@ class RayRollout:
     def close(self) -> None:
         import ray
 
+        if self.live:  # agents and servers end now, even mid-step (the step in flight is not wanted)
+            ends = [actor.end_episodes.options(concurrency_group=CONTROL).remote() for actor in self.actors]
+            try:
+                ray.get(ends, timeout=min(self.timeout, 60))
+            except Exception as e:  # noqa: BLE001 - a dead or hung actor is killed below all the same
+                log.warning("Rollout actors did not end their agents cleanly (%s).", type(e).__name__)
         for actor in self.actors:
             try:  # the actor's engine releases what it holds outside memory (vLLM's weight folder)
                 ray.get(actor.close.remote(), timeout=min(self.timeout, 60))
@@ -381,12 +470,40 @@ def build(cfg, parts, rt: Runtime, feed: PromptFeed, sampling: SamplingParams, c
         parts.policy, parts.compute_dtype, parts.tokenizer, cfg, rt.rank, getattr(parts, "episodes", None)
     )
     spec.environments = environments_travel(parts.episodes, parts.reward_funcs)
+    if spec.episodes is not None:
+        episodes_travel(spec.episodes)
     if getattr(parts, "settings", None):  # vLLM's max_model_len from the run's one completion limit
         spec = replace(spec, generation=parts.settings.generation)
     g = cfg.generation
     return RayRollout(
         cfg.distributed, spec, placement(cfg, rt), feed, g.num_generations, sampling, rt, chunk_prompts
     )
+
+
+def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The actors' runner metrics as one line: counts added up, the rest averaged over the actors."""
+    keys = {k for part in parts for k in part}
+    out = {}
+    for k in sorted(keys):
+        values = [part[k] for part in parts if k in part]
+        out[k] = sum(values) if k in _SUMMED else sum(values) / len(values)
+    return out
+
+
+def episodes_travel(episodes) -> None:
+    """Refuse at start-up, in one line, an episode runner that cannot be sent to the actors (an agent
+    object that does not pickle, say), rather than fail inside Ray."""
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.dumps(episodes)
+    except Exception as err:  # noqa: BLE001 - whatever pickling raises, the answer is "it does not travel"
+        what = getattr(getattr(episodes, "agent", None), "__qualname__", type(episodes).__name__)
+        raise ConfigError(
+            f"Under Ray the episodes run on rollout actors, and {what} cannot be sent there "
+            f"({type(err).__name__}: {err}). Give it as an import path (env.agent=pkg.module:run or "
+            "path/to/file.py:run), make it picklable, or set distributed.rollout_mode=colocated."
+        ) from None
 
 
 def environments_travel(episodes, reward_funcs: list) -> bool:

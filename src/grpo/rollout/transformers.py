@@ -5,6 +5,10 @@ Sampling log-probs: `generate` can return every step's full score matrix, but th
 temperature/top-k/top-p warpers off and apply them in one logits processor that runs last, so the
 distribution generate samples from is exactly the one we recorded; the processor keeps only the
 previous step's log-softmax and gathers the chosen token's log-prob when the next step reveals it.
+
+Streaming (the gateway's `on_step`): generate hands each step's tokens to a streamer; `_StepReporter` passes
+on those of the rows still sampling (after eos or a stop string generate pads a row, and those pads are not
+tokens of the reply).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.streamers import BaseStreamer
 
 from grpo.model.loading import autocast
 from grpo.records import Rollouts, SamplingParams
@@ -45,6 +50,40 @@ class _RecordingSampler(LogitsProcessor):
         return scores
 
 
+class _StepReporter(BaseStreamer):
+    """A streamer for `generate`: on_step(rows, tokens) with each decode step's tokens of the rows still
+    sampling. A row stops after an eos id or once its recent text holds a stop string (the rule generate's
+    StopStringCriteria and `_completion_mask` apply), so nothing streams that the final reply cuts."""
+
+    def __init__(self, on_step, eos_ids: set[int], tokenizer, stop_strings: list[str]):
+        self.on_step, self.eos_ids, self.tokenizer = on_step, eos_ids, tokenizer
+        self.stops = list(stop_strings or [])
+        self.window = max((len(s) for s in self.stops), default=0) + 2  # a token is ≥ 1 character
+        self.sampled: list[list[int]] = []
+        self.alive: list[bool] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        if value.dim() == 2:  # generate's first call: the prompts
+            return
+        tokens = value.tolist()
+        if not self.alive:
+            self.alive, self.sampled = [True] * len(tokens), [[] for _ in tokens]
+        rows = [r for r, live in enumerate(self.alive) if live]
+        if not rows:
+            return
+        for r in rows:
+            self.sampled[r].append(tokens[r])
+            tail = self.sampled[r][-self.window :]
+            if tokens[r] in self.eos_ids or (
+                self.stops and any(s in self.tokenizer.batch_decode([tail])[0] for s in self.stops)
+            ):
+                self.alive[r] = False
+        self.on_step(rows, [tokens[r] for r in rows])
+
+    def end(self) -> None:
+        pass
+
+
 class TransformersEngine:
     """RolloutEngine on `model.generate`; shares the learner's parameters (no weight sync)."""
 
@@ -65,11 +104,17 @@ class TransformersEngine:
         n: int,
         sampling: SamplingParams,
         chunk_prompts: int | None = None,
+        on_step=None,
     ) -> Rollouts:
+        if on_step is not None:  # the gateway: one call, each step's tokens reported (see continue_rows)
+            with torch.no_grad():
+                return self._generate(prompt_token_ids, n, sampling, on_step)
         return generate_in_chunks(self._generate, prompt_token_ids, n, sampling, chunk_prompts, self.pad_id)
 
-    def continue_rows(self, rows: list[list[int]], sampling: SamplingParams) -> Rollouts:
-        return self.generate(rows, 1, sampling)  # each row its own prompt: prefill, then decode
+    def continue_rows(self, rows: list[list[int]], sampling: SamplingParams, on_step=None) -> Rollouts:
+        """on_step(rows, tokens), when given, receives each decode step's sampled tokens of the rows still
+        sampling (the gateway streams them as they are sampled)."""
+        return self.generate(rows, 1, sampling, on_step=on_step)  # each row its own prompt
 
     def close(self) -> None:
         pass  # holds nothing outside the policy's own parameters
@@ -80,7 +125,7 @@ class TransformersEngine:
     def sync_weights(self, policy: torch.nn.Module) -> None:
         pass  # generate runs self.model, the policy itself unless weights arrive by load_weights
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, on_step=None) -> Rollouts:
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [P, Lp] left-padded
@@ -92,7 +137,10 @@ class TransformersEngine:
         was_training = self.model.training
         self.model.eval()
         with autocast(device, self.compute_dtype):  # weight casts are cached for the whole call
-            out = self._sample(input_ids.to(device), attention.to(device), n, sampling, recorder)
+            streamer = None
+            if on_step is not None:
+                streamer = _StepReporter(on_step, self.eos_ids, self.tokenizer, sampling.stop_strings)
+            out = self._sample(input_ids.to(device), attention.to(device), n, sampling, recorder, streamer)
         self.model.train(was_training)
         completion = out.sequences[:, width:].cpu()  # [N, T]
         recorder.record(completion[:, -1].to(device))
@@ -106,7 +154,7 @@ class TransformersEngine:
             truncated=truncated,
         )
 
-    def _sample(self, input_ids, attention, n: int, sampling: SamplingParams, recorder):
+    def _sample(self, input_ids, attention, n: int, sampling: SamplingParams, recorder, streamer=None):
         return self.model.generate(
             input_ids=input_ids,
             attention_mask=attention,
@@ -120,6 +168,7 @@ class TransformersEngine:
             pad_token_id=self.pad_id,
             eos_token_id=sorted(self.eos_ids) or None,
             return_dict_in_generate=True,
+            streamer=streamer,
         )
 
     def _completion_mask(self, completion: torch.Tensor, sampling: SamplingParams):

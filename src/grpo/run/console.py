@@ -87,34 +87,51 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def outcome(summary: dict[str, float], first_reward: float | None) -> str:
-    """The run's headline number: held-out accuracy before → after, else the training reward."""
-    before, after = summary.get("eval/accuracy_before"), summary.get("eval/accuracy_after")
-    if before is not None and after is not None:
-        return f"held-out accuracy {before:.1%} → {after:.1%} ({100 * (after - before):+.1f})"
-    if after is not None:
-        return f"held-out accuracy {after:.1%}"
+def outcome(summary: dict[str, float], first_reward: float | None, eval_set: bool | None = None) -> str:
+    """The run's headline number: what the held-out evaluations measured (before → after, or the last one
+    during training, or only the one before), else the training reward. `eval_set`: the run had an evaluation
+    set (False or None: say "no evaluation set"; True: say that no evaluation ran)."""
+    before, during, after = (summary.get(f"eval/accuracy_{when}") for when in ("before", "during", "after"))
+    last = after if after is not None else during
+    if last is not None:
+        shown = f"held-out accuracy {last:.1%}"
+        if before is not None:
+            shown = f"held-out accuracy {before:.1%} → {last:.1%} ({100 * (last - before):+.1f})"
+        # no evaluation after training: say that the number is the last one during it
+        return shown if after is not None else f"{shown} at the last evaluation during training, none after"
     reward = summary.get("reward")
+    trained = "no steps run" if reward is None else f"mean reward {_reward_change(first_reward, reward)}"
+    if before is not None:
+        return f"held-out accuracy {before:.1%} before training, no evaluation after; {trained}"
     if reward is None:
-        return "no steps run"
-    start = f"{first_reward:.3f} → " if first_reward is not None else ""
-    return f"mean reward {start}{reward:.3f} (no evaluation set)"
+        return trained
+    return f"{trained} ({'no evaluation ran' if eval_set else 'no evaluation set'})"
+
+
+def _reward_change(first: float | None, last: float) -> str:
+    return f"{first:.3f} → {last:.3f}" if first is not None else f"{last:.3f}"
 
 
 def result_line(
-    summary: dict[str, float], first_reward: float | None, seconds: float, model: Path, report: Path | None
+    summary: dict[str, float],
+    first_reward: float | None,
+    seconds: float,
+    model: Path,
+    report: Path | None,
+    eval_set: bool | None = None,
 ) -> str:
     """The one line a run ends with, e.g. `held-out accuracy 39.6% → 75.6% (+36.0) in 2m14s; model in
-    runs/x/final_model; report runs/x/report/index.html`."""
-    parts = [f"{outcome(summary, first_reward)} in {duration(seconds)}", f"model in {model}"]
+    runs/x/final_model; report runs/x/report/index.html`. `eval_set`: see `outcome`."""
+    parts = [f"{outcome(summary, first_reward, eval_set)} in {duration(seconds)}", f"model in {model}"]
     if report is not None:
         parts.append(f"report {report}")
     return "; ".join(parts)
 
 
 def final_metric(summary: dict[str, float]) -> tuple[str, float | None]:
-    """(name, value) of the number a sweep compares runs by: the last held-out accuracy, else the reward."""
-    for key in ("eval/accuracy_after", "eval/accuracy"):
+    """(name, value) of the number a sweep compares runs by: the held-out accuracy after training (else the
+    last one during it), else the reward. Never the accuracy before training: it says nothing of the run."""
+    for key in ("eval/accuracy_after", "eval/accuracy_during"):
         if summary.get(key) is not None:
             return "held-out accuracy", summary[key]
     return "final reward", summary.get("reward")

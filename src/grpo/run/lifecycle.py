@@ -272,8 +272,12 @@ def closing_line(
         before = next((r["eval/accuracy_before"] for r in earlier if "eval/accuracy_before" in r), None)
         if before is not None:
             whole.setdefault("eval/accuracy_before", before)
+        during = [r["eval/accuracy_during"] for r in earlier if "eval/accuracy_during" in r]
+        if during:  # the last evaluation during training may have been an earlier piece's
+            whole.setdefault("eval/accuracy_during", during[-1])
         first_reward = next((r["reward"] for r in earlier if "reward" in r), first_reward)
-    return result_line(whole, first_reward, run_seconds(parts), parts.run_dir / "final_model", page)
+    seconds, model = run_seconds(parts), parts.run_dir / "final_model"
+    return result_line(whole, first_reward, seconds, model, page, eval_set=bool(parts.eval_rows))
 
 
 def _logged(run_dir: Path) -> list[dict]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from grpo.algorithm.advantages import group_reward_stats
+from grpo.algorithm.advantages import episode_rows, group_reward_stats, per_episode
 from grpo.algorithm.importance import mismatch_metrics, sampler_ess
 from grpo.checkpoint.store import CheckpointError
 from grpo.config import ConfigError
@@ -360,7 +360,7 @@ def step_metrics(
     return {
         **reward_metrics(scored),
         **sampling_stats,
-        **group_reward_stats(scored.rewards, scored.rollouts.group_ids),
+        **group_reward_stats(*_by_episode(scored)),
         "advantage/mean": advantages.mean().item(),
         "advantage/std": advantages.std().item(),
         "advantage/abs_max": advantages.abs().max().item(),
@@ -380,12 +380,23 @@ def eval_metrics(result, when: str, seconds: float) -> dict[str, float]:
     }
 
 
+def _by_episode(scored: ScoredRollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards [E] and group ids [E] with each episode once: an agent's forked episode is several rows that
+    share its reward, and counts once (as in its advantage, algorithm/advantages.py)."""
+    rows = episode_rows(scored.rollouts)
+    if rows is None:
+        return scored.rewards, scored.rollouts.group_ids  # [N], [N]
+    return per_episode(scored.rewards, rows), scored.rollouts.group_ids[rows.first]  # [E], [E]
+
+
 def reward_metrics(scored: ScoredRollouts) -> dict[str, float]:
-    rewards, scores = scored.rewards, scored.scores  # [N], per function [N, F]
+    rewards, scores = _by_episode(scored)[0], scored.scores  # [E], per function [N, F]
+    rows = episode_rows(scored.rollouts)
+    per_function = scores.per_function if rows is None else scores.per_function[rows.first]  # [E, F]
     return {
         "reward": nanmean(rewards),
         "reward_std": nanstd(rewards),
-        **{f"reward/{n}": nanmean(scores.per_function[:, j]) for j, n in enumerate(scores.names)},
+        **{f"reward/{n}": nanmean(per_function[:, j]) for j, n in enumerate(scores.names)},
         "reward/skipped": float(scores.skipped),
         "reward/not_scored": float(scores.none_applicable),
         **scores.logged,
@@ -411,8 +422,9 @@ EPISODE_ENDINGS = ("answer", "done", "max_turns", "max_tokens", "turn_length", "
 
 def episode_metrics(rollouts: Rollouts) -> dict[str, float]:
     """Multi-turn episodes: turns, tool calls and their errors by kind, how episodes ended, and how many of
-    the completion tokens the policy sampled versus the environment injected (means per episode)."""
-    episodes = rollouts.episodes or []
+    the completion tokens the policy sampled versus the environment injected (means per episode). An agent's
+    forked episode (several rows, one Episode) counts once; its rows' tokens all count."""
+    episodes = list({id(e): e for e in rollouts.episodes or []}.values())
     n = max(len(episodes), 1)
     sampled = rollouts.loss_mask.sum().item()
     injected = rollouts.completion_mask.sum().item() - sampled
