@@ -285,7 +285,8 @@ def test_a_steps_episodes_connect_at_once_without_resets():
     def connect() -> None:
         try:
             headers = {"Authorization": f"Bearer {session.key}"}
-            reply = httpx.get(f"{server.base_url}/models", headers=headers, timeout=120)
+            # Plain http: verify=False only skips loading the CA bundle, 45 ms of CPU for each of 256 clients.
+            reply = httpx.get(f"{server.base_url}/models", headers=headers, timeout=120, verify=False)
             reply.raise_for_status()
         except httpx.HTTPError as err:
             errors.append(repr(err))
