@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+CPUINFO = Path("/proc/cpuinfo")
 SIDES = {
     "tools=": ["--config", "tiny_tools"],
     "gateway": ["--config", "tiny_tools_agent"],
@@ -49,16 +50,32 @@ def load() -> float:
 
 def one_run(side: str, steps: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="gwbench-") as out:
-        cmd = [sys.executable, "-m", "grpo.cli", "train", *SIDES[side], "--output-dir", out, "--steps", str(steps)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "grpo.cli",
+            "train",
+            *SIDES[side],
+            "--output-dir",
+            out,
+            "--steps",
+            str(steps),
+        ]
         cmd += [*COMMON, f"train.num_threads={threads}"]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "src"})
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "src"}
+        )
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     steps_rows = [r for r in rows if "time/step" in r][1:]  # the first step warms up
-    mean = lambda key: statistics.mean(r[key] for r in steps_rows if key in r) if steps_rows else float("nan")  # noqa: E731
+
+    def mean(key: str) -> float:
+        values = [r[key] for r in steps_rows if key in r]
+        return statistics.mean(values) if values else float("nan")
+
     return {
         "side": side,
         "s_per_step": statistics.median(r["time/step"] for r in steps_rows),
@@ -86,19 +103,30 @@ def main() -> None:
             r = pair[side]
             print(
                 f"# repeat {rep} {side}: {r['s_per_step']:.2f} s/step, rollout {r['rollout_s']:.2f} s, "
-                f"turns {r['turns']:.2f}, tool calls {r['tool_calls']:.2f}, forks {r['forks']}, load {r['load']:.2f}",
+                f"turns {r['turns']:.2f}, tool calls {r['tool_calls']:.2f}, forks {r['forks']}, "
+                f"load {r['load']:.2f}",
                 flush=True,
             )
         pair["ratio_step"] = pair["gateway"]["s_per_step"] / pair["tools="]["s_per_step"]
         pair["ratio_rollout"] = pair["gateway"]["rollout_s"] / pair["tools="]["rollout_s"]
-        print(f"# repeat {rep}: gateway/tools= step {pair['ratio_step']:.3f}×, rollout {pair['ratio_rollout']:.3f}×")
+        print(
+            f"# repeat {rep}: gateway/tools= step {pair['ratio_step']:.3f}×, "
+            f"rollout {pair['ratio_rollout']:.3f}×"
+        )
         runs.append(pair)
     summary = {
         "ratio_step_median": statistics.median(p["ratio_step"] for p in runs),
         "ratio_rollout_median": statistics.median(p["ratio_rollout"] for p in runs),
         "runs": runs,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"),
+        "cpu": next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in CPUINFO.read_text().splitlines()
+                if ln.startswith("model name")
+            ),
+            "?",
+        ),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=1))
