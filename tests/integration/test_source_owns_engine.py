@@ -93,6 +93,7 @@ def test_ray_evaluation_samples_with_the_newest_weights(monkeypatch):
     source.spec = SimpleNamespace(lora=None)
     source.rt = SimpleNamespace(full_named_parameters=lambda policy, only=None: policy.named_parameters())
     source.policy, source.pushed = None, -1
+    source.live = False  # no agent runner: weights go between batches
     monkeypatch.setattr("ray.put", lambda x: x, raising=False)
     monkeypatch.setattr(RayRollout, "_get", lambda self, ref, what: ref)
     policy = torch.nn.Linear(2, 2)
