@@ -52,16 +52,29 @@ demo: setup
 	echo "  $(BIN)/grpo train --help   # or call it by its path, without activating"; \
 	exit $$status
 
+# The vLLM tests run beside the main suite, not after it: their engine start-ups and the main suite's
+# subprocess waits and its tail (one xdist worker left) leave a core idle often enough that the two together
+# take little longer than the main suite alone. Their output is held in a file and printed after the main suite's,
+# so the two do not interleave; the target fails if either fails. The vLLM run keeps out of .pytest_cache
+# (two sessions would write it at once); a background job ignores Ctrl-C, hence the trap.
+VLLM_TESTS := tests/integration/test_vllm.py tests/unit/test_vllm_unit.py
+VLLM_LOG := .pytest-vllm.log
+
 test: setup-dev setup-vllm
 	$(BIN)/ruff check src tests scripts benchmarks examples
 	$(BIN)/ruff format --check src tests scripts benchmarks examples
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
-	$(VLLM_BIN)/python -m pytest -q tests/integration/test_vllm.py tests/unit/test_vllm_unit.py
+	@echo "vLLM tests ($(VLLM_VENV)) running in the background; their output follows the main suite's."
+	@$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS) > $(VLLM_LOG) 2>&1 & vllm=$$!; \
+	trap 'kill $$vllm 2>/dev/null' INT TERM; \
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL); main=$$?; \
+	wait $$vllm; v=$$?; \
+	echo ""; echo "vLLM tests ($(VLLM_VENV)):"; cat $(VLLM_LOG); \
+	test $$main = 0 -a $$v = 0
 
 setup-vllm: $(VLLM_BIN)/grpo
 
 test-vllm: setup-vllm
-	$(VLLM_BIN)/python -m pytest -q tests/integration/test_vllm.py tests/unit/test_vllm_unit.py
+	$(VLLM_BIN)/python -m pytest -q $(VLLM_TESTS)
 
 lint: setup-dev
 	$(BIN)/ruff check src tests scripts benchmarks examples
