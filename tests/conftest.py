@@ -53,29 +53,34 @@ def id_tokenizer() -> IdTokenizer:
 
 # The test files that take longest (wall time on two xdist workers), longest first. `make test` hands whole
 # files to two workers in collection order (--dist loadfile); a long file collected last keeps one worker
-# busy alone at the end while the other core idles (measured: the tiny_tools preset comparison ran ~4 min
-# alone at the tail). Starting the long files first leaves the short ones to fill in the gaps.
-# A file not listed keeps its place after these; the list only orders, it selects nothing.
-LONGEST_FIRST = (
+# busy alone at the end while the other core idles (measured: test_distributed, test_fault_injection and
+# test_faults ran last). Starting the long files first leaves the short ones to fill the gaps. A file not
+# listed keeps its place after these; the list only orders, it selects nothing.
+LONGEST_FIRST = (  # from `--durations=0` of a full run (2026-11-27), summed per file
     "integration/test_single_turn_unchanged.py",
-    "integration/test_distributed.py",
-    "integration/test_seed_commands.py",
-    "integration/test_mixed_precision.py",
-    "integration/test_ray.py",
-    "integration/test_train_e2e.py",
-    "integration/test_first_run_output.py",
-    "integration/test_secrets.py",
-    "integration/test_fault_injection.py",
-    "integration/test_agent_clients.py",
     "integration/test_ray_gateway.py",
-    "integration/test_gateway_e2e.py",
+    "integration/test_train_e2e.py",
+    "integration/test_rewards_e2e.py",
+    "integration/test_ray.py",
+    "integration/test_seed_commands.py",
+    "integration/test_trl_compat.py",
     "integration/test_issue24_runs.py",
+    "integration/test_first_run_output.py",
+    "integration/test_distributed.py",
+    "integration/test_big_vocab.py",
     "integration/test_lora.py",
+    "integration/test_mixed_precision.py",
+    "integration/test_agent_clients.py",
+    "integration/test_gateway_e2e.py",
     "integration/test_agents_e2e.py",
     "integration/test_python_runs.py",
-    "integration/test_trl_compat.py",
-    "integration/test_big_vocab.py",
-    "integration/test_rewards_e2e.py",
+    "integration/test_fault_injection.py",
+    "integration/test_faults.py",
+    "integration/test_code_exec.py",
+    "integration/test_hostile_inputs.py",
+    "integration/test_reliability_resume.py",
+    "unit/test_hybrid_decode.py",
+    "integration/test_faults_isolation_run.py",
     "unit/test_train_property.py",
 )
 
