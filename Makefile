@@ -1,7 +1,8 @@
 # make demo: create .venv, install torch (CPU build) first, then grpo (the core set only), then train the
 #            bundled tiny model, then say how to run `grpo` from the venv.
 # make test: the same set-up plus the [dev] extras (pytest, ruff, ray, peft, trl, ...), then lint and the
-#            whole test suite (what CI runs): the main suite in .venv, the vLLM tests in .venv-vllm.
+#            whole test suite (what CI runs): the main suite in .venv and, at the same time, the vLLM
+#            tests in .venv-vllm.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -52,11 +53,12 @@ demo: setup
 	echo "  $(BIN)/grpo train --help   # or call it by its path, without activating"; \
 	exit $$status
 
-# The vLLM tests run beside the main suite, not after it: their engine start-ups and the main suite's
-# subprocess waits and its tail (one xdist worker left) leave a core idle often enough that the two together
-# take little longer than the main suite alone. Their output is held in a file and printed after the main suite's,
-# so the two do not interleave; the target fails if either fails. The vLLM run keeps out of .pytest_cache
-# (two sessions would write it at once); a background job ignores Ctrl-C, hence the trap.
+# The vLLM tests run beside the main suite, not after it: the main suite's subprocess waits and its tail
+# leave a core idle often enough that the two together take less than one after the other. Their output is
+# held in a file and printed after the main suite's (no interleaving); the target fails if either fails.
+# The vLLM run keeps out of .pytest_cache (two sessions would write it at once); a background job ignores
+# Ctrl-C, hence the trap. --durations=15: the suite's budget is 10 minutes on 2 cores (long checks belong
+# in benchmarks/); each run shows what is eating it.
 VLLM_TESTS := tests/integration/test_vllm.py tests/unit/test_vllm_unit.py
 VLLM_LOG := .pytest-vllm.log
 
@@ -66,7 +68,7 @@ test: setup-dev setup-vllm
 	@echo "vLLM tests ($(VLLM_VENV)) running in the background; their output follows the main suite's."
 	@$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS) > $(VLLM_LOG) 2>&1 & vllm=$$!; \
 	trap 'kill $$vllm 2>/dev/null' INT TERM; \
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL); main=$$?; \
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_PARALLEL); main=$$?; \
 	wait $$vllm; v=$$?; \
 	echo ""; echo "vLLM tests ($(VLLM_VENV)):"; cat $(VLLM_LOG); \
 	test $$main = 0 -a $$v = 0
