@@ -1,6 +1,6 @@
-"""The batcher's rule for the calls of a next turn (gateway/batching.py): replies that call a tool go out first,
-final replies wait for the next batch to start (never past `window_s`, nor when no call is coming), and a
-session whose last reply was final is not waited for once the run's agents are seen to end after one.
+"""The batcher's rule for the calls of a next turn (gateway/batching.py): replies that call a tool go out
+first, final replies wait for the next batch to start (never past `window_s`, nor when no call is coming),
+and a session whose last reply was final is not waited for once the run's agents are seen to end after one.
 Also: a group's identical first requests render once (service._Renderer)."""
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ class Fake:
         self.calls.append(len(rows))
         ids = torch.tensor([[CALL if r[-1] % 2 else ANSWER] for r in rows])
         ones = torch.ones(len(rows), 1)
+        done = torch.zeros(len(rows), dtype=torch.bool)
         return Rollouts(group_ids=torch.arange(len(rows)), completion_ids=ids, completion_mask=ones,
-                        sampling_logprobs=-ones, truncated=torch.zeros(len(rows), dtype=torch.bool))  # fmt: skip
+                        sampling_logprobs=-ones, truncated=done)  # fmt: skip
 
     def generate(self, prompts, n, sampling):
         return self.continue_rows([p for p in prompts for _ in range(n)], sampling)
@@ -161,7 +162,7 @@ def test_answered_sessions_are_not_waited_for_once_agents_are_seen_to_end_after_
 def test_agents_that_call_after_an_answer_keep_every_session_waited_for():
     table = SessionTable()
     table.remove([table.add(ended_session(k, answered=True, recalls=1)) for k in range(16)])
-    s = table.add(Session(0, 0, {}, calls=1, answered=True))
+    table.add(Session(0, 0, {}, calls=1, answered=True))
     assert not table.settling() and table.expected() == (1, 0)
 
 
