@@ -193,3 +193,16 @@ def test_a_groups_identical_first_requests_render_once(qwen, monkeypatch):
         assert renderer.prompt_ids(first) == ChatRenderer(qwen, agents.TOOLS).prompt_ids(first)
     finally:
         gateway.batcher.close()
+
+
+def test_a_reply_that_cannot_be_read_for_calls_is_sent_at_once():
+    def broken(ids):
+        raise ValueError("undecodable")
+
+    live = Live(2)
+    b, _ = batcher(live, window_s=30.0)
+    try:
+        jobs = [b.submit(Job([2], 4, final=broken)), b.submit(Job([1], 4, final=final))]
+        assert [arrival(j, timeout=2.0)[0] for j in jobs] == ["done", "done"]
+    finally:
+        b.close()

@@ -12,7 +12,7 @@ and call again at once, while an agent given its final answer (a reply with no t
 batch ends, the replies that call a tool go out first, and the final replies (`Job.final` says which) wait
 until the next batch starts (or `window_s`, or until no other call is expected): the calls of the next turn
 are not queued behind the answers' parsing, and the answers are read while the engine decodes. A session
-whose last reply was final is not waited for (the live callback leaves it out: service.Gateway.expected),
+whose last reply was final is not waited for (the live callback leaves it out: SessionTable.expected),
 unless the run's agents have been seen calling again after a final reply; one that does call joins the
 batch that is forming, or the next.
 
@@ -271,7 +271,7 @@ class Batcher:
             version = None if versions[r] is None else int(versions[r])
             job = jobs[k]
             event = ("done", ids, logprobs, bool(out.truncated[r]), version)
-            (finals if job.final is not None and job.final(ids) else done).append((job, event))
+            (finals if _is_final(job, ids) else done).append((job, event))
         if not done:  # every reply is final: no call of a next turn to wait for
             done, finals = finals, []
         for job, event in done:
@@ -291,6 +291,16 @@ class Batcher:
             "gateway/engine_calls": float(len(batches)),
             "gateway/batch_rows": sum(batches) / len(batches),
         }
+
+
+def _is_final(job: Job, ids: list[int]) -> bool:
+    if job.final is None:
+        return False
+    try:
+        return bool(job.final(ids))
+    except Exception as err:  # noqa: BLE001 - a reply that cannot be told is sent at once, never lost
+        log.debug("Gateway: a reply could not be read for tool calls (%s); it is sent at once.", err)
+        return False
 
 
 def continuous(engine) -> bool:
