@@ -149,8 +149,9 @@ class SessionTable:
     def __init__(self) -> None:
         self._by_key: dict[str, Session] = {}
         self._lock = threading.Lock()
-        # Of the sessions removed so far (earlier steps): final replies their agents took as the end, and
-        # calls made after a final reply. They tell whether a final reply ends its episode (`settling`).
+        # Of the sessions removed last (the step before): final replies their agents took as the end, and
+        # calls made after a final reply. They tell whether a final reply ends its episode (`settling`); the
+        # last step's only, so an agent that changes its ways is followed within a step.
         self._quiet_finals = self._recalls = 0
 
     def add(self, session: Session) -> Session:
@@ -164,10 +165,10 @@ class SessionTable:
 
     def remove(self, sessions: list[Session]) -> None:
         with self._lock:
-            for s in sessions:
-                if self._by_key.pop(s.key, None) is not None:
-                    self._recalls += s.recalls
-                    self._quiet_finals += s.ended is not None and s.answered
+            gone = [s for s in sessions if self._by_key.pop(s.key, None) is not None]
+            if gone:
+                self._recalls = sum(s.recalls for s in gone)
+                self._quiet_finals = sum(s.ended is not None and s.answered for s in gone)
 
     def live(self) -> tuple[int, int]:
         """Sessions not ended, and how many of them have not called the model yet."""
@@ -176,7 +177,7 @@ class SessionTable:
             return len(live), sum(s.calls == 0 for s in live)
 
     def settling(self) -> bool:
-        """Whether the run's agents end after a final reply: seen on at least 8 episodes of earlier steps,
+        """Whether the run's agents end after a final reply: seen on at least 8 episodes of the step before,
         with at most one call after a final reply in 8 (this step's included)."""
         with self._lock:
             recalls = self._recalls + sum(s.recalls for s in self._by_key.values())
