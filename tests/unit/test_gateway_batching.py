@@ -208,3 +208,21 @@ def test_a_reply_that_cannot_be_read_for_calls_is_sent_at_once():
         assert [arrival(j, timeout=2.0)[0] for j in jobs] == ["done", "done"]
     finally:
         b.close()
+
+
+class Slow(Fake):
+    def continue_rows(self, rows, sampling):
+        time.sleep(0.5)
+        return super().continue_rows(rows, sampling)
+
+
+def test_final_replies_wait_as_long_as_an_engine_call_for_the_next_calls():
+    engine = Slow()
+    b = Batcher(engine, SAMPLING, lambda: (2, 0), window_s=0.05, max_wait_s=30.0)
+    try:
+        answer = b.submit(Job([2], 4, final=final))
+        _, started = arrival(b.submit(Job([1], 4, final=final)))
+        kind, at = arrival(answer)  # the tool-calling agent may take a while: not only window_s
+        assert kind == "done" and 0.3 < at - started < 3.0
+    finally:
+        b.close()

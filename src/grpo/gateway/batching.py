@@ -10,8 +10,9 @@ call if longer (a batch split in two decodes twice, while a straggler costs only
 The calls that the next batch waits for are those of the turns that called a tool: their agents run the tool
 and call again at once, while an agent given its final answer (a reply with no tool call) ends. So when a
 batch ends, the replies that call a tool go out first, and the final replies (`Job.final` says which) wait
-until the next batch starts (or `window_s`, or until no other call is expected): the calls of the next turn
-are not queued behind the answers' parsing, and the answers are read while the engine decodes. A session
+until the next batch starts (at most the last engine call's time or `window_s`, whichever is longer; not at
+all when no other call is expected): the calls of the next turn are not queued behind the answers' parsing,
+and the answers are read while the engine decodes. A session
 whose last reply was final is not waited for (the live callback leaves it out: SessionTable.expected),
 unless the run's agents have been seen calling again after a final reply; one that does call joins the
 batch that is forming, or the next.
@@ -279,7 +280,9 @@ class Batcher:
         if finals:
             with self._cond:
                 self._held += finals
-                self._held_until = time.monotonic() + self.window_s
+                # Long enough for the tool-calling agents' next calls to come in (they run while nothing else
+                # does), short enough that a slow tool does not keep the answers from their agents.
+                self._held_until = time.monotonic() + max(self.window_s, self._last_call_s)
 
     def metrics(self) -> dict[str, float]:
         batches, self.batches = self.batches, []
