@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpo.model import shared_prompt
 from grpo.model.arch import rms_norm, rotate
 from grpo.model.linear import linear
-from grpo.model import shared_prompt
 from grpo.model.memory import available_bytes
 from grpo.model.packed_attention import packed_attention
 
@@ -247,7 +247,7 @@ class _ReplayedSwiGLUDown(torch.autograd.Function):
     `linear._SwiGLUDown`'s, plus the identity to the residual."""
 
     @staticmethod
-    def forward(ctx, recorded, gate, up, weight, residual):
+    def forward(ctx, recorded, gate, up, weight, residual):  # noqa: ARG004 (its gradient is the identity)
         ctx.save_for_backward(gate, up, weight)
         return recorded.view_as(recorded)
 

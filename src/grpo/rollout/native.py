@@ -155,6 +155,13 @@ class NativeEngine:
             self._rent_s / _COMPILE_SAVES,
         )
 
+    def _recording(self, prompts: list[list[int]], n: int, t_max: int, single_turn: bool):
+        """A model/replay.py Recording for this call when the tape is armed (a single-turn call only: the
+        update may replay it), else None."""
+        if self.tape is None or not single_turn:
+            return None
+        return self.tape.start(self.decoder, prompts, n, t_max)
+
     def _prefill(self, prompts: list[list[int]], n: int, kv, record=None):
         if kv is None:
             return self.decoder.prefill(prompts, self.pad_id, None if record is None else record.at_prefill())
@@ -167,9 +174,7 @@ class NativeEngine:
         dec, device = self.decoder, self.decoder.device
         p, t_max = len(prompts), sampling.max_new_tokens
         rows = p * n
-        recording = None
-        if self.tape is not None and kv is None and on_step is None:  # one turn: the update may replay it
-            recording = self.tape.start(dec, prompts, n, t_max)
+        recording = self._recording(prompts, n, t_max, single_turn=kv is None and on_step is None)
         prompt_cache, first_logits = self._prefill(prompts, n, kv, recording)  # first_logits [P, V]
         # oneDNN's own weight tensors are opaque to torch.compile: a compiled step keeps plain ones.
         width = dec.hf.config.hidden_size
@@ -239,7 +244,7 @@ class NativeEngine:
                 (k[:n_rows, :, : step + 1], v[:n_rows, :, : step + 1])
                 for k, v in zip(cache_k, cache_v, strict=True)
             ]
-            rec = None if recording is None else recording.at_step(active.to(device), step)
+            rec = recording and recording.at_step(active.to(device), step)
             logits = dec.decode_step(tokens, prompt_cache, layout, step_caches, weights, cos, sin, record=rec)
             tokens, lp = sample_tokens(logits, sampling)  # [n_active]
             host_tokens, host_lp, hit_eos = _to_host(tokens, lp, eos_ids)
