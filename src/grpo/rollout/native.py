@@ -244,7 +244,7 @@ class NativeEngine:
                 (k[:n_rows, :, : step + 1], v[:n_rows, :, : step + 1])
                 for k, v in zip(cache_k, cache_v, strict=True)
             ]
-            rec = recording and recording.at_step(active.to(device), step)
+            rec = _recording_at(recording, active.to(device), step)
             logits = dec.decode_step(tokens, prompt_cache, layout, step_caches, weights, cos, sin, record=rec)
             tokens, lp = sample_tokens(logits, sampling)  # [n_active]
             host_tokens, host_lp, hit_eos = _to_host(tokens, lp, eos_ids)
@@ -255,9 +255,7 @@ class NativeEngine:
 
         if kv is not None:
             kv.save(active, torch.arange(active.numel()), cache_k, cache_v, out.ids, out.lengths)
-        if recording is not None:
-            recording.finish(out.ids)
-        return out.rollouts(p, n)
+        return out.rollouts(p, n, recording)
 
 
 # The full-batch graph's inductor options. fallback_random: torch.rand inside the graph is aten's, drawing
@@ -289,6 +287,10 @@ def _full_batch_step(
     )
     tokens, lp = sample_tokens(logits, sampling)
     return tokens, _flags(tokens, lp, eos_ids)
+
+
+def _recording_at(recording, rows: torch.Tensor, step: int):
+    return None if recording is None else recording.at_step(rows, step)
 
 
 def _flags(tokens: torch.Tensor, lp: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
@@ -339,7 +341,9 @@ class _Completions:
         self.ended[active[done]] = True
         return done
 
-    def rollouts(self, p: int, n: int) -> Rollouts:
+    def rollouts(self, p: int, n: int, recording=None) -> Rollouts:
+        if recording is not None:  # the recorded inputs' ids: the sampled tokens, as the update checks
+            recording.finish(self.ids)
         mask = (torch.arange(self.t_max)[None, :] < self.lengths[:, None]).float()  # [N, T]
         return Rollouts(
             group_ids=torch.arange(p).repeat_interleave(n),
