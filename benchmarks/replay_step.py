@@ -102,9 +102,10 @@ def main() -> None:
         moved = max((w0[k] - start_weights[k]).abs().max().item() for k in w0)
         apart = max((w0[k] - w1[k]).abs().max().item() for k in w0)
         print(
-            f"repeat {r}: same tokens {same}; loss {s0.loss:.6f} / {s1.loss:.6f}; weights moved ≤ {moved:.2e}, "
-            f"apart ≤ {apart:.2e}; off {[round(x, 3) for x in out[False][0]]} on {[round(x, 3) for x in out[True][0]]}"
+            f"repeat {r}: same tokens {same}; loss {s0.loss:.6f} / {s1.loss:.6f}; grad norm "
+            f"{s0.grad_norm:.6f} / {s1.grad_norm:.6f}; weights moved ≤ {moved:.2e}, apart ≤ {apart:.2e}"
         )
+        print(f"  off {[round(x, 3) for x in out[False][0]]} on {[round(x, 3) for x in out[True][0]]}")
     for replay, values in times.items():
         med = [statistics.median(v[i] for v in values) for i in range(3)]
         print(
