@@ -56,14 +56,19 @@ def recording_bytes(hf_config, prompt_slots: int, completion_slots: int) -> int:
 
 
 class Recording:
-    """One generate call's recorded products: per layer and kind a [P·Lp + N·T, width] buffer, prompt
-    slots (group g, position j → g·Lp + j) then completion slots (row r, input j → P·Lp + r·T + j), and the
-    input token id at each slot (−1 where nothing was recorded)."""
+    """One generate call's recorded products: per layer and kind a [P·Lp + T·N, width] buffer, prompt slots
+    (group g, position j → g·Lp + j) then one block of N slots per decode step, in the step's batch order
+    (step s, cache row c → P·Lp + s·N + c: each step writes one contiguous block, no scatter; a scattered
+    index_copy_ of rows cost 50 µs a call). `slot_of` [N, T] says where each original row's input j went
+    (−1: not decoded), and `ids` the input token at each slot (−1 where nothing was recorded)."""
 
-    def __init__(self, dec, prompts: list[list[int]], n: int, t_max: int, prompt_width: int):
+    def __init__(
+        self, dec, prompts: list[list[int]], n: int, t_max: int, prompt_width: int, pool: dict | None = None
+    ):
         self.num_prompts, self.n, self.t, self.lp = len(prompts), n, t_max, prompt_width
+        self.rows = self.num_prompts * n
         self.base = self.num_prompts * prompt_width
-        slots = self.base + self.num_prompts * n * t_max
+        slots = self.base + self.rows * t_max
         d, hd = dec.hf.config.hidden_size, dec.head_dim
         widths = {
             "qkv": (dec.num_heads + 2 * dec.num_kv_heads) * hd,
@@ -73,41 +78,51 @@ class Recording:
             "out": d,
         }
         kw = {"device": dec.device, "dtype": dec.dtype}
-        self.buffers = [{k: torch.empty(slots, w, **kw) for k, w in widths.items()} for _ in dec.layers]
+        self.buffers = [
+            {k: _take(pool, (i, k), slots * w, kw).view(slots, w) for k, w in widths.items()}
+            for i in range(len(dec.layers))
+        ]
         self.ids = torch.full((slots,), -1, dtype=torch.long)
         for g, x in enumerate(prompts):
             self.ids[g * prompt_width : g * prompt_width + len(x)] = torch.tensor(x, dtype=torch.long)
-        self.q_width = dec.num_heads * hd
+        self.slot_of = torch.full((self.rows, t_max), -1, dtype=torch.long)  # [N, T]
         self.unscale = torch.ones(widths["qkv"], **kw)  # the decode's q arrives scaled (folded weights)
-        self.unscale[: self.q_width] = 1.0 / dec.scale
-        self.slots: torch.Tensor | None = None  # this decode step's completion slots [n]
+        self.unscale[: dec.num_heads * hd] = 1.0 / dec.scale
+        self.start, self.count = 0, 0  # this step's block of slots
+        self._segments: list[list] = []  # [first step, last step + 1, original row of each cache row]
         self.replayed = self.missed = 0  # micro-batches the update replayed / ran normally
-        self.contiguous = False  # the prefill: slots are the first P·Lp rows
 
     # -- writing (the rollout) ----------------------------------------------------------------------
     def at_prefill(self) -> Recording:
-        self.contiguous = True
+        self.start, self.count = 0, self.base
         return self
 
     def at_step(self, rows: torch.Tensor, step: int) -> Recording:
-        """Decode step `step` of the cache rows whose original rows are `rows` [n] (on the device)."""
-        self.contiguous = False
-        self.slots = self.base + rows * self.t + step
+        """Decode step `step` of the cache rows whose original rows are `rows` [n] (host; the same
+        tensor from step to step until the batch is compacted)."""
+        self.start, self.count = self.base + step * self.rows, rows.shape[0]
+        if self._segments and self._segments[-1][2] is rows and self._segments[-1][1] == step:
+            self._segments[-1][1] = step + 1
+        else:
+            self._segments.append([step, step + 1, rows])
         return self
 
     def put(self, layer: int, kind: str, value: torch.Tensor, scaled_q: bool = False) -> None:
         """value [n, width]: this step's (or the prefill's [P·Lp, width]) output of `kind` in `layer`."""
+        out = self.buffers[layer][kind][self.start : self.start + value.shape[0]]
         if scaled_q:
-            value = value * self.unscale
-        buf = self.buffers[layer][kind]
-        if self.contiguous:
-            buf[: value.shape[0]].copy_(value)
+            torch.mul(value, self.unscale, out=out)
         else:
-            buf.index_copy_(0, self.slots, value)
+            out.copy_(value)
 
     def finish(self, completion_ids: torch.Tensor) -> None:
-        """completion_ids [N, T]: the token sampled at step j of row r is the input recorded at (r, j)."""
-        self.ids[self.base :] = completion_ids.reshape(-1)
+        """completion_ids [N, T]: the token sampled at step j of row r is the input decoded at step j."""
+        for first, end, rows in self._segments:
+            steps = torch.arange(first, end)  # [s]
+            slots = self.base + steps[None, :] * self.rows + torch.arange(rows.shape[0])[:, None]  # [n, s]
+            self.slot_of[rows[:, None], steps[None, :]] = slots
+            self.ids[slots.flatten()] = completion_ids[rows[:, None], steps[None, :]].flatten()
+        self._segments = []
 
     # -- reading (the update) -----------------------------------------------------------------------
     def index(self, packed, first_row: int, group_ids: torch.Tensor) -> torch.Tensor | None:
@@ -125,11 +140,11 @@ class Recording:
             parts.append(torch.arange(length) + g * self.lp)
         for i in sorted(range(len(row_prompt)), key=lambda i: row_prompt[i]):  # the pack's row order
             r = first_row + i
-            if r >= self.num_prompts * self.n or inputs[i] > self.t:
+            if r >= self.rows or inputs[i] > self.t:
                 return None
-            parts.append(torch.arange(inputs[i]) + self.base + r * self.t)
+            parts.append(self.slot_of[r, : inputs[i]])
         index = torch.cat(parts)
-        if index.numel() != packed.token_ids.numel():
+        if index.numel() != packed.token_ids.numel() or (index < 0).any():
             return None
         if not torch.equal(self.ids[index], packed.token_ids.cpu()):
             return None
@@ -137,6 +152,18 @@ class Recording:
 
     def gather(self, layer: int, index: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: b.index_select(0, index) for k, b in self.buffers[layer].items()}
+
+
+def _take(pool: dict | None, key, size: int, kw: dict) -> torch.Tensor:
+    """A flat buffer of at least `size` elements: the pool's (kept from an earlier step, its pages already
+    mapped) when large enough, else a new one that the pool keeps. A fresh buffer costs a page fault per
+    4 KiB written (the allocator maps large tensors anew each time, model/memory.py): ~0.1 s a rollout."""
+    if pool is None:
+        return torch.empty(size, **kw)
+    have = pool.get(key)
+    if have is None or have.numel() < size or have.device != kw["device"] or have.dtype != kw["dtype"]:
+        have = pool[key] = torch.empty(size, **kw)
+    return have[:size]
 
 
 def _prompt_starts(packed) -> list[tuple[int, int]]:
@@ -156,6 +183,7 @@ class ReplayTape:
         self.budget_bytes = budget_bytes
         self.armed, self.calls, self.recording = False, 0, None
         self._said_budget = False
+        self._pool: dict = {}  # the buffers, kept from step to step (see _take)
 
     def arm(self) -> None:
         self.armed, self.calls, self.recording = True, 0, None
@@ -185,7 +213,7 @@ class ReplayTape:
                     int(BUDGET_FRACTION * 100),
                 )
             return None
-        self.recording = Recording(dec, prompts, n, t_max, width)
+        self.recording = Recording(dec, prompts, n, t_max, width, self._pool)
         return self.recording
 
     def take(self) -> Recording | None:

@@ -244,7 +244,7 @@ class NativeEngine:
                 (k[:n_rows, :, : step + 1], v[:n_rows, :, : step + 1])
                 for k, v in zip(cache_k, cache_v, strict=True)
             ]
-            rec = _recording_at(recording, active.to(device), step)
+            rec = _recording_at(recording, active, step)
             logits = dec.decode_step(tokens, prompt_cache, layout, step_caches, weights, cos, sin, record=rec)
             tokens, lp = sample_tokens(logits, sampling)  # [n_active]
             host_tokens, host_lp, hit_eos = _to_host(tokens, lp, eos_ids)
