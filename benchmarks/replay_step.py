@@ -33,6 +33,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cpu-time", action="store_true", help="process CPU time (use with --threads 1)")
+    ap.add_argument(
+        "--update-only",
+        action="store_true",
+        help="one recorded rollout, then --repeats interleaved pairs of the update alone on its batch",
+    )
     args = ap.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     if args.threads:
@@ -91,6 +96,11 @@ def main() -> None:
         f"{'CPU' if args.cpu_time else 'wall'} time"
     )
     run(True, 0)  # warm-up
+    if args.update_only:
+        update_only(
+            args, learner, engine, tape, prompts, cell, sampling, tok, clock, start_weights, start_optim
+        )
+        return
     times = {False: [], True: []}
     for r in range(args.repeats):
         out = {}
@@ -108,14 +118,48 @@ def main() -> None:
         print(f"  off {[round(x, 3) for x in out[False][0]]} on {[round(x, 3) for x in out[True][0]]}")
     for replay, values in times.items():
         med = [statistics.median(v[i] for v in values) for i in range(3)]
+        low = [min(v[i] for v in values) for i in range(3)]
         print(
             f"| replay {'on' if replay else 'off'} | rollout {med[0]:.3f} s | reference {med[1]:.3f} s | "
-            f"update {med[2]:.3f} s | total {sum(med):.3f} s |"
+            f"update {med[2]:.3f} s | total {sum(med):.3f} s | minima {[round(x, 3) for x in low]} |"
         )
     pairs = list(zip(times[False], times[True], strict=True))
     for i, name in enumerate(("rollout", "reference", "update")):
         print(f"pairwise on/off, {name}: ×{statistics.median(b[i] / a[i] for a, b in pairs):.3f}")
     print(f"pairwise on/off, total: ×{statistics.median(sum(b) / sum(a) for a, b in pairs):.3f}")
+
+
+def update_only(args, learner, engine, tape, prompts, cell, sampling, tok, clock, start_weights, start_optim):
+    policy = learner.policy
+    engine.tape = tape
+    tape.arm()
+    torch.manual_seed(1)
+    rollouts = engine.generate(prompts, cell["G"], sampling)
+    recording = tape.take()
+    pb = PromptBatch(prompts=[""] * len(prompts), prompt_token_ids=prompts)
+    adv = torch.randn(len(rollouts.group_ids), generator=torch.Generator().manual_seed(1))
+    batch = build_train_batch(pb, rollouts, adv, tok.pad_token_id, old_logprobs=rollouts.sampling_logprobs)
+    batch.ref_logprobs = learner.reference_logprobs(batch)
+    times = {False: [], True: []}
+    for r in range(args.repeats):
+        for replay in (False, True) if r % 2 == 0 else (True, False):
+            with torch.no_grad():
+                for k, v in policy.state_dict().items():
+                    v.copy_(start_weights[k])
+            learner.optimizer.load_state_dict(start_optim)
+            learner.replay_tape = tape if replay else None
+            tape.armed, tape.calls, tape.recording = True, 1, recording
+            t0 = clock()
+            learner.train_step(batch)
+            times[replay].append(clock() - t0)
+    assert recording.missed == 0 and recording.replayed > 0
+    for replay, values in times.items():
+        print(
+            f"| update, replay {'on' if replay else 'off'} | median {statistics.median(values):.3f} s | "
+            f"min {min(values):.3f} s | {[round(v, 3) for v in values]} |"
+        )
+    pairs = zip(times[False], times[True], strict=True)
+    print(f"pairwise on/off, update: ×{statistics.median(b / a for a, b in pairs):.3f}")
 
 
 if __name__ == "__main__":

@@ -201,7 +201,8 @@ class ReplayTape:
         budget = self.budget_bytes
         if budget is None:
             have = available_bytes()
-            budget = None if have is None else int(have * BUDGET_FRACTION)
+            held = sum(b.numel() * b.element_size() for b in self._pool.values())  # reused, not new
+            budget = None if have is None else int((have + held) * BUDGET_FRACTION)
         if budget is not None and need > budget:
             if not self._said_budget:
                 self._said_budget = True
