@@ -6,7 +6,9 @@ forward recomputed (off) or replayed from the rollout's recording (on), interlea
 Each repeat runs both variants in alternating order from the same weights (learning rate 1e-7, as the
 matrix) and the same RNG state, so both sample the same tokens: the rollout (off: eager, no recording; on:
 eager, recording), the reference pass, and the update. Prints the medians of each stage and of the
-pairwise ratios, and how far the two variants' log-probs and updated weights are apart.
+pairwise ratios, and how far the two variants' log-probs and updated weights are apart. The update runs
+eager on both sides (a short run's default) unless --compile-training puts the off side's on the compiled
+block (a run of ≥ 200 steps); `--update-only` times the update alone, many pairs on one recorded batch.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def main() -> None:
         action="store_true",
         help="one recorded rollout, then --repeats interleaved pairs of the update alone on its batch",
     )
+    ap.add_argument(
+        "--compile-training",
+        action="store_true",
+        help="the off side's update (and both reference passes) on the compiled block, as a run of ≥ 200 "
+        "steps gets by default; replay's update runs eager either way. Default: eager, as a short run",
+    )
     args = ap.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     if args.threads:
@@ -57,6 +65,7 @@ def main() -> None:
         max_new_tokens=cell["completion"],
         beta=cell["beta"],
         learning_rate=1e-7,
+        compile_training=args.compile_training,
     ).validate()
     learner = Learner(policy, reference, cfg, total_optimizer_steps=1000)
     engine = NativeEngine(policy, tok, compile_decode=False)
