@@ -187,3 +187,24 @@ def test_lora_and_compiled_decode_turn_replay_off():
     source = _source(plain)
     source.engine.compiled = True
     assert "compile_decode" in _learner(plain).replay_refusal(source)
+
+
+def test_recording_on_onednn_decode_layers_replays_as_exactly(monkeypatch):
+    """Wide models (and AVX-512 hosts) decode on oneDNN with SiLU and the product fused into the GEMMs;
+    recording unfuses them, and the replayed update still matches the recomputed one."""
+    from grpo.model import linear
+
+    if not linear.ONEDNN_AVAILABLE:
+        pytest.skip("no oneDNN in this PyTorch build")
+    monkeypatch.setattr(linear, "decode_onednn", lambda width, rows=None: True)
+    model = _model("qwen2")
+    plain, _ = _rollout(model, None, seed=4)
+    rollouts, recording = _rollout(model, ReplayTape(), seed=4)
+    assert torch.equal(plain.completion_ids, rollouts.completion_ids)
+    batch = _batch(rollouts)
+    want, want_grads = _forward_and_grads(model, batch, [slice(0, 12)])
+    got, got_grads = _forward_and_grads(model, batch, [slice(0, 12)], recording)
+    assert recording.replayed == 1
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-6)
+    for name, g in want_grads.items():
+        assert (got_grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-9, name
