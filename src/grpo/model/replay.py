@@ -62,9 +62,7 @@ class Recording:
     index_copy_ of rows cost 50 µs a call). `slot_of` [N, T] says where each original row's input j went
     (−1: not decoded), and `ids` the input token at each slot (−1 where nothing was recorded)."""
 
-    def __init__(
-        self, dec, prompts: list[list[int]], n: int, t_max: int, prompt_width: int, pool: dict | None = None
-    ):
+    def __init__(self, dec, prompts: list[list[int]], n: int, t_max: int, prompt_width: int):
         self.num_prompts, self.n, self.t, self.lp = len(prompts), n, t_max, prompt_width
         self.rows = self.num_prompts * n
         self.base = self.num_prompts * prompt_width
@@ -78,10 +76,9 @@ class Recording:
             "out": d,
         }
         kw = {"device": dec.device, "dtype": dec.dtype}
-        self.buffers = [
-            {k: _take(pool, (i, k), slots * w, kw).view(slots, w) for k, w in widths.items()}
-            for i in range(len(dec.layers))
-        ]
+        # Fresh each call, not kept between steps: the allocator maps them anew (model/memory.py), so only
+        # the pages written (the rows decoded) become resident, and they go back to the OS when freed.
+        self.buffers = [{k: torch.empty(slots, w, **kw) for k, w in widths.items()} for _ in dec.layers]
         self.ids = torch.full((slots,), -1, dtype=torch.long)
         for g, x in enumerate(prompts):
             self.ids[g * prompt_width : g * prompt_width + len(x)] = torch.tensor(x, dtype=torch.long)
@@ -154,18 +151,6 @@ class Recording:
         return {k: b.index_select(0, index) for k, b in self.buffers[layer].items()}
 
 
-def _take(pool: dict | None, key, size: int, kw: dict) -> torch.Tensor:
-    """A flat buffer of at least `size` elements: the pool's (kept from an earlier step, its pages already
-    mapped) when large enough, else a new one that the pool keeps. A fresh buffer costs a page fault per
-    4 KiB written (the allocator maps large tensors anew each time, model/memory.py): ~0.1 s a rollout."""
-    if pool is None:
-        return torch.empty(size, **kw)
-    have = pool.get(key)
-    if have is None or have.numel() < size or have.device != kw["device"] or have.dtype != kw["dtype"]:
-        have = pool[key] = torch.empty(size, **kw)
-    return have[:size]
-
-
 def _prompt_starts(packed) -> list[tuple[int, int]]:
     """(start, length) of each prompt in the pack, in pack order."""
     out = []
@@ -183,7 +168,6 @@ class ReplayTape:
         self.budget_bytes = budget_bytes
         self.armed, self.calls, self.recording = False, 0, None
         self._said_budget = False
-        self._pool: dict = {}  # the buffers, kept from step to step (see _take)
 
     def arm(self) -> None:
         self.armed, self.calls, self.recording = True, 0, None
@@ -201,8 +185,7 @@ class ReplayTape:
         budget = self.budget_bytes
         if budget is None:
             have = available_bytes()
-            held = sum(b.numel() * b.element_size() for b in self._pool.values())  # reused, not new
-            budget = None if have is None else int((have + held) * BUDGET_FRACTION)
+            budget = None if have is None else int(have * BUDGET_FRACTION)
         if budget is not None and need > budget:
             if not self._said_budget:
                 self._said_budget = True
@@ -214,7 +197,7 @@ class ReplayTape:
                     int(BUDGET_FRACTION * 100),
                 )
             return None
-        self.recording = Recording(dec, prompts, n, t_max, width, self._pool)
+        self.recording = Recording(dec, prompts, n, t_max, width)
         return self.recording
 
     def take(self) -> Recording | None:
