@@ -208,3 +208,26 @@ def test_recording_on_onednn_decode_layers_replays_as_exactly(monkeypatch):
     torch.testing.assert_close(got, want, rtol=0, atol=5e-6)
     for name, g in want_grads.items():
         assert (got_grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-9, name
+
+
+def test_the_tape_reuses_the_storage_of_a_filled_rollout_only():
+    """Rows that ran to the limit filled the buffers: the next rollout writes into the same pages (no page
+    faults); a ragged rollout's storage is freed, so a long run's resident pages stay what it decodes."""
+    model = _model("llama")
+    engine = NativeEngine(model, IdTokenizer())
+    engine.tape = tape = ReplayTape()
+    sampling = SamplingParams(max_new_tokens=6)
+
+    def record(eos: torch.Tensor):
+        engine.eos_ids = eos
+        tape.arm()
+        engine.generate(PROMPTS, 2, sampling)
+        return tape.take()
+
+    first = record(torch.tensor([-1]))  # no eos: every row runs to the limit
+    assert first.filled > 0.75
+    second = record(torch.tensor([-1]))
+    assert second.buffers[0]["qkv"].data_ptr() == first.buffers[0]["qkv"].data_ptr()
+    assert tape._kept is not None
+    ended = record(torch.arange(64))  # every token ends a row: nothing decoded after the first
+    assert ended.filled < 0.75 and tape._kept is None
