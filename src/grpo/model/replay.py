@@ -40,7 +40,6 @@ from grpo.model.packed_attention import packed_attention
 
 log = logging.getLogger("grpo")
 
-KINDS = ("qkv", "mid", "gate", "up", "out")
 # A recording may take at most this share of the memory available when it starts (MemAvailable).
 BUDGET_FRACTION = 0.25
 KEEP_FILLED = 0.75  # see ReplayTape._kept
