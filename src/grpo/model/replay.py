@@ -42,7 +42,6 @@ log = logging.getLogger("grpo")
 
 # A recording may take at most this share of the memory available when it starts (MemAvailable).
 BUDGET_FRACTION = 0.25
-KEEP_FILLED = 0.75  # see ReplayTape._kept
 
 
 def recording_bytes(hf_config, prompt_slots: int, completion_slots: int) -> int:
@@ -57,10 +56,11 @@ def recording_bytes(hf_config, prompt_slots: int, completion_slots: int) -> int:
 
 class Recording:
     """One generate call's recorded products: per layer and kind a [P·Lp + T·N, width] buffer, prompt slots
-    (group g, position j → g·Lp + j) then one block of N slots per decode step, in the step's batch order
-    (step s, cache row c → P·Lp + s·N + c: each step writes one contiguous block, no scatter; a scattered
-    index_copy_ of rows cost 50 µs a call). `slot_of` [N, T] says where each original row's input j went
-    (−1: not decoded), and `ids` the input token at each slot (−1 where nothing was recorded)."""
+    (group g, position j → g·Lp + j) then one block per decode step of the rows it decoded, in the step's
+    batch order, each block right after the previous one: each step writes one contiguous block (a
+    scattered index_copy_ of rows cost 50 µs a call), and a rollout writes a prefix of the buffer as long as
+    the tokens it decoded. `slot_of` [N, T] says where each original row's input j went (−1: not decoded),
+    and `ids` the input token at each slot (−1 where nothing was recorded)."""
 
     def __init__(
         self, dec, prompts: list[list[int]], n: int, t_max: int, prompt_width: int, reuse: list | None = None
@@ -78,9 +78,8 @@ class Recording:
             "out": d,
         }
         kw = {"device": dec.device, "dtype": dec.dtype}
-        # reuse: the previous recording's storage (ReplayTape keeps it after a rollout that filled it), else
-        # fresh buffers, which the allocator maps anew (model/memory.py): only the pages written (the rows
-        # decoded) become resident, and they go back to the OS when freed.
+        # reuse: the previous recording's storage (ReplayTape keeps it), else fresh buffers, which the
+        # allocator maps anew (model/memory.py): only the pages written become resident.
         self.storage = [
             {k: _storage(None if reuse is None else reuse[i][k], slots * w, kw) for k, w in widths.items()}
             for i in range(len(dec.layers))
@@ -96,7 +95,9 @@ class Recording:
         self.unscale = torch.ones(widths["qkv"], **kw)  # the decode's q arrives scaled (folded weights)
         self.unscale[: dec.num_heads * hd] = 1.0 / dec.scale
         self.start, self.count = 0, 0  # this step's block of slots
-        self._segments: list[list] = []  # [first step, last step + 1, original row of each cache row]
+        self.cursor = self.base  # where the next step's block goes: the blocks are packed, decoded rows only
+        # [first step, last step + 1, original row of each cache row, the first step's block]
+        self._segments: list[list] = []
         self.replayed = self.missed = 0  # micro-batches the update replayed / ran normally
 
     # -- writing (the rollout) ----------------------------------------------------------------------
@@ -107,11 +108,12 @@ class Recording:
     def at_step(self, rows: torch.Tensor, step: int) -> Recording:
         """Decode step `step` of the cache rows whose original rows are `rows` [n] (host; the same
         tensor from step to step until the batch is compacted)."""
-        self.start, self.count = self.base + step * self.rows, rows.shape[0]
+        self.start, self.count = self.cursor, rows.shape[0]
+        self.cursor += self.count
         if self._segments and self._segments[-1][2] is rows and self._segments[-1][1] == step:
             self._segments[-1][1] = step + 1
         else:
-            self._segments.append([step, step + 1, rows])
+            self._segments.append([step, step + 1, rows, self.start])
         return self
 
     def put(self, layer: int, kind: str, value: torch.Tensor, scaled_q: bool = False) -> None:
@@ -122,16 +124,12 @@ class Recording:
         else:
             out.copy_(value)
 
-    @property
-    def filled(self) -> float:
-        """The share of the completion slots that were written (decoded)."""
-        return float(self.slot_of.ge(0).sum()) / max(self.slot_of.numel(), 1)
-
     def finish(self, completion_ids: torch.Tensor) -> None:
         """completion_ids [N, T]: the token sampled at step j of row r is the input decoded at step j."""
-        for first, end, rows in self._segments:
+        for first, end, rows, start in self._segments:
             steps = torch.arange(first, end)  # [s]
-            slots = self.base + steps[None, :] * self.rows + torch.arange(rows.shape[0])[:, None]  # [n, s]
+            n = rows.shape[0]
+            slots = start + (steps[None, :] - first) * n + torch.arange(n)[:, None]  # [n, s]
             self.slot_of[rows[:, None], steps[None, :]] = slots
             self.ids[slots.flatten()] = completion_ids[rows[:, None], steps[None, :]].flatten()
         self._segments = []
@@ -194,10 +192,9 @@ class ReplayTape:
         self.budget_bytes = budget_bytes
         self.armed, self.calls, self.recording = False, 0, None
         self._said_budget = False
-        # The storage of a recording whose rollout filled ≥ KEEP_FILLED of it (rows that ran to the limit),
-        # reused by the next: 0.5 GB of fresh pages cost ~0.1-0.2 s of page faults per rollout (×1.09 →
-        # ×1.27 of an eos-off rollout's CPU time). A ragged rollout's is freed: kept, the pages each step
-        # writes would add up to the whole buffer's.
+        # The last recording's storage, reused by the next: fresh pages cost a page fault per 4 KiB written,
+        # ~0.1-0.2 s per rollout (eos-off: ×1.27 of the rollout's CPU time fresh, ×1.04 reused). A rollout
+        # writes a prefix of it (the tokens decoded), so what stays resident is the longest rollout's.
         self._kept: list | None = None
 
     def arm(self) -> None:
@@ -237,7 +234,7 @@ class ReplayTape:
         """The step's recording, once; disarms (evaluation's generate calls record nothing)."""
         rec = self.recording if self.calls == 1 else None
         self.armed, self.calls, self.recording = False, 0, None
-        self._kept = rec.storage if rec is not None and rec.filled >= KEEP_FILLED else None
+        self._kept = None if rec is None else rec.storage
         return rec
 
 
