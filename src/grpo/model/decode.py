@@ -257,17 +257,17 @@ def decode_step(
             scaled=w.q_scaled,
             cache_bias=cache_bias,
         )
-        h = w.o_proj.plus(attn, h)
-        x = rms_norm(h, w.post_norm, dec.eps)
         if record is None:
+            h = w.o_proj.plus(attn, h)
+            x = rms_norm(h, w.post_norm, dec.eps)
             h = w.down.plus(w.up.times(x, w.gate.silu(x)), h)
             continue
-        record.put(i, "mid", h)
-        gate, up = w.gate(x), w.up(x)  # unfused (oneDNN would fuse SiLU and the product): both are kept
-        record.put(i, "gate", gate)
-        record.put(i, "up", up)
-        h = w.down.plus(F.silu(gate) * up, h)
-        record.put(i, "out", h)
+        # Recording: each product goes straight into the recording (on MKL the GEMM writes it there); the
+        # MLP unfused (oneDNN would fuse SiLU and the product), since gate and up are both kept.
+        h = w.o_proj.plus(attn, h, out=record.block(i, "mid"))
+        x = rms_norm(h, w.post_norm, dec.eps)
+        gate, up = w.gate(x, out=record.block(i, "gate")), w.up(x, out=record.block(i, "up"))
+        h = w.down.plus(F.silu(gate) * up, h, out=record.block(i, "out"))
     return weights.lm_head(rms_norm(h, weights.final_norm, dec.eps))
 
 

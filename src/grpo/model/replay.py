@@ -116,6 +116,10 @@ class Recording:
             self._segments.append([step, step + 1, rows, self.start])
         return self
 
+    def block(self, layer: int, kind: str) -> torch.Tensor:
+        """This step's rows of `kind` in `layer` [n, width], for the decode to write its product into."""
+        return self.buffers[layer][kind][self.start : self.start + self.count]
+
     def put(self, layer: int, kind: str, value: torch.Tensor, scaled_q: bool = False) -> None:
         """value [n, width]: this step's (or the prefill's [P·Lp, width]) output of `kind` in `layer`."""
         out = self.buffers[layer][kind][self.start : self.start + value.shape[0]]
