@@ -66,6 +66,15 @@ def test_vllm_runs_in_the_compute_dtype_not_the_masters():
     assert torch.equal(state["lm_head.weight"], model.lm_head.weight.detach().to(torch.bfloat16))
 
 
+def test_vllm_captures_cuda_graphs_on_cuda_unless_asked_not_to():
+    from grpo.config import GRPOConfig
+    from grpo.rollout.vllm import enforce_eager
+
+    assert GRPOConfig().generation.vllm_enforce_eager is None  # the default: decided per device
+    assert enforce_eager(None, cuda=True) is False and enforce_eager(None, cuda=False) is True
+    assert enforce_eager(True, cuda=True) is True and enforce_eager(False, cuda=False) is False
+
+
 def test_a_weight_sync_hands_vllm_the_live_tensors_in_process(monkeypatch):
     """One worker with the engine core in this process: the weights go to `reload_weights` as tensors (no
     file in /dev/shm, no CPU copy: on CUDA they stay on the GPU), with hf_state's names and values. Several

@@ -177,8 +177,10 @@ class GenerationConfig:
     vllm_tensor_parallel_size: int = _f(
         1, "vllm: GPUs one engine shards the model over (TorchRL inference_model.tensor_parallel_size)."
     )
-    vllm_enforce_eager: bool = _f(
-        True, "vllm: no CUDA graphs (faster start, slower decode; set false on GPUs for long runs)."
+    vllm_enforce_eager: bool | None = _f(
+        None,
+        "vllm: true runs eagerly (no CUDA graphs: faster start, slower decode); false captures CUDA graphs "
+        "(on a CPU: compiles). Default: CUDA graphs on CUDA, eager on a CPU.",
     )
     vllm_kv_cache_gb: float = _f(1.0, "vllm on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
     vllm_sleep: bool = _f(

@@ -106,6 +106,13 @@ def engine_dtype(model, compute_dtype: torch.dtype | None) -> torch.dtype:
     return compute_dtype or next(model.parameters()).dtype
 
 
+def enforce_eager(asked: bool | None, cuda: bool) -> bool:
+    """vLLM's `enforce_eager`: as asked, else CUDA graphs on CUDA (the decode is bound by kernel launches
+    without them; weights reload in place, so captured graphs stay valid) and eager on a CPU, where vLLM
+    would compile its model at start-up instead (minutes on two cores) for no gain here."""
+    return (not cuda) if asked is None else asked
+
+
 def weights_in_process(tensor_parallel_size: int) -> bool:
     """Whether a weight sync hands the tensors to the engine's model in this process (`reload_weights` with a
     weights iterator) rather than through a safetensors file: the engine core runs here (V1
@@ -289,7 +296,7 @@ class VLLMEngine:
             "tokenizer": str(self.dir.path),
             "seed": seed,
             "dtype": str(dtype).split(".")[-1],
-            "enforce_eager": gen.vllm_enforce_eager,
+            "enforce_eager": enforce_eager(gen.vllm_enforce_eager, self.cuda),
             "enable_prefix_caching": True,
             "logprobs_mode": "processed_logprobs",
             "tensor_parallel_size": gen.vllm_tensor_parallel_size,
