@@ -352,3 +352,40 @@ def calculator_schema(tool) -> dict:
             "parameters": tool.params_json_schema,
         },
     }
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_in_replies_are_the_sampled_tokens_log_probs(policy, stream):
+    """`logprobs=True`: the reply carries each of its sampled tokens with the log-prob the learner trains
+    against (the episode's `sampling_logprobs`); the tokens spell the reply (a tool call's markup included);
+    streamed, the chunks' lists join to the same. `top_logprobs` is accepted (0-20), with no alternatives."""
+    seen: list[tuple[str, str | None, list]] = []
+
+    def agent(client, row: dict) -> None:
+        kwargs = {"model": example.MODEL, "messages": example.opening(row), "tools": example.TOOLS}
+        kwargs.update(logprobs=True, top_logprobs=2)
+        if stream:
+            content, name, tokens = "", None, []
+            for part in client.chat.completions.create(**kwargs, stream=True):
+                for choice in part.choices:
+                    content += choice.delta.content or ""
+                    name = next((c.function.name for c in choice.delta.tool_calls or []), name)
+                    tokens += choice.logprobs.content if choice.logprobs else []
+        else:
+            message, logprobs = (lambda c: (c.message, c.logprobs))(
+                client.chat.completions.create(**kwargs).choices[0]
+            )
+            content, tokens = message.content or "", logprobs.content
+            name = message.tool_calls[0].function.name if message.tool_calls else None
+        seen.append((content, name, tokens))
+
+    _, rollouts = drive(policy, agent)
+    assert len(seen) == len(QUESTIONS) * EPISODES
+    rows = [rollouts.sampling_logprobs[k] for k in range(len(rollouts.episodes))]
+    for content, name, tokens in seen:
+        text = "".join(t.token for t in tokens)
+        assert tokens and (text.strip() == content.strip() if name is None else f'"{name}"' in text)
+        assert all(t.top_logprobs == [] and t.logprob <= 0 for t in tokens)
+        values = torch.tensor([t.logprob for t in tokens])
+        assert any(torch.equal(values, row[: len(tokens)]) for row in rows)
+    assert any(name for _, name, _ in seen) and any(name is None for _, name, _ in seen)

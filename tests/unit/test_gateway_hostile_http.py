@@ -59,11 +59,16 @@ def test_unhonoured_fields_are_said_once_in_the_log(served, caplog):  # noqa: F8
     caplog.set_level(logging.INFO, logger="grpo")
     for _ in range(2):
         s = gateway.sessions.add(Session(0, 0, {}))
-        body = {**GOOD, "response_format": {"type": "json_object"}, "logprobs": True, "tools": agents.TOOLS,
-                "tool_choice": "required"}  # fmt: skip
+        body = {**GOOD, "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 3,
+                "tools": agents.TOOLS, "tool_choice": "required"}  # fmt: skip
         assert post(server, s.key, body).status_code == 200
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Gateway: requests set")]
-    assert sorted(m.split()[3] for m in said) == ["logprobs,", "response_format,", "tool_choice"]
+    assert sorted(m.split()[3] for m in said) == ["response_format,", "tool_choice", "top_logprobs,"]
+    # logprobs are given (the sampled tokens'), and what they are is said once
+    asked = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("Gateway: requests ask for logp")
+    ]
+    assert len(asked) == 1
 
 
 def test_other_methods_and_unreadable_requests_get_error_objects(served):  # noqa: F811

@@ -94,6 +94,12 @@ class Gateway:
                 f"Gateway: requests set tool_choice {req.tool_choice!r}; the model is shown the tools and "
                 "asked, not forced (no constrained decoding: the reply may not call a tool).",
             )
+        if req.logprobs:
+            self._say_once(
+                "logprobs",
+                "Gateway: requests ask for logprobs; replies carry each sampled token's log-prob under the "
+                "distribution it was sampled from (the run's temperature and top-p), without alternatives.",
+            )
         for key in req.ignored:
             said = "which the gateway does not act on (the policy's own decoding is what training needs)"
             self._say_once(key, f"Gateway: requests set {key}, {said}; replies come without it.")
@@ -218,7 +224,20 @@ class Gateway:
             session.tool_calls += len(parsed.calls)
             finish = "length" if length else "tool_calls" if parsed.calls else "stop"
             session.last_finish, session.answered = finish, not parsed.calls
-        return TurnDone(reply, finish, _usage(len(row.ids) - len(new), len(new)))
+        tokens = None
+        if req.logprobs:  # the reply's own tokens, like OpenAI's list: not the end-of-turn token
+            own = len(new) - 1 if new and new[-1] in self.special_ids else len(new)
+            tokens = self._token_logprobs(new[:own], lps[:own])
+        return TurnDone(reply, finish, _usage(len(row.ids) - len(new), len(new)), tokens)
+
+    def _token_logprobs(self, ids: list[int], logprobs: list[float]) -> list[dict]:
+        """OpenAI's `logprobs.content` of a reply: each sampled token with the log-prob it had under the
+        distribution it was drawn from (the run's temperature and top-p: the policy being trained)."""
+        out = []
+        for token, logprob in zip(ids, logprobs, strict=True):
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            out.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+        return out
 
     def _cut_at_stop(self, text, new, lps, stops):
         at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
