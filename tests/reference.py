@@ -121,8 +121,12 @@ def cli_outputs(argvs: list[list[str]], src: Path | None = None) -> list[tuple[i
 
 # Defaults changed on purpose since the reference commits, (section, setting): (before, now), each with
 # its reason. generation.compile_decode: false → null (issue 34: decided at run time; a short run, as
-# these tests run, decodes eagerly as before).
-CHANGED_DEFAULTS = {("generation", "compile_decode"): ("false", "null")}
+# these tests run, decodes eagerly as before); generation.vllm_enforce_eager: true → null (issue 34: CUDA
+# graphs on CUDA, eager on a CPU as before).
+CHANGED_DEFAULTS = {
+    ("generation", "compile_decode"): ("false", "null"),
+    ("generation", "vllm_enforce_eager"): ("true", "null"),
+}
 
 
 def _in_section(text: str, section: str, old: str, new: str) -> str:

@@ -8,6 +8,7 @@ math is in algorithm/ (loss, importance weights, schedules) and the forward pass
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import astuple, dataclass, field, replace
 
@@ -17,10 +18,12 @@ from grpo.algorithm.importance import WeightSums, importance_metrics, weighted_a
 from grpo.algorithm.loss import LossNorm, LossOutput, make_policy_loss
 from grpo.algorithm.schedules import lr_lambda
 from grpo.config import GRPOConfig
+from grpo.config.errors import ConfigError
 from grpo.distributed.runtime import Runtime
 from grpo.model.compiled import compile_by_default
 from grpo.model.forward import PolicyForward
 from grpo.model.loading import resolve_dtype
+from grpo.model.lora import has_adapters, lora_base
 from grpo.model.memory import release_large_frees
 from grpo.model.micro_batch import (
     FALLBACK_TOKENS,
@@ -31,7 +34,10 @@ from grpo.model.micro_batch import (
     plan_micro_batches,
     split_to,
 )
+from grpo.model.replay import Replay, ReplayTape
 from grpo.records import TrainBatch
+
+log = logging.getLogger("grpo")
 
 
 class NonFiniteWeightsError(RuntimeError):
@@ -163,6 +169,60 @@ class Learner:
         # The row knobs' micro-batch (None: unset); whatever they say, the token budget caps every one.
         self.micro_batch_size = cfg.resolved_micro_batch_size
         self.micro_batch_tokens = self._token_budget(policy, device)
+        self.replay_tape: ReplayTape | None = None  # set by attach_replay (model/replay.py)
+
+    # -- replay: the update reuses the rollout's forward (model/replay.py) ----------------------------
+    def replay_refusal(self, source) -> str | None:
+        """Why this run's update cannot replay `source`'s rollouts, or None when it can."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        engine = getattr(source, "engine", None)
+        chunk = getattr(source, "chunk_prompts", None)
+        reasons = [
+            (a.num_iterations != 1, f"algorithm.num_iterations is {a.num_iterations} (later passes run at "
+             "updated weights; replay needs 1)"),
+            (has_adapters(self.policy), "the policy trains LoRA adapters"),
+            (a.entropy_coef != 0, "algorithm.entropy_coef is set (its gradient needs the "
+             "transformers forward)"),
+            (self.rt.active, "the learner runs in several processes"),
+            (self.policy_forward.kind != "native", "the update runs the transformers forward, not the "
+             "native one"),
+            (self.compute_dtype not in (None, torch.float32), f"model.dtype computes in {self.compute_dtype} "
+             "(replay needs float32)"),
+            (cfg.model.gradient_checkpointing, "model.gradient_checkpointing is on"),
+            (not hasattr(engine, "tape") or lora_base(engine.model) is not lora_base(self.policy),
+             "the rollout is not the native engine sampling with the policy's own weights in this process"),
+            (bool(getattr(source, "multi_turn", False)), "rollouts are multi-turn episodes (tools or an "
+             "environment)"),
+            (a.dynamic_sampling, "algorithm.dynamic_sampling draws several rollout rounds per step"),
+            (chunk is not None and chunk < cfg.train.prompts_per_step, "generation.batch_size splits each "
+             "rollout into several generate calls"),
+            (bool(getattr(engine, "compiled", False)), "generation.compile_decode is true (the compiled "
+             "decode step records nothing)"),
+        ]  # fmt: skip
+        return next((why for failed, why in reasons if failed), None)
+
+    def attach_replay(self, source) -> bool:
+        """Decide `train.replay_rollout_forward` for this run (None: where the conditions hold) and, when
+        on, give the source's engine the tape it records into. A refused `true` is a ConfigError."""
+        wanted = self.cfg.train.replay_rollout_forward
+        if wanted is False:
+            return False
+        why = self.replay_refusal(source)
+        if why is not None:
+            if wanted:
+                raise ConfigError(
+                    f"train.replay_rollout_forward=true, but {why}. Leave it unset (replay where it "
+                    "applies) or set it to false."
+                )
+            return False
+        self.replay_tape = source.engine.tape = ReplayTape()
+        log.info("Replay: the update reuses the rollout's forward (train.replay_rollout_forward).")
+        return True
+
+    def before_rollout(self) -> None:
+        """The step's rollout is next: the engine records it (when replay is on)."""
+        if self.replay_tape is not None:
+            self.replay_tape.arm()
 
     def _token_budget(self, policy, device: torch.device) -> int:
         t = self.cfg.train
@@ -236,13 +296,16 @@ class Learner:
         sums, weight_sums = _LossSums(), WeightSums()
         grad_norm, skipped, overflow = 0.0, False, False
         slices = self.micro_slices(batch)
+        # Replay: the weights are those that sampled the batch during the first (the only) pass
+        recording = None if self.replay_tape is None or a.num_iterations != 1 else self.replay_tape.take()
         for iteration in range(a.num_iterations):
             first_pass, loss_finite = iteration == 0, True
             for k, rows in enumerate(slices):
                 mb = work.rows(rows).trim()
                 rt.set_grad_sync(self.model, k == len(slices) - 1)  # all-reduce once, after the last
+                replay = None if recording is None else Replay(recording, rows.start or 0)
                 logp, entropy = self.policy_forward(
-                    mb, self.cfg.generation.temperature, with_entropy=first_pass
+                    mb, self.cfg.generation.temperature, with_entropy=first_pass, replay=replay
                 )
                 device = logp.device
                 mb_advantages = mb.advantages  # [B, T']

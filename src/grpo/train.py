@@ -75,6 +75,7 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
         p.policy, p.ref_model, cfg, total_steps * a.num_iterations, runtime=rt, completion_limit=length_limit
     )
     start_step, nonfinite_total = lifecycle.resume(cfg, p, rt, learner, stream)
+    learner.attach_replay(source)  # μ = 1: the update may reuse the rollout's forward (model/replay.py)
     source.sync_weights(start_step, learner.policy)
     lifecycle.log_sizes(cfg, learner.describe_micro_batches(), total_steps, stream)
     report = StepReport(p.run_dir, cfg, rt, start_step, total_steps)
@@ -104,6 +105,7 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
             profiler.before_step(step)
             timer, step_start = StageTimer(), time.perf_counter()
             data_before = source.data_state()
+            learner.before_rollout()
             scored, sampling_stats = collect(source, score, p.tokenizer, a, t.prompts_per_step, timer)
             if scored is None:  # a stop signal, and a reward call that would not finish: drop the step
                 step, data_at_stop = step - 1, data_before

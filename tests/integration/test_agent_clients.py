@@ -7,6 +7,8 @@ the chat template's rendering of the conversation the agent had, token for token
                       agent's run_responses; and streamed)
     langchain-openai  ChatOpenAI with a bound tool in a LangGraph graph (ToolNode runs the tool), invoked and
                       streamed
+    openai-agents     an Agents SDK `Agent` with a `function_tool`, run by its `Runner` (Responses API, chat
+                      completions, Responses streamed)
     --agent-command   the example agent as a subprocess, over plain HTTP
 
 The versions are the `agents` extra's pins (pyproject.toml)."""
@@ -300,3 +302,90 @@ def test_a_steps_episodes_connect_at_once_without_resets():
     finally:
         server.close()
     assert server.httpd.request_queue_size >= 256 and not errors, errors[:3]
+
+
+@pytest.mark.parametrize("api", ["responses", "chat", "responses-streamed"])
+def test_openai_agents_sdk_agent_with_a_function_tool(policy, api):
+    """The OpenAI Agents SDK (`openai-agents`): an `Agent` with a `function_tool` calculator, run by its
+    `Runner` against the episode's `AsyncOpenAI` client — the Responses API (the SDK's default model) and
+    chat completions, and streamed. The SDK calls the tool and feeds the result back itself."""
+    sdk = pytest.importorskip("agents")
+    sdk.set_tracing_disabled(True)  # its tracer would export each run to OpenAI's servers
+
+    @sdk.function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression (+ - * / // % ** and parentheses) and return its value.
+
+        Args:
+            expression: The arithmetic expression to evaluate, e.g. "347*28" or "(12+5)*3".
+        """
+        return example.use_tool("calculator", json.dumps({"expression": expression}))
+
+    async def agent(client, row: dict) -> None:
+        model = (
+            sdk.OpenAIChatCompletionsModel(example.MODEL, client)
+            if api == "chat"
+            else sdk.OpenAIResponsesModel(example.MODEL, client)
+        )
+        bot = sdk.Agent(name="calc", instructions=None, model=model, tools=[calculator])
+        run_config = sdk.RunConfig(tracing_disabled=True)
+        if api == "responses-streamed":
+            result = sdk.Runner.run_streamed(
+                bot, row["prompt"], max_turns=example.MAX_TURNS, run_config=run_config
+            )
+            async for _ in result.stream_events():
+                pass
+        else:
+            await sdk.Runner.run(bot, row["prompt"], max_turns=example.MAX_TURNS, run_config=run_config)
+
+    prompts, rollouts = drive(policy, agent)
+    check_episodes(policy[0], prompts, rollouts, [calculator_schema(calculator)])
+
+
+def calculator_schema(tool) -> dict:
+    """The chat-completions form of an Agents SDK function tool's schema (what the gateway rendered)."""
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": tool.params_json_schema,
+        },
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_in_replies_are_the_sampled_tokens_log_probs(policy, stream):
+    """`logprobs=True`: the reply carries each of its sampled tokens with the log-prob the learner trains
+    against (the episode's `sampling_logprobs`); the tokens spell the reply (a tool call's markup included);
+    streamed, the chunks' lists join to the same. `top_logprobs` is accepted (0-20), with no alternatives."""
+    seen: list[tuple[str, str | None, list]] = []
+
+    def agent(client, row: dict) -> None:
+        kwargs = {"model": example.MODEL, "messages": example.opening(row), "tools": example.TOOLS}
+        kwargs.update(logprobs=True, top_logprobs=2)
+        if stream:
+            content, name, tokens = "", None, []
+            for part in client.chat.completions.create(**kwargs, stream=True):
+                for choice in part.choices:
+                    content += choice.delta.content or ""
+                    name = next((c.function.name for c in choice.delta.tool_calls or []), name)
+                    tokens += choice.logprobs.content if choice.logprobs else []
+        else:
+            message, logprobs = (lambda c: (c.message, c.logprobs))(
+                client.chat.completions.create(**kwargs).choices[0]
+            )
+            content, tokens = message.content or "", logprobs.content
+            name = message.tool_calls[0].function.name if message.tool_calls else None
+        seen.append((content, name, tokens))
+
+    _, rollouts = drive(policy, agent)
+    assert len(seen) == len(QUESTIONS) * EPISODES
+    rows = [rollouts.sampling_logprobs[k] for k in range(len(rollouts.episodes))]
+    for content, name, tokens in seen:
+        text = "".join(t.token for t in tokens)
+        assert tokens and (text.strip() == content.strip() if name is None else f'"{name}"' in text)
+        assert all(t.top_logprobs == [] and t.logprob <= 0 for t in tokens)
+        values = torch.tensor([t.logprob for t in tokens])
+        assert any(torch.equal(values, row[: len(tokens)]) for row in rows)
+    assert any(name for _, name, _ in seen) and any(name is None for _, name, _ in seen)

@@ -35,7 +35,7 @@ def test_learner_failure_names_the_checkpoint_and_the_run_resumes(tmp_path):
     def breaks_at_step_3(prompts, completions, **_):
         calls["n"] += 1
         if calls["n"] == 3:
-            raise ValueError("reward server unreachable")
+            raise ValueError("reward server unreachable.")  # a sentence of its own
         return [-len(c) / 50 for c in completions]
 
     cfg = GRPOConfig(**{**SMALL, "output_dir": str(out), "steps": 4})
@@ -43,6 +43,8 @@ def test_learner_failure_names_the_checkpoint_and_the_run_resumes(tmp_path):
         GRPOTrainer(config=cfg, reward_funcs=[breaks_at_step_3]).train()
     message = (out / "train.log").read_text()
     assert "Training stopped at step 3" in message and "reward server unreachable" in message
+    # The error's own final period does not double where the sentence goes on.
+    assert "unreachable.." not in message and "unreachable. on" not in message
     assert f"the latest checkpoint is {out / 'checkpoint-2'}" in message and (
         "trainer.train(resume_from_checkpoint=True)" in message  # a Python run is resumed from Python
     )

@@ -170,6 +170,24 @@ def test_weight_sync_changes_outputs_and_then_matches_native(parts):
     _same_rollouts(_greedy(engine, prompts), before)
 
 
+def test_a_weight_sync_reaches_the_engine_in_process_without_the_file(parts):
+    """The in-process engine reads the new weights from the policy's tensors: its safetensors file (what it
+    started from) is not rewritten, and greedy outputs follow the weights there and back."""
+    model, _tokenizer, engine, prompts = parts
+    assert engine.in_process
+    weights = engine.dir.path / "model.safetensors"
+    engine.sync_weights(model)
+    before, stamp = _greedy(engine, prompts), weights.stat().st_mtime_ns
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.model.embed_tokens.weight.mul_(-1)
+    engine.sync_weights(changed)
+    assert not torch.equal(_greedy(engine, prompts).completion_ids, before.completion_ids)
+    engine.sync_weights(model)
+    _same_rollouts(_greedy(engine, prompts), before)
+    assert weights.stat().st_mtime_ns == stamp
+
+
 def test_a_weight_sync_writes_nothing_to_the_console(parts, capfd):
     """Issue 24: every sync printed a "Loading safetensors checkpoint shards" bar and "RotaryEmbedding:
     Failed to load weights" (73 times in the demo); a sync is silent now."""

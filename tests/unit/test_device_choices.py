@@ -66,6 +66,37 @@ def test_vllm_runs_in_the_compute_dtype_not_the_masters():
     assert torch.equal(state["lm_head.weight"], model.lm_head.weight.detach().to(torch.bfloat16))
 
 
+def test_vllm_captures_cuda_graphs_on_cuda_unless_asked_not_to():
+    from grpo.config import GRPOConfig
+    from grpo.rollout.vllm import enforce_eager
+
+    assert GRPOConfig().generation.vllm_enforce_eager is None  # the default: decided per device
+    assert enforce_eager(None, cuda=True) is False and enforce_eager(None, cuda=False) is True
+    assert enforce_eager(True, cuda=True) is True and enforce_eager(False, cuda=False) is False
+
+
+def test_a_weight_sync_hands_vllm_the_live_tensors_in_process(monkeypatch):
+    """One worker with the engine core in this process: the weights go to `reload_weights` as tensors (no
+    file in /dev/shm, no CPU copy: on CUDA they stay on the GPU), with hf_state's names and values. Several
+    workers, or the core in another process, keep the file."""
+    from grpo.rollout.vllm import live_state, weights_in_process
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert weights_in_process(1) and not weights_in_process(2)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert not weights_in_process(1)
+    model = tiny_llama()
+    for dtype in (None, torch.bfloat16):
+        streamed = dict(live_state(model, dtype))
+        written = hf_state(model, dtype=dtype)
+        assert streamed.keys() == written.keys()
+        assert all(
+            torch.equal(streamed[k], written[k]) and streamed[k].dtype == written[k].dtype for k in written
+        )
+    weight = model.model.layers[0].mlp.up_proj.weight
+    assert dict(live_state(model))["model.layers.0.mlp.up_proj.weight"].data_ptr() == weight.data_ptr()
+
+
 def test_fsdp2_in_one_process_says_nothing_is_sharded(caplog):
     logger = logging.getLogger("grpo")
     logger.addHandler(caplog.handler)

@@ -59,11 +59,16 @@ def test_unhonoured_fields_are_said_once_in_the_log(served, caplog):  # noqa: F8
     caplog.set_level(logging.INFO, logger="grpo")
     for _ in range(2):
         s = gateway.sessions.add(Session(0, 0, {}))
-        body = {**GOOD, "response_format": {"type": "json_object"}, "logprobs": True, "tools": agents.TOOLS,
-                "tool_choice": "required"}  # fmt: skip
+        body = {**GOOD, "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 3,
+                "tools": agents.TOOLS, "tool_choice": "required"}  # fmt: skip
         assert post(server, s.key, body).status_code == 200
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Gateway: requests set")]
-    assert sorted(m.split()[3] for m in said) == ["logprobs,", "response_format,", "tool_choice"]
+    assert sorted(m.split()[3] for m in said) == ["response_format,", "tool_choice", "top_logprobs,"]
+    # logprobs are given (the sampled tokens'), and what they are is said once
+    asked = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("Gateway: requests ask for logp")
+    ]
+    assert len(asked) == 1
 
 
 def test_other_methods_and_unreadable_requests_get_error_objects(served):  # noqa: F811
@@ -107,3 +112,38 @@ def test_the_responses_route_names_its_own_fields_in_its_errors(served, body, pa
     s = gateway.sessions.add(Session(0, 0, {}))
     reply = post(server, s.key, {"model": "m", "input": "What is 12 * 34?", **body}, path="/v1/responses")
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+def raw_request(server, text: str) -> tuple[bytes, bytes]:
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(text.encode())
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    return head, payload
+
+
+def test_usual_requests_are_read_without_the_stdlibs_email_parser(served, monkeypatch):  # noqa: F811
+    import http.client
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the e-mail parser read a usual request's headers")
+
+    monkeypatch.setattr(http.client, "parse_headers", refused)
+    gateway, server = served
+    s = gateway.sessions.add(Session(0, 0, {}))
+    assert post(server, s.key, GOOD).status_code == 200
+    body = json.dumps(GOOD)
+    s = gateway.sessions.add(Session(0, 0, {}))
+    # Any case, a folded line, a repeated header (the first counts, as email.message.Message.get gives it).
+    head, payload = raw_request(
+        server,
+        f"POST //v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {s.key}\r\n"
+        f"Authorization: Bearer sk-nobody\r\nX-Folded: a\r\n b\r\ncontent-LENGTH: {len(body)}\r\n\r\n{body}",
+    )
+    assert head.split()[1] == b"200" and json.loads(payload)["choices"][0]["message"]
+    head, payload = raw_request(
+        server, "POST /v1/chat/completions HTTP/1.1\r\n" + "X-A: 1\r\n" * 101 + "\r\n"
+    )
+    assert head.split()[1] == b"431" and json.loads(payload)["error"]["message"] == "Too many headers"

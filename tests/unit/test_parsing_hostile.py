@@ -144,3 +144,15 @@ def test_the_gateway_answers_arguments_nested_100000_deep_with_a_400():
     }
     with pytest.raises(GatewayError, match="not JSON"):
         ChatRequest.parse(body)
+
+
+def test_logprobs_flags_are_checked_and_kept():
+    from grpo.gateway.wire import ChatRequest, GatewayError
+
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    assert ChatRequest.parse({**base, "logprobs": True, "top_logprobs": 20}).logprobs is True
+    assert ChatRequest.parse(base).logprobs is False
+    for bad_body, param in (({"logprobs": "yes"}, "logprobs"), ({"top_logprobs": 21}, "top_logprobs")):
+        with pytest.raises(GatewayError) as error:
+            ChatRequest.parse({**base, **bad_body})
+        assert error.value.param == param

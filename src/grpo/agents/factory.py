@@ -17,6 +17,7 @@ from grpo import plugins
 from grpo.agents.environments import ToolEnvironment, adapter_for, close_instance
 from grpo.agents.tools import tool_schema
 from grpo.config import ConfigError
+from grpo.config.errors import clause
 
 __all__ = ["EnvironmentFactory", "build_factory", "load_object"]
 
@@ -148,7 +149,7 @@ class EnvironmentFactory:
         except TypeError as err:
             raise ConfigError(
                 f"{cls.__name__}.reset cannot take the dataset row's columns ({', '.join(map(str, row))}): "
-                f"{err}. TRL calls reset(**row); add **kwargs to its parameters."
+                f"{clause(err)}. TRL calls reset(**row); add **kwargs to its parameters."
             ) from None
 
     def make(self, row: dict, slot: int = 0):

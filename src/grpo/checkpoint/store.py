@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from grpo.config import SECTIONS, ConfigError
+from grpo.config.errors import clause
 from grpo.config.yaml_limits import YAMLSyntaxError, load_yaml
 from grpo.files import nofollow_opener, own_dir, refuse_link, write_bytes, write_text
 
@@ -215,7 +216,7 @@ def _save_into(path: Path, model, tokenizer, config_yaml: str, training_state: d
             write_manifest(path)
     except OSError as e:
         raise CheckpointError(
-            f"Could not save the model into {path}: {e}. Files of yours there were not touched."
+            f"Could not save the model into {path}: {clause(e)}. Files of yours there were not touched."
         ) from e
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -266,7 +267,7 @@ def _save_failure(path: Path, e: BaseException) -> str:
             "checkpoints), then resume with --resume latest."
         )
     return (
-        f"Could not save {path.name} in {path.parent}: {e}. {intact} Fix the cause, then resume with "
+        f"Could not save {path.name} in {path.parent}: {clause(e)}. {intact} Fix the cause, then resume with "
         "--resume latest."
     )
 

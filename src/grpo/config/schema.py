@@ -177,8 +177,10 @@ class GenerationConfig:
     vllm_tensor_parallel_size: int = _f(
         1, "vllm: GPUs one engine shards the model over (TorchRL inference_model.tensor_parallel_size)."
     )
-    vllm_enforce_eager: bool = _f(
-        True, "vllm: no CUDA graphs (faster start, slower decode; set false on GPUs for long runs)."
+    vllm_enforce_eager: bool | None = _f(
+        None,
+        "vllm: true runs eagerly (no CUDA graphs: faster start, slower decode); false captures CUDA graphs "
+        "(on a CPU: compiles). Default: CUDA graphs on CUDA, eager on a CPU.",
     )
     vllm_kv_cache_gb: float = _f(1.0, "vllm on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
     vllm_sleep: bool = _f(
@@ -354,6 +356,17 @@ class TrainConfig:
         None,
         "Memory for one micro-batch's activations, which sets micro_batch_tokens. Default: a third of "
         "the GPU memory free after loading the models; 0.5 on a CPU.",
+    )
+    replay_rollout_forward: bool | None = _f(
+        None,
+        "With one pass over each rollout batch (num_iterations 1), the native engine records each layer's "
+        "products while it samples, and the update replays them instead of recomputing its forward (a "
+        "third of its arithmetic; the same loss and gradients to float32 rounding). It needs float32, the "
+        "native engine and training forward in this process, single-turn rollouts in one generate call, "
+        "no LoRA, no entropy bonus, no gradient checkpointing, no DAPO rounds, no compiled decode; and "
+        "the recording (about 4 × (qkv + 2·hidden + 2·ffn) bytes per token and layer) within a quarter of "
+        "the available memory, else that step recomputes. Default: on where those hold; true: on, or an "
+        "error naming what does not hold; false: off.",
     )
     steps: int | None = _f(None, "Optimizer steps to run; default: num_epochs over the dataset.")
     num_epochs: float = _f(3.0, "Passes over the training prompts (used when steps is unset).")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo import plugins
-from grpo.config.errors import ConfigError
+from grpo.config.errors import ConfigError, clause
 from grpo.config.keys import field_of, get_path, set_path
 from grpo.config.root import ConfigTree
 from grpo.config.schema import (
@@ -84,7 +84,9 @@ def read_config_file(spec: str) -> dict[str, Any]:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:  # unreadable, or not UTF-8 text
-            raise ConfigError(f"Cannot read config file {spec}: {e}. A config is UTF-8 YAML text.") from e
+            raise ConfigError(
+                f"Cannot read config file {spec}: {clause(e)}. A config is UTF-8 YAML text."
+            ) from e
     else:
         name = spec.removeprefix("grpo_")  # TorchRL's `--config-name grpo_gsm8k`
         if name not in preset_names():

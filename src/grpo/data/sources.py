@@ -20,6 +20,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from grpo.config import ConfigError, DataConfig
+from grpo.config.errors import clause
 from grpo.data.tasks import Task, find_task
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def _parse_json(text: str, path: Path) -> list[Any]:
             records = _json_value(text)
         except ValueError as e:
             if text.lstrip().startswith("["):
-                raise ConfigError(f"{path} is not valid JSON: {e}.") from e
+                raise ConfigError(f"{path} is not valid JSON: {clause(e)}.") from e
             document_error = e  # a .json file may still be JSON Lines
         else:
             records = records if isinstance(records, list) else _rows_of_object(records)

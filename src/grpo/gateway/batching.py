@@ -7,6 +7,16 @@ call if longer (a batch split in two decodes twice, while a straggler costs only
 `max_wait_s` after the first request. An episode that has not called yet is always waited for (up to
 `max_wait_s`): an agent's first act is to call the model. An agent running its tools joins the next batch.
 
+The calls that the next batch waits for are those of the turns that called a tool: their agents run the tool
+and call again at once, while an agent given its final answer (a reply with no tool call) ends. So when a
+batch ends, the replies that call a tool go out first, and the final replies (`Job.final` says which) wait
+until the next batch starts (at most the last engine call's time or `window_s`, whichever is longer; not at
+all when no other call is expected): the calls of the next turn are not queued behind the answers' parsing,
+and the answers are read while the engine decodes. A session
+whose last reply was final is not waited for (the live callback leaves it out: SessionTable.expected),
+unless the run's agents have been seen calling again after a final reply; one that does call joins the
+batch that is forming, or the next.
+
 An engine whose `generate` / `continue_rows` take `on_step` (native, transformers) reports each decode
 step's tokens, which the waiting requests stream as they are sampled; another engine's arrive when its call
 ends. An engine with its own continuous batching (`add_row` / `step_rows`: vLLM in-process) is driven step
@@ -45,6 +55,9 @@ class Job:
     events: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
     cancelled: bool = False
     key: object = None  # the row's session: its K/V are kept for its next turn (model/turn_kv.py)
+    # `final(ids)`: the sampled ids make a final reply (no tool call), which may wait for the next batch to
+    # start (see the module docstring); None: the reply goes out as soon as it is sampled.
+    final: Callable[[list[int]], bool] | None = None
 
 
 class Batcher:
@@ -61,6 +74,8 @@ class Batcher:
         self.window_s, self.max_wait_s = window_s, max(window_s, max_wait_s)
         self._last_call_s = 0.0
         self._pending: list[Job] = []
+        self._held: list[tuple[Job, tuple]] = []  # final replies waiting for the next batch to start
+        self._held_until = 0.0
         self._in_flight: dict[int, Callable] = {}  # id → fail(error) of each job a continuous engine samples
         self._cond = threading.Condition()
         self._closed = False
@@ -92,14 +107,30 @@ class Batcher:
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            self._release()
             self._cond.notify_all()
         self._thread.join(timeout=30)
+
+    def _expected(self) -> tuple[int, int]:
+        """(calls the next batch waits for, episodes yet to call): a held reply's session is not awaited."""
+        live, fresh = self.live()
+        return live - len(self._held), fresh
+
+    def _release(self) -> None:
+        """The held final replies go out (under the lock)."""
+        held, self._held = self._held, []
+        for job, event in held:
+            job.events.put(event)
 
     def _take(self) -> list[Job] | None:
         with self._cond:
             while not self._pending and not self._closed:
-                self._cond.wait()
+                if self._held and (self._expected()[0] <= 0 or time.monotonic() >= self._held_until):
+                    self._release()  # no call is coming that the replies would delay
+                    continue
+                self._cond.wait(max(0.0, self._held_until - time.monotonic()) if self._held else None)
             if self._closed:
+                self._release()
                 for job in self._pending:
                     job.events.put(("error", RuntimeError("the gateway closed")))
                 return None
@@ -107,9 +138,12 @@ class Batcher:
             start = time.monotonic()
             seen, last = len(self._pending), start
             while not self._closed:
-                live, fresh = self.live()
+                live, fresh = self._expected()
                 if len(self._pending) >= live:
                     break
+                if self._held and time.monotonic() >= self._held_until:
+                    self._release()
+                    continue
                 now = time.monotonic()
                 if len(self._pending) > seen:
                     seen, last = len(self._pending), now
@@ -118,7 +152,8 @@ class Batcher:
                 left = (until if fresh else min(until, last + window)) - now
                 if left <= 0:
                     break
-                self._cond.wait(left)
+                self._cond.wait(min(left, self._held_until - now) if self._held else left)
+            self._release()  # the batch starts: the answers are read while it decodes
             jobs = [j for j in self._pending if not j.cancelled]
             self._pending = []
             return jobs
@@ -139,6 +174,7 @@ class Batcher:
     def _step(self, engine) -> bool:
         """Add the requests that arrived, then one engine step; False once closed."""
         with self._cond:
+            self._release()  # held by a batch of the engine before this one
             while not self._pending and not self._in_flight and not self._closed:
                 self._cond.wait()
             if self._closed:
@@ -229,11 +265,24 @@ class Batcher:
         lengths = out.completion_mask.sum(-1).long().tolist()
         # one engine call, one set of weights: a row's stamps are its version (-1 where nothing was sampled)
         versions = [None] * len(order) if out.weight_version is None else out.weight_version.max(-1).values
+        done, finals = [], []
         for r, k in enumerate(order):
             ids = out.completion_ids[r, : lengths[r]].tolist()
             logprobs = out.sampling_logprobs[r, : lengths[r]].tolist()
             version = None if versions[r] is None else int(versions[r])
-            jobs[k].events.put(("done", ids, logprobs, bool(out.truncated[r]), version))
+            job = jobs[k]
+            event = ("done", ids, logprobs, bool(out.truncated[r]), version)
+            (finals if _is_final(job, ids) else done).append((job, event))
+        if not done:  # every reply is final: no call of a next turn to wait for
+            done, finals = finals, []
+        for job, event in done:
+            job.events.put(event)
+        if finals:
+            with self._cond:
+                self._held += finals
+                # Long enough for the tool-calling agents' next calls to come in (they run while nothing else
+                # does), short enough that a slow tool does not keep the answers from their agents.
+                self._held_until = time.monotonic() + max(self.window_s, self._last_call_s)
 
     def metrics(self) -> dict[str, float]:
         batches, self.batches = self.batches, []
@@ -245,6 +294,16 @@ class Batcher:
             "gateway/engine_calls": float(len(batches)),
             "gateway/batch_rows": sum(batches) / len(batches),
         }
+
+
+def _is_final(job: Job, ids: list[int]) -> bool:
+    if job.final is None:
+        return False
+    try:
+        return bool(job.final(ids))
+    except Exception as err:  # noqa: BLE001 - a reply that cannot be told is sent at once, never lost
+        log.debug("Gateway: a reply could not be read for tool calls (%s); it is sent at once.", err)
+        return False
 
 
 def continuous(engine) -> bool:

@@ -34,6 +34,7 @@ import torch
 from grpo import plugins
 from grpo.agents.environments import EnvironmentContractError
 from grpo.config import ConfigError
+from grpo.config.errors import clause
 from grpo.gateway.server import GatewayServer
 from grpo.gateway.service import Gateway, Limits
 from grpo.gateway.sessions import Session
@@ -310,7 +311,7 @@ class AgentRunner:
             log.warning(
                 "An agent raised %s: %s (its episode is scored as failed; said once).",
                 type(err).__name__,
-                err,
+                clause(err),
             )
         return "agent_error"
 

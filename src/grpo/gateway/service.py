@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 
 from grpo.agents.chat import ChatRenderer, ChatTemplateError
@@ -55,7 +56,7 @@ class Gateway:
         self.strict_history, self.model_name = strict_history, model_name
         self.template_kwargs = dict(template_kwargs or {})
         self.sessions = SessionTable()
-        self.batcher = Batcher(engine, sampling, self.sessions.live, window_s)
+        self.batcher = Batcher(engine, sampling, self.sessions.expected, window_s)
         self.special_ids = set(tokenizer.all_special_ids)
         self._renderers: dict[str, ChatRenderer] = {}
         self._said: set[str] = set()
@@ -65,7 +66,7 @@ class Gateway:
         key = json.dumps(tools, sort_keys=True)
         with self._lock:
             if key not in self._renderers:
-                self._renderers[key] = ChatRenderer(self.tokenizer, tools, **self.template_kwargs)
+                self._renderers[key] = _Renderer(self.tokenizer, tools, **self.template_kwargs)
             return key, self._renderers[key]
 
     def _say_once(self, what: str, message: str) -> None:
@@ -92,6 +93,12 @@ class Gateway:
                 "tool_choice",
                 f"Gateway: requests set tool_choice {req.tool_choice!r}; the model is shown the tools and "
                 "asked, not forced (no constrained decoding: the reply may not call a tool).",
+            )
+        if req.logprobs:
+            self._say_once(
+                "logprobs",
+                "Gateway: requests ask for logprobs; replies carry each sampled token's log-prob under the "
+                "distribution it was sampled from (the run's temperature and top-p), without alternatives.",
             )
         for key in req.ignored:
             said = "which the gateway does not act on (the policy's own decoding is what training needs)"
@@ -145,11 +152,14 @@ class Gateway:
         """Under the session's lock: the row to continue and its job submitted (None: the budget is spent)."""
         self._overrides(req)
         key, renderer = self.renderer(req.tools)
+        # A final reply may wait for the next batch to start (batching.py) where the agents end after one;
+        # never a streamed one (its client reads it as it is sampled).
+        final = None if req.stream or not self.sessions.settling() else self._final if req.calls else _always
         with session.lock:
             if session.ended is not None:
                 raise ended_error(session)
             if session.budget_used >= self.limits.max_tokens:
-                session.last_finish = "length"
+                session.last_finish, session.answered = "length", True
                 return None, (session.rows[-1] if session.rows else None), 0
             try:
                 row = session.prepare(req.messages, key, renderer, self.strict_history)
@@ -169,14 +179,26 @@ class Gateway:
                 )
             left = self.limits.max_tokens - session.budget_used
             if left <= 0:
-                session.last_finish = "length"
+                session.last_finish, session.answered = "length", True
                 return None, row, 0
             cap = min(self.limits.turn_tokens, left, req.max_tokens or left)
             row.busy = True
             session.calls += 1
-            job = Job(list(row.ids), cap, stream=req.stream, key=session.key)
+            session.recalls += session.answered
+            job = Job(list(row.ids), cap, stream=req.stream, key=session.key, final=final)
         self.batcher.submit(job)
         return job, row, cap
+
+    def _final(self, ids: list[int]) -> bool:
+        """The sampled ids hold no tool call (what `_finish` would parse as a final reply); False where the
+        format is unknown or a call may begin."""
+        markers = _CALL_MARKERS.get(self.parser.name)
+        if not markers:
+            return False
+        body = ids[:-1] if ids and ids[-1] in self.special_ids else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        bare_json = self.parser.name == "llama3_json" and text.lstrip().startswith("{")
+        return not bare_json and not any(m in text for m in markers)
 
     def _finish(self, session, row, req, ids, logprobs, truncated, version, cap) -> TurnDone:
         cut = min(len(ids), cap)
@@ -201,8 +223,21 @@ class Gateway:
             row.busy = False
             session.tool_calls += len(parsed.calls)
             finish = "length" if length else "tool_calls" if parsed.calls else "stop"
-            session.last_finish = finish
-        return TurnDone(reply, finish, _usage(len(row.ids) - len(new), len(new)))
+            session.last_finish, session.answered = finish, not parsed.calls
+        tokens = None
+        if req.logprobs:  # the reply's own tokens, like OpenAI's list: not the end-of-turn token
+            own = len(new) - 1 if new and new[-1] in self.special_ids else len(new)
+            tokens = self._token_logprobs(new[:own], lps[:own])
+        return TurnDone(reply, finish, _usage(len(row.ids) - len(new), len(new)), tokens)
+
+    def _token_logprobs(self, ids: list[int], logprobs: list[float]) -> list[dict]:
+        """OpenAI's `logprobs.content` of a reply: each sampled token with the log-prob it had under the
+        distribution it was drawn from (the run's temperature and top-p: the policy being trained)."""
+        out = []
+        for token, logprob in zip(ids, logprobs, strict=True):
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            out.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+        return out
 
     def _cut_at_stop(self, text, new, lps, stops):
         at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
@@ -213,6 +248,42 @@ class Gateway:
             if len(self.tokenizer.decode(new[:k], skip_special_tokens=False)) >= at + 1:
                 return text[:at], new[:k], lps[:k], True
         return text[:at], new, lps, True
+
+
+class _Renderer(ChatRenderer):
+    """The renderer of one tool set, keeping the ids of the conversations it rendered last: a group's
+    episodes open with the same messages, so one rendering (the chat template and the tokenizer, most of a
+    request's cost on the server) serves the whole group. The same messages and tools render to the same
+    ids, so a kept rendering is exact."""
+
+    KEEP = 256  # conversations: a step's distinct first requests, with room for evaluation's
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._kept: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        try:
+            key = json.dumps(messages, sort_keys=True)
+        except (TypeError, ValueError):  # not JSON (cannot come from the wire): render it
+            return super().prompt_ids(messages)
+        with self._lock:
+            ids = self._kept.get(key)
+            if ids is not None:
+                self._kept.move_to_end(key)
+                return list(ids)
+        ids = super().prompt_ids(messages)
+        with self._lock:
+            self._kept[key] = tuple(ids)
+            if len(self._kept) > self.KEEP:
+                self._kept.popitem(last=False)
+        return ids
+
+
+def _always(ids: list[int]) -> bool:
+    del ids
+    return True  # tool_choice "none": the reply is read for no calls
 
 
 def ended_error(session: Session) -> GatewayError:

@@ -86,6 +86,8 @@ class Session:
     reward: float | None = None  # posted to /v1/reward, or returned by the agent
     turn_rewards: dict[int, float] = dataclasses.field(default_factory=dict)
     last_finish: str | None = None
+    answered: bool = False  # its last reply was final: no tool calls in it
+    recalls: int = 0  # calls made after a final reply: the agent went on after an answer
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def end(self, why: str) -> None:
@@ -147,6 +149,10 @@ class SessionTable:
     def __init__(self) -> None:
         self._by_key: dict[str, Session] = {}
         self._lock = threading.Lock()
+        # Of the sessions removed last (the step before): final replies their agents took as the end, and
+        # calls made after a final reply. They tell whether a final reply ends its episode (`settling`); the
+        # last step's only, so an agent that changes its ways is followed within a step.
+        self._quiet_finals = self._recalls = 0
 
     def add(self, session: Session) -> Session:
         with self._lock:
@@ -159,11 +165,31 @@ class SessionTable:
 
     def remove(self, sessions: list[Session]) -> None:
         with self._lock:
-            for s in sessions:
-                self._by_key.pop(s.key, None)
+            gone = [s for s in sessions if self._by_key.pop(s.key, None) is not None]
+            if gone:
+                self._recalls = sum(s.recalls for s in gone)
+                self._quiet_finals = sum(s.ended is not None and s.answered for s in gone)
 
     def live(self) -> tuple[int, int]:
         """Sessions not ended, and how many of them have not called the model yet."""
         with self._lock:
             live = [s for s in self._by_key.values() if s.ended is None]
             return len(live), sum(s.calls == 0 for s in live)
+
+    def settling(self) -> bool:
+        """Whether the run's agents end after a final reply: seen on at least 8 episodes of the step before,
+        with at most one call after a final reply in 8 (this step's included)."""
+        with self._lock:
+            recalls = self._recalls + sum(s.recalls for s in self._by_key.values())
+            return self._quiet_finals >= 8 and recalls * 8 <= self._quiet_finals
+
+    def expected(self) -> tuple[int, int]:
+        """(sessions whose next call a batch waits for, sessions yet to call): the live ones, less those whose
+        last reply was final and that are not calling, when the run's agents end after a final reply."""
+        settling = self.settling()
+        with self._lock:
+            live = [s for s in self._by_key.values() if s.ended is None]
+            fresh = sum(s.calls == 0 for s in live)
+            if settling:
+                live = [s for s in live if not (s.answered and not any(r.busy for r in s.rows))]
+            return len(live), fresh

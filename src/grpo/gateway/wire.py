@@ -51,6 +51,7 @@ class TurnDone:
     message: dict  # the OpenAI chat message: role, content, tool_calls (when any)
     finish_reason: str  # stop | tool_calls | length
     usage: dict  # prompt_tokens, completion_tokens, total_tokens
+    logprobs: list[dict] | None = None  # the reply's sampled tokens ({token, logprob, bytes}), when asked
 
 
 # -- requests -----------------------------------------------------------------------------------------------
@@ -121,8 +122,7 @@ def normalize_messages(messages: Any) -> list[dict]:
 IGNORED = {
     "response_format": ({"type": "text"},),
     "parallel_tool_calls": (True,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
+    "top_logprobs": (0,),  # `logprobs: true` is honoured: each sampled token's own log-prob, no alternatives
     "logit_bias": ({},),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
@@ -183,6 +183,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     model: str = ""
+    logprobs: bool = False  # reply with each sampled token's log-prob (choices[0].logprobs.content)
     calls: bool = True  # read the reply for tool calls (tool_choice "none": no)
     tool_choice: str | None = None  # as validated; "required" or a name is asked of the model, not forced
     ignored: list[str] = field(default_factory=list)  # fields given that the gateway does not honour
@@ -215,6 +216,7 @@ class ChatRequest:
         if not isinstance(options, dict):
             raise bad("stream_options must be an object.", "stream_options")
         ignored = [k for k in IGNORED if body.get(k) not in (None, *IGNORED[k])]
+        _number(body, "top_logprobs", int, 0, 20)  # OpenAI's range; alternatives are not given (said once)
         return cls(
             messages=normalize_messages(body.get("messages")),
             tools=tools,
@@ -224,6 +226,7 @@ class ChatRequest:
             top_p=_number(body, "top_p", float, 0.0, 1.0),
             seed=_number(body, "seed", int),
             stream=_flag(body, "stream"),
+            logprobs=_flag(body, "logprobs"),
             include_usage=_flag(options, "include_usage"),
             model=str(body.get("model") or ""),
             calls=tool_choice != "none",
@@ -240,20 +243,34 @@ def chat_completion(done: TurnDone, request_id: str, model: str) -> dict:
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": 0, "message": done.message, "finish_reason": done.finish_reason, "logprobs": None}
+            {
+                "index": 0,
+                "message": done.message,
+                "finish_reason": done.finish_reason,
+                "logprobs": _logprobs(done.logprobs),
+            }
         ],
         "usage": done.usage,
     }
 
 
+def _logprobs(tokens: list[dict] | None) -> dict | None:
+    return None if tokens is None else {"content": tokens, "refusal": None}
+
+
 def chunk(
-    request_id: str, model: str, delta: dict | None, finish_reason: str | None = None, usage=None
+    request_id: str,
+    model: str,
+    delta: dict | None,
+    finish_reason: str | None = None,
+    usage=None,
+    logprobs: list[dict] | None = None,
 ) -> dict:
     """One `chat.completion.chunk`; delta None: the usage chunk (no choices)."""
     choices = (
         []
         if delta is None
-        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": _logprobs(logprobs)}]
     )
     out = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
     out["choices"] = choices
@@ -273,7 +290,9 @@ def stream_chunks(events, request_id: str, model: str, include_usage: bool):
             call["function"] = {"name": ev.name, "arguments": ev.arguments}
             yield chunk(request_id, model, {"tool_calls": [call]})
         else:
-            yield chunk(request_id, model, {}, ev.finish_reason)
+            # Asked-for log-probs come whole with the last chunk: a client joins the chunks' lists, so the
+            # reassembled reply carries the same list as the non-streamed one.
+            yield chunk(request_id, model, {}, ev.finish_reason, logprobs=ev.logprobs)
             if include_usage:
                 yield chunk(request_id, model, None, usage=ev.usage)
     yield "[DONE]"

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.model.arch import rms_norm, rotate
-from grpo.model.linear import DecodeLinear, decode_onednn
+from grpo.model.linear import DecodeLinear, decode_onednn, linear
 
 
 @dataclass
@@ -86,8 +86,9 @@ class GroupLayout:
 
 
 # -- rollout ------------------------------------------------------------------------------------
-def prefill(dec, prompts: list[list[int]], pad_id: int) -> tuple[PromptCache, torch.Tensor]:
-    """Run each prompt once (right-padded, causal). Returns its KV and last-token logits [P, V]."""
+def prefill(dec, prompts: list[list[int]], pad_id: int, record=None) -> tuple[PromptCache, torch.Tensor]:
+    """Run each prompt once (right-padded, causal). Returns its KV and last-token logits [P, V].
+    record: a model/replay.py `Recording` that keeps each layer's products (the same ops, the same bits)."""
     p, width = len(prompts), max(len(x) for x in prompts)
     lengths = torch.tensor([len(x) for x in prompts], device=dec.device)
     ids = torch.full((p, width), pad_id, dtype=torch.long)
@@ -98,12 +99,22 @@ def prefill(dec, prompts: list[list[int]], pad_id: int) -> tuple[PromptCache, to
     h = dec.embed(ids).view(p * width, -1)  # [P·Lp, d]
     cos, sin = cos.repeat(p, 1), sin.repeat(p, 1)
     keys, values = [], []
-    for layer in dec.layers:
-        q, k, v = dec.qkv(layer, rms_norm(h, dec.w(layer.input_layernorm.weight), dec.eps), cos, sin)
+    for i, layer in enumerate(dec.layers):
+        x = rms_norm(h, dec.w(layer.input_layernorm.weight), dec.eps)
+        q, k, v = (
+            dec.qkv(layer, x, cos, sin)
+            if record is None
+            else _recorded_qkv(dec, layer, x, cos, sin, record, i)
+        )
         q, k, v = (t.view(p, width, -1, dec.head_dim).transpose(1, 2) for t in (q, k, v))  # [P, H, Lp, D]
         # Right padding: a real query never sees a pad key under the causal mask.
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=dec.scale)
-        h = dec.block_tail(layer, h, attn.transpose(1, 2).reshape(p * width, -1))
+        attn = attn.transpose(1, 2).reshape(p * width, -1)
+        h = (
+            dec.block_tail(layer, h, attn)
+            if record is None
+            else _recorded_tail(dec, layer, h, attn, record, i)
+        )
         keys.append(k.contiguous())
         values.append(v.contiguous())
     last = h.view(p, width, -1)[torch.arange(p, device=dec.device), lengths - 1]  # [P, d]
@@ -113,6 +124,33 @@ def prefill(dec, prompts: list[list[int]], pad_id: int) -> tuple[PromptCache, to
         float("-inf"),
     )
     return PromptCache(keys, values, bias, lengths), dec.logits(last)
+
+
+def _recorded_qkv(dec, layer, x, cos, sin, record, i):
+    """`dec.qkv` (the same ops), keeping the q|k|v products."""
+    a, s, w = layer.self_attn, x.shape[0], dec.w
+    q, k, v = (linear(x, *dec.proj(m)) for m in (a.q_proj, a.k_proj, a.v_proj))
+    record.put(i, "qkv", torch.cat([q, k, v], dim=-1))
+    q, k = q.view(s, dec.num_heads, dec.head_dim), k.view(s, dec.num_kv_heads, dec.head_dim)
+    if dec.qk_norm:
+        q = rms_norm(q, w(a.q_norm.weight), dec.eps)
+        k = rms_norm(k, w(a.k_norm.weight), dec.eps)
+    v = v.view(s, dec.num_kv_heads, dec.head_dim)
+    return rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None]), v
+
+
+def _recorded_tail(dec, layer, h, attn, record, i):
+    """`dec.block_tail` without a gradient (the same ops), keeping its products."""
+    m = layer.mlp
+    h = h + linear(attn, *dec.proj(layer.self_attn.o_proj))
+    record.put(i, "mid", h)
+    x = rms_norm(h, dec.w(layer.post_attention_layernorm.weight), dec.eps)
+    gate, up = linear(x, dec.proj(m.gate_proj)[0]), linear(x, dec.proj(m.up_proj)[0])
+    record.put(i, "gate", gate)
+    record.put(i, "up", up)
+    h = h + linear(F.silu(gate) * up, dec.proj(m.down_proj)[0])
+    record.put(i, "out", h)
+    return h
 
 
 def decode_weights(dec, fuse: bool, onednn: bool | None = None, copy: bool = True) -> DecodeWeights:
@@ -171,6 +209,7 @@ def decode_step(
     sin: torch.Tensor,
     position: torch.Tensor | None = None,
     cache_bias: torch.Tensor | None = None,
+    record=None,
 ) -> torch.Tensor:
     """One token for each of n active rows; returns logits [n, V].
 
@@ -181,6 +220,8 @@ def decode_step(
     caches are the whole [n, Hkv, T, D] buffers, this step's K/V go to column `position`, and the
     bias (−inf past it) masks the columns not written yet; every step then has the same shapes, and
     one compiled graph serves them all.
+    record: a model/replay.py `Recording` set to this step's rows (eager steps only), which keeps each
+    layer's products; the step's numbers are the same with or without it.
     """
     n, h_q, h_kv, d = tokens.shape[0], dec.num_heads, dec.num_kv_heads, dec.head_dim
     cos, sin = cos[:, None], sin[:, None]
@@ -188,6 +229,8 @@ def decode_step(
     for i, w in enumerate(weights.layers):
         x = rms_norm(h, w.input_norm, dec.eps)
         qkv = torch.cat([p(x) for p in w.qkv], dim=-1) if len(w.qkv) > 1 else w.qkv[0](x)
+        if record is not None:
+            record.put(i, "qkv", qkv, scaled_q=w.q_scaled)
         qkv = qkv.view(n, h_q + 2 * h_kv, d)  # [n, H+2Hkv, D]
         if w.q_norm is not None:
             q, k, v = qkv.split([h_q, h_kv, h_kv], dim=1)
@@ -214,9 +257,17 @@ def decode_step(
             scaled=w.q_scaled,
             cache_bias=cache_bias,
         )
-        h = w.o_proj.plus(attn, h)
+        if record is None:
+            h = w.o_proj.plus(attn, h)
+            x = rms_norm(h, w.post_norm, dec.eps)
+            h = w.down.plus(w.up.times(x, w.gate.silu(x)), h)
+            continue
+        # Recording: each product goes straight into the recording (on MKL the GEMM writes it there); the
+        # MLP unfused (oneDNN would fuse SiLU and the product), since gate and up are both kept.
+        h = w.o_proj.plus(attn, h, out=record.block(i, "mid"))
         x = rms_norm(h, w.post_norm, dec.eps)
-        h = w.down.plus(w.up.times(x, w.gate.silu(x)), h)
+        gate, up = w.gate(x, out=record.block(i, "gate")), w.up(x, out=record.block(i, "up"))
+        h = w.down.plus(F.silu(gate) * up, h, out=record.block(i, "out"))
     return weights.lm_head(rms_norm(h, weights.final_norm, dec.eps))
 
 

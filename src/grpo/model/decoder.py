@@ -167,8 +167,8 @@ class NativeDecoder:
         return h + self.mlp(layer, rms_norm(h, self.w(layer.post_attention_layernorm.weight), self.eps))
 
     # -- the passes: rollout in model/decode.py, training in model/shared_prompt.py ----------------
-    def prefill(self, prompts: list[list[int]], pad_id: int) -> tuple[PromptCache, torch.Tensor]:
-        return decode.prefill(self, prompts, pad_id)
+    def prefill(self, prompts: list[list[int]], pad_id: int, record=None) -> tuple[PromptCache, torch.Tensor]:
+        return decode.prefill(self, prompts, pad_id, record)
 
     def decode_weights(self, fuse: bool, onednn: bool | None = None, copy: bool = True) -> DecodeWeights:
         return decode.decode_weights(self, fuse, onednn, copy)

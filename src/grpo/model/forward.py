@@ -124,9 +124,10 @@ class PolicyForward:
         if self.decoder is not None:
             self.decoder.forget_casts()
 
-    def __call__(self, batch: TrainBatch, temperature: float, with_entropy: bool = False):
+    def __call__(self, batch: TrainBatch, temperature: float, with_entropy: bool = False, replay=None):
+        """replay: a model/replay.py `Replay` (the native forward only): products from the rollout."""
         if self.decoder is not None:
-            return shared_prompt_logprobs(self.decoder, batch, temperature, with_entropy)
+            return shared_prompt_logprobs(self.decoder, batch, temperature, with_entropy, replay)
         return token_logprobs(
             self.model,
             batch,

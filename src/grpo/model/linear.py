@@ -112,12 +112,19 @@ class DecodeLinear:
         cpu_copy = copy and not self.onednn and weight.device.type == "cpu"
         self.weight_t = weight.t().contiguous() if cpu_copy else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x Wᵀ + b; `out` (replay's recording, model/replay.py): written there, on MKL by the GEMM itself."""
+        if out is not None and self.weight_t is not None:
+            if self.bias is None:
+                return torch.mm(x, self.weight_t, out=out)
+            return torch.addmm(self.bias, x, self.weight_t, out=out)
         if self.onednn:
-            return _onednn(x, self.weight, self.bias)
-        if self.weight_t is None:
-            return F.linear(x, self.weight, self.bias)
-        return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+            y = _onednn(x, self.weight, self.bias)
+        elif self.weight_t is None:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+        return y if out is None else out.copy_(y)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x Wᵀ + b)."""
@@ -129,8 +136,12 @@ class DecodeLinear:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "mul")
         return self(x) * other
 
-    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """(x Wᵀ + b) + other (a residual add)."""
+    def plus(self, x: torch.Tensor, other: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(x Wᵀ + b) + other (a residual add); `out`: as in __call__."""
+        if out is not None:
+            if self.weight_t is not None and self.bias is None:
+                return torch.addmm(other, x, self.weight_t, out=out)
+            return out.copy_(self.plus(x, other))
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "add")
         if self.weight_t is not None and self.bias is None:

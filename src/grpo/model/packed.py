@@ -16,6 +16,7 @@ import torch
 from grpo.model.decoder import NativeDecoder, SharedPromptPack, pack_shared_prompts
 from grpo.model.linear import linear
 from grpo.model.lora import lora_base
+from grpo.model.replay import replayed_hidden
 from grpo.records import TrainBatch
 
 CHUNK_ELEMENTS = 1 << 22  # logits elements per chunk on a CPU (16 MB in float32: fits its caches)
@@ -93,12 +94,17 @@ def pack_batch(batch: TrainBatch, device: torch.device) -> SharedPromptPack:
 
 
 def shared_prompt_logprobs(
-    decoder: NativeDecoder, batch: TrainBatch, temperature: float, with_entropy: bool = False
+    decoder: NativeDecoder, batch: TrainBatch, temperature: float, with_entropy: bool = False, replay=None
 ):
     """log π(completion token | prefix) [N, T] (and entropy [N, T]); zeros on padding, and on tokens the
-    policy did not sample (loss_mask 0: tool results, environment messages), whose LM head is skipped."""
+    policy did not sample (loss_mask 0: tool results, environment messages), whose LM head is skipped.
+    replay: a model/replay.py `Replay` whose recording holds this micro-batch's products (μ = 1)."""
     packed = pack_batch(batch, decoder.device)
-    hidden = decoder.shared_prompt_hidden(packed)  # [M, d]
+    index = None if replay is None else replay.index(packed, batch.group_ids)
+    if index is not None:
+        hidden = replayed_hidden(decoder, packed, replay.recording, index)  # [M, d]
+    else:
+        hidden = decoder.shared_prompt_hidden(packed)  # [M, d]
     targets, slots = packed.targets, packed.target_slot  # [M], [M]
     if batch.loss_mask is not batch.completion_mask:  # multi-turn: the head runs on sampled tokens only
         sampled = batch.loss_mask.flatten().to(slots.device)[slots] > 0  # [M]

@@ -7,7 +7,7 @@ weights and block pieces they use (model/decoder.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,8 @@ class SharedPromptPack:
     target_slot: torch.Tensor  # [M] where that prediction goes in the [N·T] grid
     targets: torch.Tensor  # [M] the completion token predicted there
     layout: PackedLayout  # the attention pieces in packed order (model/packed_attention.py)
+    row_prompt: list[int] = field(default_factory=list)  # [N] each row's prompt, in the caller's row order
+    row_inputs: list[int] = field(default_factory=list)  # [N] each row's completion inputs, the same order
 
 
 def pack_shared_prompts(
@@ -152,6 +154,8 @@ def pack_shared_prompts(
         target_slot=t(target),
         targets=t(target_ids),
         layout=layout,
+        row_prompt=list(row_group),
+        row_inputs=lengths,
     )
 
 

@@ -35,6 +35,7 @@ from math import nan
 
 import torch
 
+from grpo.config.errors import clause
 from grpo.ranges import REWARD_LIMIT, OutOfRangeError, check_range
 from grpo.records import RewardScores
 from grpo.rewards.isolation import ISOLATIONS, Unpicklable, call_in_child, isolated
@@ -376,9 +377,9 @@ def _per_sample(
 
 def _error_for(name: str, error: BaseException, batch: dict[str, list], index: int | None) -> RewardError:
     what = (
-        f"timed out ({error})"
+        f"timed out ({clause(error)})"
         if isinstance(error, TimeoutError)
-        else f"raised {type(error).__name__}: {error}"
+        else f"raised {type(error).__name__}: {clause(error)}"
     )
     where = (
         f"on sample {index} of {len(batch['prompts'])}; {_describe(batch, index)}"

@@ -79,6 +79,9 @@ class NativeEngine:
             torch.compile(self.decoder.decode_step) if self.compiled else self.decoder.decode_step
         )
         self.tokenizer = tokenizer
+        # Replay (model/replay.py): the learner's tape, armed before each step's rollout; the single-turn
+        # generate call records its products into it and decodes eagerly (the compiled step records none).
+        self.tape = None
         self._said_no_copy = False
         self.pad_id, eos = pad_and_eos(model, tokenizer)
         self.eos_ids = torch.tensor(eos or [-1], dtype=torch.long)  # -1: no eos, run to the limit
@@ -152,9 +155,16 @@ class NativeEngine:
             self._rent_s / _COMPILE_SAVES,
         )
 
-    def _prefill(self, prompts: list[list[int]], n: int, kv):
+    def _recording(self, prompts: list[list[int]], n: int, t_max: int, single_turn: bool):
+        """A model/replay.py Recording for this call when the tape is armed (a single-turn call only: the
+        update may replay it), else None."""
+        if self.tape is None or not single_turn:
+            return None
+        return self.tape.start(self.decoder, prompts, n, t_max)
+
+    def _prefill(self, prompts: list[list[int]], n: int, kv, record=None):
         if kv is None:
-            return self.decoder.prefill(prompts, self.pad_id)
+            return self.decoder.prefill(prompts, self.pad_id, None if record is None else record.at_prefill())
         # a later turn: the positions kv holds from the rows' earlier turns are not run again
         return kv.prefill(self.decoder, prompts, n, self.pad_id)
 
@@ -164,7 +174,8 @@ class NativeEngine:
         dec, device = self.decoder, self.decoder.device
         p, t_max = len(prompts), sampling.max_new_tokens
         rows = p * n
-        prompt_cache, first_logits = self._prefill(prompts, n, kv)  # first_logits [P, V]
+        recording = self._recording(prompts, n, t_max, single_turn=kv is None and on_step is None)
+        prompt_cache, first_logits = self._prefill(prompts, n, kv, recording)  # first_logits [P, V]
         # oneDNN's own weight tensors are opaque to torch.compile: a compiled step keeps plain ones.
         width = dec.hf.config.hidden_size
         copy = self._copy_fits()
@@ -172,7 +183,8 @@ class NativeEngine:
         weights = dec.decode_weights(fuse=device.type == "cpu", onednn=onednn, copy=copy)
         shape = (rows, dec.num_kv_heads, t_max, dec.head_dim)
         # The full-batch graph reads the unwritten columns too (masked): they must hold numbers, not NaN.
-        full = self.compiled  # every row still in the batch: the compiled static-shape step serves it
+        # every row still in the batch: the compiled static-shape step serves it (unless recording)
+        full = self.compiled and recording is None
         alloc = torch.zeros if full else torch.empty
         cache_k = [alloc(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
         cache_v = [alloc(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
@@ -232,17 +244,18 @@ class NativeEngine:
                 (k[:n_rows, :, : step + 1], v[:n_rows, :, : step + 1])
                 for k, v in zip(cache_k, cache_v, strict=True)
             ]
-            logits = dec.decode_step(tokens, prompt_cache, layout, step_caches, weights, cos, sin)
+            rec = _recording_at(recording, active, step)
+            logits = dec.decode_step(tokens, prompt_cache, layout, step_caches, weights, cos, sin, record=rec)
             tokens, lp = sample_tokens(logits, sampling)  # [n_active]
             host_tokens, host_lp, hit_eos = _to_host(tokens, lp, eos_ids)
-            if self.auto and n_rows == rows:  # a step the compiled graph would have served
+            if self.auto and recording is None and n_rows == rows:  # a step the compiled graph would serve
                 self._rent_s += (time.perf_counter() - start) * _COMPILE_SAVES
         if self.auto and self._rent_s >= _COMPILE_S_PER_LAYER * len(dec.layers):
             self._start_compiling()
 
         if kv is not None:
             kv.save(active, torch.arange(active.numel()), cache_k, cache_v, out.ids, out.lengths)
-        return out.rollouts(p, n)
+        return out.rollouts(p, n, recording)
 
 
 # The full-batch graph's inductor options. fallback_random: torch.rand inside the graph is aten's, drawing
@@ -274,6 +287,10 @@ def _full_batch_step(
     )
     tokens, lp = sample_tokens(logits, sampling)
     return tokens, _flags(tokens, lp, eos_ids)
+
+
+def _recording_at(recording, rows: torch.Tensor, step: int):
+    return None if recording is None else recording.at_step(rows, step)
 
 
 def _flags(tokens: torch.Tensor, lp: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
@@ -324,7 +341,9 @@ class _Completions:
         self.ended[active[done]] = True
         return done
 
-    def rollouts(self, p: int, n: int) -> Rollouts:
+    def rollouts(self, p: int, n: int, recording=None) -> Rollouts:
+        if recording is not None:  # the recorded inputs' ids: the sampled tokens, as the update checks
+            recording.finish(self.ids)
         mask = (torch.arange(self.t_max)[None, :] < self.lengths[:, None]).float()  # [N, T]
         return Rollouts(
             group_ids=torch.arange(p).repeat_interleave(n),

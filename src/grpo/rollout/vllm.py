@@ -6,9 +6,11 @@ directory, samples the G completions of a prompt as one request with `n = G` (pr
 prompt's KV blocks), and returns the log-prob of each sampled token under the distribution it was drawn
 from (`logprobs_mode="processed_logprobs"`: after temperature and top-k/top-p/min-p; vLLM's default
 returns the raw model's, which differs by up to ~1 nat at T = 0.7). After every optimizer step the loop
-calls `sync_weights(policy)`: the new weights are written to the engine's safetensors file and the
-worker's `reload_weights` reads them into the running model (on CPU `load_weights` cannot be used:
-vLLM repacks the CPU linear weights), then the prefix cache is dropped. LoRA: only the adapter is saved
+calls `sync_weights(policy)`: the worker's `reload_weights` reads the policy's tensors, in the engine's
+dtype, straight into the running model in this process (checkpoint names; vLLM's own `load_weights`
+cannot be used on CPU, where it repacks the linear weights), then the prefix cache is dropped. With
+several workers (tensor parallel) or the engine core in another process, the tensors go through the
+engine's safetensors file in /dev/shm instead. LoRA: only the adapter is saved
 and served as a `LoRARequest` (`vllm_lora_sync=adapter`), or it is merged into the base weights first.
 On CUDA the engine sleeps (frees its KV cache and weights) while the learner updates. Requests go through
 one `StepDriver` (rollout/vllm_steps.py) rather than `LLM.generate`, so the gateway's calls join the running
@@ -31,7 +33,7 @@ import os
 import shutil
 import tempfile
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -102,6 +104,38 @@ def engine_dtype(model, compute_dtype: torch.dtype | None) -> torch.dtype:
     dtype of the float32 masters it samples for. In float32 vLLM's CUDA attention backends (16-bit only)
     are out of reach, and weights and KV cache take twice the memory."""
     return compute_dtype or next(model.parameters()).dtype
+
+
+def enforce_eager(asked: bool | None, cuda: bool) -> bool:
+    """vLLM's `enforce_eager`: as asked, else CUDA graphs on CUDA (the decode is bound by kernel launches
+    without them; weights reload in place, so captured graphs stay valid) and eager on a CPU, where vLLM
+    would compile its model at start-up instead (minutes on two cores) for no gain here."""
+    return (not cuda) if asked is None else asked
+
+
+def weights_in_process(tensor_parallel_size: int) -> bool:
+    """Whether a weight sync hands the tensors to the engine's model in this process (`reload_weights` with a
+    weights iterator) rather than through a safetensors file: the engine core runs here (V1
+    multiprocessing off, as `_import_vllm` sets unless the user chose otherwise) on one worker. Else the
+    arguments of `collective_rpc` would be pickled to other processes, so the file route stays."""
+    return tensor_parallel_size == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+def live_state(policy, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`hf_state`'s names and values one tensor at a time, on the policy's own device and without a copy
+    where the dtype already matches: what an in-process reload reads (it copies each into the engine's
+    parameter). LoRA adapters are merged as in `hf_state`."""
+    from grpo.model.lora import is_lora
+
+    if is_lora(policy):
+        yield from hf_state(policy, dtype=dtype).items()
+        return
+    state = policy.state_dict()
+    for name, value in state.items():
+        yield name, value.detach().to(dtype) if dtype is not None and value.is_floating_point() else value
+    if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        embedding = state["model.embed_tokens.weight"].detach()
+        yield "lm_head.weight", embedding.to(dtype) if dtype is not None else embedding
 
 
 def hf_state(policy, merge_lora: bool = True, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -262,7 +296,7 @@ class VLLMEngine:
             "tokenizer": str(self.dir.path),
             "seed": seed,
             "dtype": str(dtype).split(".")[-1],
-            "enforce_eager": gen.vllm_enforce_eager,
+            "enforce_eager": enforce_eager(gen.vllm_enforce_eager, self.cuda),
             "enable_prefix_caching": True,
             "logprobs_mode": "processed_logprobs",
             "tensor_parallel_size": gen.vllm_tensor_parallel_size,
@@ -280,6 +314,7 @@ class VLLMEngine:
         finally:
             _restore_threads(threads)  # vLLM sets 1 thread for the whole process; the learner needs its own
         self.driver = StepDriver(self.llm)  # every request goes through it (rollout/vllm_steps.py)
+        self.in_process = weights_in_process(gen.vllm_tensor_parallel_size)
         if self.lora:
             self._push_adapter(model)
         self.asleep = False
@@ -302,6 +337,13 @@ class VLLMEngine:
         with self.driver.lock:
             if self.lora:
                 self._push_adapter(policy)
+            elif self.in_process:
+                # Straight into the running model: no file through /dev/shm, which on a 0.5B in bf16 was a
+                # 1 GB write and read per optimizer step, and no CPU copy of GPU weights.
+                self.wake()
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": live_state(policy, self.dtype)}
+                )
             else:
                 self.dir.write(hf_state(policy, dtype=self.dtype))
                 self.wake()

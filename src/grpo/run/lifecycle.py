@@ -31,6 +31,7 @@ from grpo.checkpoint.store import (
     set_rng_state,
 )
 from grpo.config import ConfigError, GRPOConfig
+from grpo.config.errors import clause
 from grpo.config.settings import RunSettings
 from grpo.data import PromptStream
 from grpo.distributed.runtime import Runtime
@@ -455,7 +456,7 @@ def explain_failure(run_dir: Path, rank: int, step: int, error: Exception) -> No
         step,
         rank,
         type(error).__name__,
-        error,
+        clause(error),
         where,
     )
 

@@ -1,0 +1,341 @@
+"""Replay: the update reuses the rollout's forward instead of recomputing it (μ = 1, float32, one turn).
+
+With one optimisation pass over a rollout batch (μ = 1), the update's forward evaluates the policy at the
+weights that sampled the batch, on the tokens it sampled: the rollout's decode has computed every product
+of the update's forward already. During a recorded rollout the decode keeps, for every prompt token (the
+prefill, once per group) and every completion input token, each layer's
+
+    qkv   the q|k|v projection's output (before q/k norms and RoPE; q unscaled) [H·D + 2·Hkv·D]
+    mid   h + o_proj(attention), the residual stream after attention          [d]
+    gate  gate_proj(x), up  up_proj(x)                                         [ffn] each
+    out   mid + down_proj(silu(gate) · up), the block's output                 [d]
+
+(`Recording`). The update's forward then runs the same packed micro-batch graph with each linear layer an
+autograd function whose forward returns the recorded output and whose backward is the linear's (grad x =
+g W, grad W = gᵀ x with x recomputed); norms, RoPE, attention, SiLU·up and the LM head run as in the
+normal forward, and make the graph. The loss is the same function at the same point up to the float
+rounding of differently shaped GEMMs (decode's few rows against training's packed thousands), so the
+replayed log-probs equal the sampling log-probs to ~1e-6, and gradients equal the normal forward's to
+float32 rounding (tests/unit/test_replay.py). What it removes: every linear layer's forward product, about a
+third of the update's arithmetic.
+
+A `ReplayTape` is shared by the native engine (which records into it while armed) and the learner (which
+takes the recording of the step's one generate call and checks, token for token, that the micro-batch is
+what was recorded; anything else runs the normal forward).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from grpo.model import shared_prompt
+from grpo.model.arch import rms_norm, rotate
+from grpo.model.linear import linear
+from grpo.model.memory import available_bytes
+from grpo.model.packed_attention import packed_attention
+
+log = logging.getLogger("grpo")
+
+# A recording may take at most this share of the memory available when it starts (MemAvailable).
+BUDGET_FRACTION = 0.25
+
+
+def recording_bytes(hf_config, prompt_slots: int, completion_slots: int) -> int:
+    """Bytes of float32 recorded activations for this many prompt and completion token slots."""
+    c = hf_config
+    d, heads = c.hidden_size, c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or d // heads
+    kv = c.num_key_value_heads or heads
+    per_layer = (heads + 2 * kv) * head_dim + 2 * d + 2 * c.intermediate_size
+    return 4 * (prompt_slots + completion_slots) * c.num_hidden_layers * per_layer
+
+
+class Recording:
+    """One generate call's recorded products: per layer and kind a [P·Lp + T·N, width] buffer, prompt slots
+    (group g, position j → g·Lp + j) then one block per decode step of the rows it decoded, in the step's
+    batch order, each block right after the previous one: each step writes one contiguous block (a
+    scattered index_copy_ of rows cost 50 µs a call), and a rollout writes a prefix of the buffer as long as
+    the tokens it decoded. `slot_of` [N, T] says where each original row's input j went (−1: not decoded),
+    and `ids` the input token at each slot (−1 where nothing was recorded)."""
+
+    def __init__(
+        self, dec, prompts: list[list[int]], n: int, t_max: int, prompt_width: int, reuse: list | None = None
+    ):
+        self.num_prompts, self.n, self.t, self.lp = len(prompts), n, t_max, prompt_width
+        self.rows = self.num_prompts * n
+        self.base = self.num_prompts * prompt_width
+        slots = self.base + self.rows * t_max
+        d, hd = dec.hf.config.hidden_size, dec.head_dim
+        widths = {
+            "qkv": (dec.num_heads + 2 * dec.num_kv_heads) * hd,
+            "mid": d,
+            "gate": dec.hf.config.intermediate_size,
+            "up": dec.hf.config.intermediate_size,
+            "out": d,
+        }
+        kw = {"device": dec.device, "dtype": dec.dtype}
+        # reuse: the previous recording's storage (ReplayTape keeps it), else fresh buffers, which the
+        # allocator maps anew (model/memory.py): only the pages written become resident.
+        self.storage = [
+            {k: _storage(None if reuse is None else reuse[i][k], slots * w, kw) for k, w in widths.items()}
+            for i in range(len(dec.layers))
+        ]
+        self.buffers = [
+            {k: flat[: slots * widths[k]].view(slots, widths[k]) for k, flat in layer.items()}
+            for layer in self.storage
+        ]
+        self.ids = torch.full((slots,), -1, dtype=torch.long)
+        for g, x in enumerate(prompts):
+            self.ids[g * prompt_width : g * prompt_width + len(x)] = torch.tensor(x, dtype=torch.long)
+        self.slot_of = torch.full((self.rows, t_max), -1, dtype=torch.long)  # [N, T]
+        self.unscale = torch.ones(widths["qkv"], **kw)  # the decode's q arrives scaled (folded weights)
+        self.unscale[: dec.num_heads * hd] = 1.0 / dec.scale
+        self.start, self.count = 0, 0  # this step's block of slots
+        self.cursor = self.base  # where the next step's block goes: the blocks are packed, decoded rows only
+        # [first step, last step + 1, original row of each cache row, the first step's block]
+        self._segments: list[list] = []
+        self.replayed = self.missed = 0  # micro-batches the update replayed / ran normally
+
+    # -- writing (the rollout) ----------------------------------------------------------------------
+    def at_prefill(self) -> Recording:
+        self.start, self.count = 0, self.base
+        return self
+
+    def at_step(self, rows: torch.Tensor, step: int) -> Recording:
+        """Decode step `step` of the cache rows whose original rows are `rows` [n] (host; the same
+        tensor from step to step until the batch is compacted)."""
+        self.start, self.count = self.cursor, rows.shape[0]
+        self.cursor += self.count
+        if self._segments and self._segments[-1][2] is rows and self._segments[-1][1] == step:
+            self._segments[-1][1] = step + 1
+        else:
+            self._segments.append([step, step + 1, rows, self.start])
+        return self
+
+    def block(self, layer: int, kind: str) -> torch.Tensor:
+        """This step's rows of `kind` in `layer` [n, width], for the decode to write its product into."""
+        return self.buffers[layer][kind][self.start : self.start + self.count]
+
+    def put(self, layer: int, kind: str, value: torch.Tensor, scaled_q: bool = False) -> None:
+        """value [n, width]: this step's (or the prefill's [P·Lp, width]) output of `kind` in `layer`."""
+        out = self.buffers[layer][kind][self.start : self.start + value.shape[0]]
+        if scaled_q:
+            torch.mul(value, self.unscale, out=out)
+        else:
+            out.copy_(value)
+
+    def finish(self, completion_ids: torch.Tensor) -> None:
+        """completion_ids [N, T]: the token sampled at step j of row r is the input decoded at step j."""
+        for first, end, rows, start in self._segments:
+            steps = torch.arange(first, end)  # [s]
+            n = rows.shape[0]
+            slots = start + (steps[None, :] - first) * n + torch.arange(n)[:, None]  # [n, s]
+            self.slot_of[rows[:, None], steps[None, :]] = slots
+            self.ids[slots.flatten()] = completion_ids[rows[:, None], steps[None, :]].flatten()
+        self._segments = []
+
+    # -- reading (the update) -----------------------------------------------------------------------
+    def index(self, packed, first_row: int, group_ids: torch.Tensor) -> torch.Tensor | None:
+        """The slot of every packed token of a micro-batch (rows first_row.. of the rollout batch; its
+        rows' group ids `group_ids`), or None when its tokens are not the ones recorded there."""
+        row_prompt, inputs = packed.row_prompt, packed.row_inputs
+        first: dict[int, int] = {}
+        for i, k in enumerate(row_prompt):
+            first.setdefault(k, i)
+        parts = []
+        for k, (_, length) in enumerate(_prompt_starts(packed)):
+            g = int(group_ids[first[k]])
+            if g >= self.num_prompts or length > self.lp:
+                return None
+            parts.append(torch.arange(length) + g * self.lp)
+        for i in sorted(range(len(row_prompt)), key=lambda i: row_prompt[i]):  # the pack's row order
+            r = first_row + i
+            if r >= self.rows or inputs[i] > self.t:
+                return None
+            parts.append(self.slot_of[r, : inputs[i]])
+        index = torch.cat(parts)
+        if index.numel() != packed.token_ids.numel() or (index < 0).any():
+            return None
+        if not torch.equal(self.ids[index], packed.token_ids.cpu()):
+            return None
+        return index.to(self.buffers[0]["qkv"].device)
+
+    def gather(self, layer: int, index: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: b.index_select(0, index) for k, b in self.buffers[layer].items()}
+
+
+def _storage(have: torch.Tensor | None, size: int, kw: dict) -> torch.Tensor:
+    if (
+        have is not None
+        and have.numel() >= size
+        and have.device == kw["device"]
+        and have.dtype == kw["dtype"]
+    ):
+        return have
+    return torch.empty(size, **kw)
+
+
+def _prompt_starts(packed) -> list[tuple[int, int]]:
+    """(start, length) of each prompt in the pack, in pack order."""
+    out = []
+    for r in packed.layout.prompt:
+        out += [(r.start + c * r.length, r.length) for c in range(r.count)]
+    return out
+
+
+class ReplayTape:
+    """Where the native engine records a rollout for the learner: armed before each step's rollout, taken
+    by the update. A step with more than one generate call (chunked rollouts, DAPO rounds) or a recording
+    over the memory budget gives nothing to take."""
+
+    def __init__(self, budget_bytes: int | None = None):
+        self.budget_bytes = budget_bytes
+        self.armed, self.calls, self.recording = False, 0, None
+        self._said_budget = False
+        # The last recording's storage, reused by the next: fresh pages cost a page fault per 4 KiB written,
+        # ~0.1-0.2 s per rollout (eos-off: ×1.27 of the rollout's CPU time fresh, ×1.04 reused). A rollout
+        # writes a prefix of it (the tokens decoded), so what stays resident is the longest rollout's.
+        self._kept: list | None = None
+
+    def arm(self) -> None:
+        self.armed, self.calls, self.recording = True, 0, None
+
+    def start(self, dec, prompts: list[list[int]], n: int, t_max: int) -> Recording | None:
+        """A recording for a generate call, or None (not armed, a second call, over budget)."""
+        if not self.armed:
+            return None
+        self.calls += 1
+        self.recording = None
+        if self.calls > 1:
+            return None
+        width = max(len(x) for x in prompts)
+        need = recording_bytes(dec.hf.config, len(prompts) * width, len(prompts) * n * t_max)
+        budget = self.budget_bytes
+        if budget is None:
+            have = available_bytes()
+            held = sum(t.numel() * t.element_size() for layer in self._kept or [] for t in layer.values())
+            budget = None if have is None else int((have + held) * BUDGET_FRACTION)
+        if budget is not None and need > budget:
+            if not self._said_budget:
+                self._said_budget = True
+                log.info(
+                    "Replay: recording this rollout's forward would take %.2f GiB, over its budget of %.2f "
+                    "GiB (%d%% of available memory); the update recomputes its forward.",
+                    need / 2**30,
+                    budget / 2**30,
+                    int(BUDGET_FRACTION * 100),
+                )
+            return None
+        self.recording = Recording(dec, prompts, n, t_max, width, self._kept)
+        self._kept = None
+        return self.recording
+
+    def take(self) -> Recording | None:
+        """The step's recording, once; disarms (evaluation's generate calls record nothing)."""
+        rec = self.recording if self.calls == 1 else None
+        self.armed, self.calls, self.recording = False, 0, None
+        self._kept = None if rec is None else rec.storage
+        return rec
+
+
+@dataclass
+class Replay:
+    """What the update hands the training forward for one micro-batch: the step's recording and where
+    the micro-batch's rows start in the rollout batch."""
+
+    recording: Recording
+    first_row: int
+
+    def index(self, packed, group_ids: torch.Tensor) -> torch.Tensor | None:
+        index = self.recording.index(packed, self.first_row, group_ids)
+        if index is None:
+            self.recording.missed += 1
+            if self.recording.missed == 1:
+                log.warning("Replay: a micro-batch is not the recorded rollout; its forward is recomputed.")
+        else:
+            self.recording.replayed += 1
+        return index
+
+
+# -- the replayed forward --------------------------------------------------------------------------
+class _ReplayedLinear(torch.autograd.Function):
+    """out = [x W₁ᵀ + b₁ | x W₂ᵀ + b₂ | …] (+ residual): forward returns the recorded `out`; backward as the
+    linear layers' (and the identity to the residual)."""
+
+    @staticmethod
+    def forward(ctx, recorded, x, residual, *params):
+        ctx.save_for_backward(x, *params[0::2])
+        ctx.has_bias = [b is not None for b in params[1::2]]
+        ctx.has_residual = residual is not None
+        return recorded.view_as(recorded)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors
+        grads, grad_x, start = [], None, 0
+        need_x = ctx.needs_input_grad[1]
+        for i, w in enumerate(weights):
+            g = grad[:, start : start + w.shape[0]]
+            start += w.shape[0]
+            if need_x:
+                gx = linear(g, w.t()) if g.is_contiguous() else g @ w
+                grad_x = gx if grad_x is None else grad_x.add_(gx)
+            grads.append(g.t() @ x if ctx.needs_input_grad[3 + 2 * i] else None)
+            grads.append(g.sum(0) if ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i] else None)
+        return None, grad_x, grad if ctx.has_residual else None, *grads
+
+
+class _ReplayedSwiGLUDown(torch.autograd.Function):
+    """out = residual + down(silu(gate) · up): forward returns the recorded `out`; backward as
+    `linear._SwiGLUDown`'s, plus the identity to the residual."""
+
+    @staticmethod
+    def forward(ctx, recorded, gate, up, weight, residual):  # noqa: ARG004 (its gradient is the identity)
+        ctx.save_for_backward(gate, up, weight)
+        return recorded.view_as(recorded)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up, weight = ctx.saved_tensors
+        silu = F.silu(gate)
+        product = silu * up  # [S, ffn]
+        grad_p = linear(grad, weight.t())  # G W
+        grad_w = grad.t() @ product if ctx.needs_input_grad[3] else None  # Gᵀ P
+        grad_up = grad_p * silu if ctx.needs_input_grad[2] else None
+        grad_gate = torch.ops.aten.silu_backward(grad_p * up, gate) if ctx.needs_input_grad[1] else None
+        return None, grad_gate, grad_up, grad_w, grad
+
+
+def replayed_hidden(dec, packed, recording: Recording, index: torch.Tensor) -> torch.Tensor:
+    """As `shared_prompt.shared_prompt_hidden`, every product replayed from the rollout: [M, d]."""
+    h = dec.embed(packed.token_ids)  # [S, d]
+    cos, sin = dec.rope(packed.positions)  # [S, D]
+    cos, sin = cos[:, None], sin[:, None]
+    s, hq, hkv, hd = h.shape[0], dec.num_heads, dec.num_kv_heads, dec.head_dim
+    packed_route = shared_prompt.attention_route(h.device) == "packed"
+    for i, layer in enumerate(dec.layers):
+        rec = recording.gather(i, index)
+        a, m, w = layer.self_attn, layer.mlp, dec.w
+        x = rms_norm(h, w(layer.input_layernorm.weight), dec.eps)
+        qkv = _ReplayedLinear.apply(
+            rec["qkv"], x, None, *dec.proj(a.q_proj), *dec.proj(a.k_proj), *dec.proj(a.v_proj)
+        )  # [S, (H + 2Hkv)·D]
+        q, k, v = qkv.view(s, hq + 2 * hkv, hd).split([hq, hkv, hkv], dim=1)
+        if dec.qk_norm:
+            q = rms_norm(q, w(a.q_norm.weight), dec.eps)
+            k = rms_norm(k, w(a.k_norm.weight), dec.eps)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if packed_route:
+            attn = packed_attention(q, k, v, packed.layout, dec.scale)  # [S, H·D]
+        else:
+            attn = shared_prompt._grid_attention(dec, q, k, v, packed)
+        mid = _ReplayedLinear.apply(rec["mid"], attn, h, *dec.proj(a.o_proj))
+        x = rms_norm(mid, w(layer.post_attention_layernorm.weight), dec.eps)
+        gate = _ReplayedLinear.apply(rec["gate"], x, None, *dec.proj(m.gate_proj))
+        up = _ReplayedLinear.apply(rec["up"], x, None, *dec.proj(m.up_proj))
+        h = _ReplayedSwiGLUDown.apply(rec["out"], gate, up, dec.proj(m.down_proj)[0], mid)
+    return dec.final_norm(h.index_select(0, packed.predictor_index))  # [M, d]
