@@ -202,19 +202,13 @@ class Learner:
         return next((why for failed, why in reasons if failed), None)
 
     def attach_replay(self, source) -> bool:
-        """Decide `train.replay_rollout_forward` for this run (None: where the conditions hold) and, when
-        on, give the source's engine the tape it records into. A refused `true` is a ConfigError."""
-        wanted = self.cfg.train.replay_rollout_forward
-        if wanted is False:
+        """When `train.replay_rollout_forward` is on (opt-in), give the source's engine the tape it records
+        into; a condition that does not hold is a ConfigError naming it."""
+        if not self.cfg.train.replay_rollout_forward:
             return False
         why = self.replay_refusal(source)
         if why is not None:
-            if wanted:
-                raise ConfigError(
-                    f"train.replay_rollout_forward=true, but {why}. Leave it unset (replay where it "
-                    "applies) or set it to false."
-                )
-            return False
+            raise ConfigError(f"train.replay_rollout_forward=true, but {why}. Set it to false (the default).")
         self.replay_tape = source.engine.tape = ReplayTape()
         log.info("Replay: the update reuses the rollout's forward (train.replay_rollout_forward).")
         return True

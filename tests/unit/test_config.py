@@ -66,6 +66,7 @@ def test_unknown_key_suggests_the_closest():
         ({"steps": "1.5"}, "train.steps expects int"),
         ({"num_generations": 1}, "at least 2"),
         ({"temperature": 0}, "temperature must be > 0"),
+        ({"temperature": 9.4e-291}, "temperature must be at least 0.001"),
         ({"top_p": 1.5}, "top_p must be in"),
         ({"loss_aggregation": "mean"}, "is not one of sequence_mean, token_mean, constant"),
         (

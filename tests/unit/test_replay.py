@@ -143,12 +143,12 @@ def _source(model, **kw):
     )
 
 
-def test_replay_is_on_by_default_where_its_conditions_hold():
+def test_replay_is_opt_in_and_on_when_asked_where_its_conditions_hold():
     model = _model("llama")
-    learner, source = _learner(model), _source(model)
+    learner, source = _learner(model, replay_rollout_forward=True), _source(model)
     assert learner.attach_replay(source)
     assert source.engine.tape is learner.replay_tape is not None
-    learner, source = _learner(model, replay_rollout_forward=False), _source(model)
+    learner, source = _learner(model), _source(model)
     assert not learner.attach_replay(source) and source.engine.tape is None
 
 

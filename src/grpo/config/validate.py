@@ -23,6 +23,8 @@ from grpo.config.keys import choices_of, get_path
 from grpo.config.schema import SECTIONS
 from grpo.ranges import INT_LIMIT, MAX_SECONDS, REWARD_LIMIT, check_range
 
+MIN_TEMPERATURE = 1e-3
+
 if TYPE_CHECKING:
     from grpo.config.root import ConfigTree
 
@@ -136,6 +138,11 @@ def _generation(cfg: ConfigTree) -> None:
         )
     if not g.temperature > 0:
         raise ConfigError(f"generation.temperature must be > 0 for sampling, got {g.temperature}.")
+    if g.temperature < MIN_TEMPERATURE:  # logits / τ overflow float32 long before τ reaches 0
+        raise ConfigError(
+            f"generation.temperature must be at least {MIN_TEMPERATURE} (a smaller one divides the logits "
+            f"past what float32 holds), got {g.temperature}; GRPO samples, usually at 0.6-1.0."
+        )
     if not 0 < g.top_p <= 1:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {g.top_p} (1.0 switches it off).")
     if g.top_k < 0:
