@@ -67,6 +67,10 @@ def test_unknown_key_suggests_the_closest():
         ({"num_generations": 1}, "at least 2"),
         ({"temperature": 0}, "temperature must be > 0"),
         ({"temperature": 9.4e-291}, "temperature must be at least 0.001"),
+        (
+            {"loss_variant": "sapo", "sapo_temperature_neg": 1e-300},
+            "sapo_temperature_neg must be at least 0.001",
+        ),
         ({"top_p": 1.5}, "top_p must be in"),
         ({"loss_aggregation": "mean"}, "is not one of sequence_mean, token_mean, constant"),
         (

@@ -178,10 +178,11 @@ def _algorithm(cfg: ConfigTree) -> None:
         )
     if not 0 < a.gamma <= 1:
         raise ConfigError(f"algorithm.gamma must be in (0, 1], got {a.gamma}.")
-    if not (a.sapo_temperature_pos > 0 and a.sapo_temperature_neg > 0):
+    if not (a.sapo_temperature_pos >= MIN_TEMPERATURE and a.sapo_temperature_neg >= MIN_TEMPERATURE):
+        # the gate is sigmoid(τ(ρ − 1))·4/τ: a τ near 0 makes it overflow float32, as logits / τ would
         raise ConfigError(
-            "algorithm.sapo_temperature_pos and sapo_temperature_neg must be > 0, got "
-            f"{a.sapo_temperature_pos} and {a.sapo_temperature_neg}."
+            f"algorithm.sapo_temperature_pos and sapo_temperature_neg must be at least {MIN_TEMPERATURE}, "
+            f"got {a.sapo_temperature_pos} and {a.sapo_temperature_neg}."
         )
     if a.loss_variant == "gspo" and a.gamma != 1:
         raise ConfigError("algorithm.loss_variant=gspo has one advantage per sequence; it needs gamma = 1.")
