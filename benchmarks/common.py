@@ -262,3 +262,19 @@ def vm_hwm_mb() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024.0
     return peak_rss_mb()
+
+
+def matrix_pair(name: str):
+    """A matrix cell's workload for the stage benchmarks (compiled_step.py, replay_step.py): the cell, its
+    tokenizer, its prompts' token ids, and a float32 policy and reference loaded from the cell's model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cell = matrix_cell(name)
+    path = make_matrix_model(cell["eos"], cell["completion"])
+    tok = matrix_tokenizer(path, False)
+    texts = make_prompts(tok, cell["prompt"], MATRIX_PROMPTS)
+    prompts = [tok(x, add_special_tokens=False)["input_ids"] for x in texts]
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return cell, tok, prompts, policy, reference

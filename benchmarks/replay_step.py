@@ -18,8 +18,7 @@ import statistics
 import time
 
 import torch
-from common import MATRIX_PROMPTS, make_matrix_model, make_prompts, matrix_cell, matrix_tokenizer
-from transformers import AutoModelForCausalLM
+from common import MATRIX_PROMPTS, matrix_pair
 
 from grpo.config import GRPOConfig
 from grpo.learner import Learner
@@ -50,15 +49,7 @@ def main() -> None:
     clock = time.process_time if args.cpu_time else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
-    cell = matrix_cell(args.cell)
-    path = make_matrix_model(cell["eos"], cell["completion"])
-    tok = matrix_tokenizer(path, False)
-    prompts = [
-        tok(x, add_special_tokens=False)["input_ids"]
-        for x in make_prompts(tok, cell["prompt"], MATRIX_PROMPTS)
-    ]
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    cell, tok, prompts, policy, reference = matrix_pair(args.cell)
     cfg = GRPOConfig(
         batch_size=MATRIX_PROMPTS,
         num_generations=cell["G"],
