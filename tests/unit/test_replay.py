@@ -143,13 +143,23 @@ def _source(model, **kw):
     )
 
 
-def test_replay_is_opt_in_and_on_when_asked_where_its_conditions_hold():
+def test_replay_is_on_by_default_where_its_conditions_hold_and_off_when_false():
     model = _model("llama")
-    learner, source = _learner(model, replay_rollout_forward=True), _source(model)
-    assert learner.attach_replay(source)
-    assert source.engine.tape is learner.replay_tape is not None
-    learner, source = _learner(model), _source(model)
+    for asked in (None, True):  # null (auto, the default) and true
+        learner, source = _learner(model, replay_rollout_forward=asked), _source(model)
+        assert learner.attach_replay(source)
+        assert source.engine.tape is learner.replay_tape is not None
+    assert GRPOConfig().replay_rollout_forward is None
+    learner, source = _learner(model, replay_rollout_forward=False), _source(model)
     assert not learner.attach_replay(source) and source.engine.tape is None
+
+
+def test_auto_replay_stays_off_off_a_cpu(monkeypatch):
+    model = _model("llama")
+    learner, source = _learner(model), _source(model)
+    meta = torch.nn.Parameter(torch.empty(1, device="meta"))
+    monkeypatch.setattr(model, "parameters", lambda *a, **k: iter([meta]))
+    assert not learner.attach_replay(source) and learner.replay_tape is None
 
 
 @pytest.mark.parametrize(
