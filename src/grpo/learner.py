@@ -252,9 +252,19 @@ class Learner:
                 )
             log.debug("Replay off: %s.", why)
             return False
-        self.replay_tape = source.engine.tape = ReplayTape()
+        self.replay_tape = source.engine.tape = ReplayTape(cap_bytes=self._recording_cap())
         log.info("Replay: the update reuses the rollout's forward (train.replay_rollout_forward).")
         return True
+
+    def _recording_cap(self) -> int:
+        """The most a step's recording may hold: it lives from the rollout through the update's peak, like
+        a second micro-batch of activations, so it gets their budget: train.activation_memory_gb, else on
+        a CPU 512 MiB (a host's memory is shared; the eos-off matrix cell records 0.48 GiB, Qwen2.5-0.5B
+        at 16 × 64 tokens 1.7 GB: it recomputes), on a GPU a third of the memory free."""
+        gb = self.cfg.train.activation_memory_gb
+        if gb is not None:
+            return int(gb * 2**30)
+        return default_activation_budget(next(self.policy.parameters()).device)
 
     def before_rollout(self) -> None:
         """The step's rollout is next: the engine records it (when replay is on)."""

@@ -130,6 +130,25 @@ def test_the_tape_gives_a_recording_only_for_one_armed_generate_call_within_budg
     small.arm()
     engine.generate(PROMPTS, 2, sampling)
     assert small.take() is None  # over the memory budget: the update recomputes
+    engine.tape = capped = ReplayTape(cap_bytes=need - 1)  # a quarter of MemAvailable would hold it
+    capped.arm()
+    engine.generate(PROMPTS, 2, sampling)
+    assert capped.take() is None
+
+
+def test_the_recording_gets_the_activation_budget_512_mib_on_a_cpu():
+    model = _model("llama")
+    learner, source = _learner(model), _source(model)
+    assert learner.attach_replay(source) and learner.replay_tape.cap_bytes == 512 << 20
+    learner, source = _learner(model, activation_memory_gb=0.25), _source(model)
+    assert learner.attach_replay(source) and learner.replay_tape.cap_bytes == 256 << 20
+    # what that means at real sizes: Qwen2.5-0.5B's shapes, benchmarks/real_size.py's step (4 prompts of
+    # ~60 tokens, 4 × 64 new tokens each) records ~1.5 GB, over it; the eos-off matrix cell 0.48 GiB
+    qwen = SimpleNamespace(
+        hidden_size=896, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+        intermediate_size=4864, num_hidden_layers=24,
+    )  # fmt: skip
+    assert recording_bytes(qwen, 4 * 60, 16 * 64) > 512 << 20
 
 
 def _learner(model, **overrides):

@@ -192,8 +192,10 @@ class ReplayTape:
     by the update. A step with more than one generate call (chunked rollouts, DAPO rounds) or a recording
     over the memory budget gives nothing to take."""
 
-    def __init__(self, budget_bytes: int | None = None):
-        self.budget_bytes = budget_bytes
+    def __init__(self, budget_bytes: int | None = None, cap_bytes: int | None = None):
+        # budget_bytes: the budget itself (tests); else a quarter of the available memory, and at most
+        # cap_bytes (the learner's activation budget: the recording is held through the update's peak)
+        self.budget_bytes, self.cap_bytes = budget_bytes, cap_bytes
         self.armed, self.calls, self.recording = False, 0, None
         self._said_budget = False
         # The last recording's storage, reused by the next: fresh pages cost a page fault per 4 KiB written,
@@ -219,12 +221,15 @@ class ReplayTape:
             have = available_bytes()
             held = sum(t.numel() * t.element_size() for layer in self._kept or [] for t in layer.values())
             budget = None if have is None else int((have + held) * BUDGET_FRACTION)
+            if self.cap_bytes is not None:
+                budget = self.cap_bytes if budget is None else min(budget, self.cap_bytes)
         if budget is not None and need > budget:
             if not self._said_budget:
                 self._said_budget = True
                 log.info(
                     "Replay: recording this rollout's forward would take %.2f GiB, over its budget of %.2f "
-                    "GiB (%d%% of available memory); the update recomputes its forward.",
+                    "GiB (%d%% of available memory, at most train.activation_memory_gb); the update "
+                    "recomputes its forward.",
                     need / 2**30,
                     budget / 2**30,
                     int(BUDGET_FRACTION * 100),
