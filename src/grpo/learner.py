@@ -253,7 +253,10 @@ class Learner:
             log.debug("Replay off: %s.", why)
             return False
         self.replay_tape = source.engine.tape = ReplayTape(cap_bytes=self._recording_cap())
-        log.info("Replay: the update reuses the rollout's forward (train.replay_rollout_forward).")
+        log.log(  # auto: quiet, as any default
+            logging.INFO if asked else logging.DEBUG,
+            "Replay: the update reuses the rollout's forward (train.replay_rollout_forward).",
+        )
         return True
 
     def _recording_cap(self) -> int:

@@ -24,7 +24,7 @@ def test_a_run_with_replay_trains_as_the_run_without(tmp_path, monkeypatch):
 
     monkeypatch.setattr(grpo.model.packed, "replayed_hidden", counting)
     runs = {}
-    for replay in (False, True):
+    for replay in (False, None):  # None: the default, on where it holds
         out = tmp_path / f"run-{replay}"
         settings = tiny_run.config(model, data, out, steps=2, save_steps=0, report=False)
         cfg = GRPOConfig(**settings, replay_rollout_forward=replay)
@@ -37,9 +37,9 @@ def test_a_run_with_replay_trains_as_the_run_without(tmp_path, monkeypatch):
         if replay is False:
             assert not replayed
     assert len(replayed) == 2  # one micro-batch an update (gradient_accumulation_steps 1), two steps
-    assert len(runs[True][0]) == 2
-    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-5, abs=1e-7)
-    assert_same_training(tiny_run.weights(model), runs[False][1], runs[True][1])
+    assert len(runs[None][0]) == 2
+    assert runs[None][0] == pytest.approx(runs[False][0], rel=1e-5, abs=1e-7)
+    assert_same_training(tiny_run.weights(model), runs[False][1], runs[None][1])
 
 
 def no_signal(prompts, completions, **_):
