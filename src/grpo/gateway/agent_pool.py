@@ -34,8 +34,8 @@ ANSWER_S = 5.0  # beyond that wait, how long a worker may take to answer before 
 
 
 class NotAReward:
-    """What an agent returned that is neither a number nor None, as its repr (the value itself may not pickle):
-    the runner scores the episode as failed and quotes it."""
+    """What an agent returned that is neither a number nor None, as its repr (the value itself may not
+    pickle): the runner scores the episode as failed and quotes it."""
 
     def __init__(self, text: str) -> None:
         self.text = text
@@ -66,7 +66,8 @@ class _Host:
         self._http = None
 
     def start(self, base_url: str, episodes: list[tuple[int, str, dict]], deadline: float) -> None:
-        """Start `episodes` ((index, session key, row) each) against the gateway at `base_url`; returns at once."""
+        """Start `episodes` ((index, session key, row) each) against the gateway at `base_url`; returns at
+        once."""
         if self.is_async:
             threading.Thread(
                 target=lambda: asyncio.run(self._gather(base_url, episodes, deadline)),
@@ -160,8 +161,8 @@ class AgentPool:
         deadline: Callable[[], float],
         ended: Callable[[int, object, tuple | None], None],
     ) -> set[int]:
-        """Run `episodes` ((index, key, row) each) and call `ended(index, value, error)` from a poller thread as
-        each ends; returns the indices that did not end by `deadline()` (read as it moves: a stop signal
+        """Run `episodes` ((index, key, row) each) and call `ended(index, value, error)` from a poller thread
+        as each ends; returns the indices that did not end by `deadline()` (read as it moves: a stop signal
         brings it forward). A worker still running an episode then is killed."""
         shares = [episodes[i :: self.size] for i in range(self.size)]
         pending = [{k for k, _, _ in share} for share in shares]
@@ -174,29 +175,13 @@ class AgentPool:
                 pending[i].discard(k)
             ended(k, value, error)
 
-        def poll(i: int, share: list) -> None:
-            worker = None
-            try:
-                worker = self._worker(i)
-                worker.call("start", (base_url, share, deadline()))
-                while pending[i] and (left := deadline() - time.monotonic()) > 0:
-                    wait = min(POLL_S, left)
-                    # A worker that cannot answer within seconds (an agent holding its GIL in C) is killed.
-                    for k, value, error in worker.call("done", (wait,), timeout=wait + ANSWER_S):
-                        finish(i, k, value, error)
-            except (WorkerDied, CallTimedOut) as err:
-                # The whole worker went (os._exit in an agent, a crash, a kill): its episodes failed.
-                late = time.monotonic() >= deadline() - 0.1
-                for k in list(pending[i]):
-                    finish(i, k, None, (type(err).__name__, str(err), late))
-            except RewardInterrupted:
-                pass  # a stop signal outlived its grace: what is pending times out below
-            finally:
-                if pending[i] and worker is not None:  # hung agents (a thread cannot be stopped): the worker
-                    worker.close()  # goes with them, from the thread that owns its pipe
-
         threads = [
-            threading.Thread(target=poll, args=(i, share), name=f"grpo-agent-pool-{i}", daemon=True)
+            threading.Thread(
+                target=self._poll,
+                args=(i, base_url, share, pending[i], deadline, finish),
+                name=f"grpo-agent-pool-{i}",
+                daemon=True,
+            )
             for i, share in enumerate(shares)
             if share
         ]
@@ -210,6 +195,29 @@ class AgentPool:
                 late |= left
                 left.clear()
         return late
+
+    def _poll(self, i: int, base_url: str, share: list, pending: set, deadline: Callable, finish: Callable):
+        """Worker `i`'s share of a step: start it, then hand on the episodes as they end, until none is left
+        or the deadline passes."""
+        worker = None
+        try:
+            worker = self._worker(i)
+            worker.call("start", (base_url, share, deadline()))
+            while pending and (left := deadline() - time.monotonic()) > 0:
+                wait = min(POLL_S, left)
+                # A worker that cannot answer within seconds (an agent holding its GIL in C) is killed.
+                for k, value, error in worker.call("done", (wait,), timeout=wait + ANSWER_S):
+                    finish(i, k, value, error)
+        except (WorkerDied, CallTimedOut) as err:
+            # The whole worker went (os._exit in an agent, a crash, a kill): its episodes failed.
+            late = time.monotonic() >= deadline() - 0.1
+            for k in list(pending):
+                finish(i, k, None, (type(err).__name__, str(err), late))
+        except RewardInterrupted:
+            pass  # a stop signal outlived its grace: what is pending times out
+        finally:
+            if pending and worker is not None:  # hung agents (a thread cannot be stopped): the worker goes
+                worker.close()  # with them, closed by the thread that owns its pipe
 
     def close(self) -> None:
         for worker in self._workers:
