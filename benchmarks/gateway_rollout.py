@@ -92,6 +92,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     engine = NativeEngine(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tok)
     calls: list[tuple[int, float]] = []
+    first: list[float] = []  # when the first engine call of a rollout started
     depth = threading.local()
     for name in ("generate", "continue_rows"):
         method = getattr(engine, name)
@@ -100,6 +101,8 @@ def main() -> None:
             if getattr(depth, "in_call", False):  # continue_rows calls generate: count the outer call
                 return _method(*a, **kw)
             depth.in_call, start = True, time.perf_counter()
+            if not first:
+                first.append(start)
             try:
                 out = _method(*a, **kw)
             finally:
@@ -123,6 +126,7 @@ def main() -> None:
             tokenize=not runner.renders_prompts,
         )
         calls.clear()
+        first.clear()
         with _lock:
             _THREAD_CPU.update(agent=0.0, server=0.0)
         torch.manual_seed(rep)
@@ -130,6 +134,7 @@ def main() -> None:
         before = _children_cpu(pool.pids if pool else [])
         wall, cpu = time.perf_counter(), time.process_time()
         _, out = runner.run(engine, prompts, g, sampling)
+        to_first = first[0] - wall if first else float("nan")
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         pool = getattr(runner, "_pool", None)
         workers_cpu = _children_cpu(pool.pids if pool else []) - before
@@ -141,6 +146,8 @@ def main() -> None:
             "wall": wall,
             "cpu": cpu,
             "engine_s": sum(s for _, s in calls),
+            "to_first": to_first,
+            "cpu_all": cpu + workers_cpu,  # this process's and its agent workers'
             "rows": [r for r, _ in calls],
             "turns": sum(e.turns for e in out.episodes) / len(out.episodes),
             **threads,
@@ -164,22 +171,31 @@ def main() -> None:
                 )
                 print(
                     f"repeat {rep} {side}: wall {r['wall']:.3f} s, cpu {r['cpu']:.3f} s, "
-                    f"engine {r['engine_s']:.3f} s ({r['rows']} rows), turns {r['turns']:.2f}{extra}",
+                    f"engine {r['engine_s']:.3f} s ({r['rows']} rows, first after {r['to_first']:.3f} s), "
+                    f"turns {r['turns']:.2f}{extra}",
                     flush=True,
                 )
     finally:
         runners["gateway"].close()
         runners["workers"].close()
     med = {
-        side: {k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "engine_s")}
+        side: {
+            k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "engine_s", "to_first", "cpu_all")
+        }
         for side, rs in results.items()
     }
     for side, m in med.items():
-        print(f"| {side} | wall {m['wall']:.3f} s | cpu {m['cpu']:.3f} s | engine {m['engine_s']:.3f} s |")
+        print(
+            f"| {side} | wall {m['wall']:.3f} s | cpu {m['cpu']:.3f} s "
+            f"(with agent workers {m['cpu_all']:.3f} s) "
+            f"| engine {m['engine_s']:.3f} s | "
+            f"first engine call after {m['to_first']:.3f} s |"
+        )
     for side in ("gateway", "workers"):
         print(
             f"{side}/tools= rollout: wall {med[side]['wall'] / med['tools=']['wall']:.2f}×, "
-            f"cpu {med[side]['cpu'] / med['tools=']['cpu']:.2f}× (medians of {args.repeats}, interleaved); "
+            f"cpu {med[side]['cpu'] / med['tools=']['cpu']:.2f}× (with agent workers "
+            f"{med[side]['cpu_all'] / med['tools=']['cpu']:.2f}×; medians of {args.repeats}, interleaved); "
             f"load {Path('/proc/loadavg').read_text().split()[0]}"
         )
 
