@@ -29,7 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CPUINFO = Path("/proc/cpuinfo")
 SIDES = {
     "tools=": ["--config", "tiny_tools"],
+    # the example agent in worker processes (env.agent_workers unset: one per core), and on threads in the
+    # trainer's process (env.agent_workers=0: how the gateway ran before the workers)
     "gateway": ["--config", "tiny_tools_agent"],
+    "gateway-threads": ["--config", "tiny_tools_agent", "env.agent_workers=0"],
 }
 COMMON = [
     "train.prompts_per_step=8",
@@ -94,11 +97,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gateway_concurrency.json"))
+    ap.add_argument("--sides", default="tools=,gateway", help=f"comma-separated, of {', '.join(SIDES)}")
     args = ap.parse_args()
+    sides = args.sides.split(",")
+    if "tools=" not in sides or not set(sides) <= set(SIDES):
+        ap.error(f"--sides: tools= and any of {', '.join(SIDES)}, comma-separated")
     runs = []
     for rep in range(args.repeats):
         pair = {}
-        for side in SIDES:
+        for side in sides:
             pair[side] = one_run(side, args.steps, args.threads)
             r = pair[side]
             print(
@@ -107,16 +114,22 @@ def main() -> None:
                 f"load {r['load']:.2f}",
                 flush=True,
             )
-        pair["ratio_step"] = pair["gateway"]["s_per_step"] / pair["tools="]["s_per_step"]
-        pair["ratio_rollout"] = pair["gateway"]["rollout_s"] / pair["tools="]["rollout_s"]
-        print(
-            f"# repeat {rep}: gateway/tools= step {pair['ratio_step']:.3f}×, "
-            f"rollout {pair['ratio_rollout']:.3f}×"
-        )
+        for side in sides[1:]:
+            tag = "" if side == "gateway" else f"_{side}"
+            pair[f"ratio_step{tag}"] = pair[side]["s_per_step"] / pair["tools="]["s_per_step"]
+            pair[f"ratio_rollout{tag}"] = pair[side]["rollout_s"] / pair["tools="]["rollout_s"]
+            print(
+                f"# repeat {rep}: {side}/tools= step {pair[f'ratio_step{tag}']:.3f}×, "
+                f"rollout {pair[f'ratio_rollout{tag}']:.3f}×"
+            )
         runs.append(pair)
     summary = {
-        "ratio_step_median": statistics.median(p["ratio_step"] for p in runs),
-        "ratio_rollout_median": statistics.median(p["ratio_rollout"] for p in runs),
+        f"ratio_{kind}{tag}_median": statistics.median(p[f"ratio_{kind}{tag}"] for p in runs)
+        for side in sides[1:]
+        for tag in ("" if side == "gateway" else f"_{side}",)
+        for kind in ("step", "rollout")
+    }
+    summary |= {
         "runs": runs,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cpu": next(
@@ -130,10 +143,12 @@ def main() -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=1))
-    print(
-        f"gateway/tools= per step: median {summary['ratio_step_median']:.3f}× "
-        f"(rollout {summary['ratio_rollout_median']:.3f}×) over {args.repeats} interleaved repeats"
-    )
+    for side in sides[1:]:
+        tag = "" if side == "gateway" else f"_{side}"
+        print(
+            f"{side}/tools= per step: median {summary[f'ratio_step{tag}_median']:.3f}× "
+            f"(rollout {summary[f'ratio_rollout{tag}_median']:.3f}×) over {args.repeats} interleaved repeats"
+        )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ warms up and is not counted.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -48,11 +49,24 @@ def _counted_run(self):
             _THREAD_CPU[kind] += time.thread_time() - start
 
 
+def _children_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) the live worker processes `pids` have used so far."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is comparable)")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--agent-workers", type=int, default=2, help="the `workers` side's env.agent_workers")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     threading.Thread.run = _counted_run  # this benchmark's process only
@@ -68,11 +82,17 @@ def main() -> None:
     from grpo.rollout.episodes import build_episodes
     from grpo.rollout.native import NativeEngine
 
-    cfgs = {"tools=": load_config("tiny_tools"), "gateway": load_config("tiny_tools_agent")}
+    cfgs = {
+        "tools=": load_config("tiny_tools"),
+        # the agents on threads in this process (env.agent_workers=0), and in worker processes
+        "gateway": load_config("tiny_tools_agent", {"env.agent_workers": 0}),
+        "workers": load_config("tiny_tools_agent", {"env.agent_workers": args.agent_workers}),
+    }
     path = resolve_path(cfgs["tools="].model.name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     engine = NativeEngine(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tok)
     calls: list[tuple[int, float]] = []
+    first: list[float] = []  # when the first engine call of a rollout started
     depth = threading.local()
     for name in ("generate", "continue_rows"):
         method = getattr(engine, name)
@@ -81,6 +101,8 @@ def main() -> None:
             if getattr(depth, "in_call", False):  # continue_rows calls generate: count the outer call
                 return _method(*a, **kw)
             depth.in_call, start = True, time.perf_counter()
+            if not first:
+                first.append(start)
             try:
                 out = _method(*a, **kw)
             finally:
@@ -104,12 +126,18 @@ def main() -> None:
             tokenize=not runner.renders_prompts,
         )
         calls.clear()
+        first.clear()
         with _lock:
             _THREAD_CPU.update(agent=0.0, server=0.0)
         torch.manual_seed(rep)
+        pool = getattr(runner, "_pool", None)
+        before = _children_cpu(pool.pids if pool else [])
         wall, cpu = time.perf_counter(), time.process_time()
         _, out = runner.run(engine, prompts, g, sampling)
+        to_first = first[0] - wall if first else float("nan")
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        pool = getattr(runner, "_pool", None)
+        workers_cpu = _children_cpu(pool.pids if pool else []) - before
         if hasattr(runner, "metrics"):
             runner.metrics()  # the gateway's counters restart each step
         with _lock:
@@ -118,9 +146,12 @@ def main() -> None:
             "wall": wall,
             "cpu": cpu,
             "engine_s": sum(s for _, s in calls),
+            "to_first": to_first,
+            "cpu_all": cpu + workers_cpu,  # this process's and its agent workers'
             "rows": [r for r, _ in calls],
             "turns": sum(e.turns for e in out.episodes) / len(out.episodes),
             **threads,
+            "workers_cpu": workers_cpu,
         }
 
     try:
@@ -134,26 +165,39 @@ def main() -> None:
                 extra = (
                     f", agent threads {r['agent']:.3f} s, server {r['server']:.3f} s"
                     if side == "gateway"
+                    else f", worker processes {r['workers_cpu']:.3f} s, server {r['server']:.3f} s"
+                    if side == "workers"
                     else ""
                 )
                 print(
                     f"repeat {rep} {side}: wall {r['wall']:.3f} s, cpu {r['cpu']:.3f} s, "
-                    f"engine {r['engine_s']:.3f} s ({r['rows']} rows), turns {r['turns']:.2f}{extra}",
+                    f"engine {r['engine_s']:.3f} s ({r['rows']} rows, first after {r['to_first']:.3f} s), "
+                    f"turns {r['turns']:.2f}{extra}",
                     flush=True,
                 )
     finally:
         runners["gateway"].close()
+        runners["workers"].close()
     med = {
-        side: {k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "engine_s")}
+        side: {
+            k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "engine_s", "to_first", "cpu_all")
+        }
         for side, rs in results.items()
     }
     for side, m in med.items():
-        print(f"| {side} | wall {m['wall']:.3f} s | cpu {m['cpu']:.3f} s | engine {m['engine_s']:.3f} s |")
-    print(
-        f"gateway/tools= rollout: wall {med['gateway']['wall'] / med['tools=']['wall']:.2f}×, "
-        f"cpu {med['gateway']['cpu'] / med['tools=']['cpu']:.2f}× (medians of {args.repeats}, interleaved); "
-        f"load {Path('/proc/loadavg').read_text().split()[0]}"
-    )
+        print(
+            f"| {side} | wall {m['wall']:.3f} s | cpu {m['cpu']:.3f} s "
+            f"(with agent workers {m['cpu_all']:.3f} s) "
+            f"| engine {m['engine_s']:.3f} s | "
+            f"first engine call after {m['to_first']:.3f} s |"
+        )
+    for side in ("gateway", "workers"):
+        print(
+            f"{side}/tools= rollout: wall {med[side]['wall'] / med['tools=']['wall']:.2f}×, "
+            f"cpu {med[side]['cpu'] / med['tools=']['cpu']:.2f}× (with agent workers "
+            f"{med[side]['cpu_all'] / med['tools=']['cpu']:.2f}×; medians of {args.repeats}, interleaved); "
+            f"load {Path('/proc/loadavg').read_text().split()[0]}"
+        )
 
 
 if __name__ == "__main__":

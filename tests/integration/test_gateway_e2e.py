@@ -83,6 +83,7 @@ def test_sigterm_ends_the_agents_and_the_server_and_leaves_no_port(tmp_path):
                 break
         assert port is not None
         time.sleep(2)  # the agents have called the model and hang
+        workers = _children(proc.pid)  # the agents' worker processes (env.agent_workers), tool workers
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.stderr.read()
@@ -90,9 +91,32 @@ def test_sigterm_ends_the_agents_and_the_server_and_leaves_no_port(tmp_path):
         assert rc == 128 + signal.SIGTERM and time.monotonic() - started < 60  # not the 300 s episode limit
         with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
             pass
+        assert workers
+        time.sleep(0.5)
+        assert not [pid for pid in workers if _alive(pid)]  # no agent outlives the run
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.slow

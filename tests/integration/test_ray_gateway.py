@@ -84,6 +84,8 @@ def test_async_a_weight_update_mid_episode_gives_rows_two_versions_and_the_oldes
     monkeypatch.setattr(ray_rollout.RayRollout, "sync_weights", after_the_second_steps_first_calls)
     overrides = dict(a.split("=") for a in SMALL)
     overrides |= {"output_dir": str(tmp_path / "run"), "rollout.mode": "async", "max_staleness": "1"}
+    # The agent numbers its episodes in its process: one agent worker per actor keeps one count.
+    overrides |= {"env.agent_workers": "1"}
     trainer = GRPOTrainer(
         config=load_config("tiny_tools", overrides), agent=WaitsInItsSecondStep(folder, per_step)
     )

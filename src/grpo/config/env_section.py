@@ -57,6 +57,12 @@ class EnvConfig:
         "A command run once per episode with the row as JSON on stdin and OPENAI_BASE_URL / "
         "OPENAI_API_KEY set for its session; a number on its last stdout line is the reward.",
     )
+    agent_workers: int | None = _f(
+        None,
+        "Worker processes that run env.agent's episodes (each a share of a step's, on threads), so the "
+        "agents' openai-client work runs beside the trainer's instead of under its GIL; unset: one per "
+        "core; 0: threads in the trainer's process (always so for env.agent_command).",
+    )
     episode_timeout_s: float = _f(300.0, "Seconds an agent's episode may run; past it the episode fails.")
     failed_episode: str = _f(
         "zero",

@@ -508,6 +508,11 @@ def _agent(e) -> None:
         )
     if not 0 < e.episode_timeout_s <= 86400:
         raise ConfigError(f"env.episode_timeout_s must be in (0, 86400] seconds, got {e.episode_timeout_s}.")
+    if e.agent_workers is not None and not 0 <= e.agent_workers <= 1024:
+        raise ConfigError(
+            f"env.agent_workers must be between 0 (the agents on threads in the trainer) and 1024, got "
+            f"{e.agent_workers}; leave it unset for one worker process per core."
+        )
 
 
 def _runtime_values(cfg: ConfigTree) -> None:

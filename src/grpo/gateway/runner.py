@@ -118,6 +118,7 @@ class AgentRunner:
         template_kwargs: dict | None = None,
         model_name: str = "grpo-policy",
         window_s: float = 0.2,
+        workers: int | None = 0,
     ):
         self.agent = load_agent(agent)
         self.agent_spec = portable_spec(agent)  # set: a Ray rollout actor loads the agent by it
@@ -138,11 +139,18 @@ class AgentRunner:
         self._previous: list[Session] = []
         self._metrics: dict[str, float] = {}
         self._lock = threading.Lock()
+        # env.agent_workers: the Python agents run in that many forked processes (None: one per core), off the
+        # trainer's GIL (gateway/agent_pool.py); 0, an agent command (already its own processes) or no fork:
+        # threads in this process.
+        self.workers = workers
+        self._pool = None
 
     def __getstate__(self) -> dict:
         """What travels to a Ray rollout actor: the settings, not the live server, threads or sessions (the
         actor serves its own gateway); an agent named by a path is loaded there again by that path."""
-        state = dict(self.__dict__, gateway=None, server=None, _http=None, _previous=[], _lock=None)
+        state = dict(
+            self.__dict__, gateway=None, server=None, _http=None, _previous=[], _lock=None, _pool=None
+        )
         if self.agent_spec is not None:
             state["agent"] = None
         return state
@@ -167,6 +175,9 @@ class AgentRunner:
         """Stop the server and the batcher: no thread keeps the port."""
         if (stop := getattr(self.agent, "close", None)) is not None:  # an agent command's live processes
             stop()
+        if self._pool is not None:  # before the server: no worker is left to call it
+            self._pool.close()
+            self._pool = None
         if self._http is not None:
             self._http.close()
             self._http = None
@@ -202,7 +213,12 @@ class AgentRunner:
             row = {"prompt": prompt, **{k: v[i] for k, v in prompts.columns.items()}}
             for _ in range(n):
                 sessions.append(gateway.sessions.add(Session(len(sessions), i, row)))
-        results = self._drive_async(sessions) if self.is_async else self._drive(sessions)
+        if (pool := self._agent_pool()) is not None:
+            results = self._drive_workers(pool, sessions)
+        elif self.is_async:
+            results = self._drive_async(sessions)
+        else:
+            results = self._drive(sessions)
         episodes = [
             self._episode(s, value, failure) for s, (value, failure) in zip(sessions, results, strict=True)
         ]
@@ -210,6 +226,54 @@ class AgentRunner:
         self._refuse_if_all_failed(sessions, episodes)
         self._count(sessions)
         return self._rollouts(prompts, sessions, episodes)
+
+    def _agent_pool(self):
+        """The worker processes for the agents, when env.agent_workers asks for them and they can run."""
+        from grpo.agents.workers import can_fork
+        from grpo.gateway.agent_command import AgentCommand
+        from grpo.gateway.agent_pool import AgentPool, default_size
+
+        if self._pool is not None:
+            return self._pool
+        if self.workers == 0 or not can_fork() or isinstance(self.agent, AgentCommand):
+            return None
+        size = default_size() if self.workers is None else int(self.workers)
+        self._pool = AgentPool(
+            self.agent,
+            size,
+            is_async=self.is_async,
+            timeout_s=self.timeout_s,
+            close_fds=(self.server.httpd.fileno(),),
+        )
+        log.info(
+            "Agents: %d worker process%s, each running its share of a step's episodes.",
+            size,
+            "" if size == 1 else "es",
+        )
+        return self._pool
+
+    def _drive_workers(self, pool, sessions: list[Session]) -> list[tuple]:
+        results: list[tuple] = [(None, "timeout")] * len(sessions)
+        limit = [time.monotonic() + self.timeout_s]
+
+        def deadline() -> float:
+            if stop_requested() and limit[0] > time.monotonic() + STOP_GRACE_S:
+                limit[0] = time.monotonic() + STOP_GRACE_S  # SIGINT/SIGTERM: the step ends soon
+            return limit[0]
+
+        def ended(k: int, value, error) -> None:
+            s = sessions[k]
+            if error is None:
+                results[k] = (value, None)
+            else:
+                name, message, late = error
+                results[k] = (None, "timeout" if late else self._failure(s, RaisedInWorker(message), name))
+            self._ended(s, results[k][1])
+
+        episodes = [(k, s.key, s.row) for k, s in enumerate(sessions)]
+        for k in pool.drive(self.server.base_url, episodes, deadline, ended):
+            self._ended(sessions[k], "timeout")  # its worker was killed: its calls, if any come, get 409
+        return results
 
     def _drive(self, sessions: list[Session]) -> list[tuple]:
         import httpx
@@ -302,16 +366,16 @@ class AgentRunner:
             "again."
         )
 
-    def _failure(self, s: Session, err: BaseException) -> str:
+    def _failure(self, s: Session, err: BaseException, name: str | None = None) -> str:
+        """`name`: the error's type name, where `err` stands for one raised in a worker process."""
         if s.ended in FAILURES:
             return s.ended  # bad_request / history: the gateway ended it, the agent's client then raised
-        self._notes[s.key] = f"it raised {type(err).__name__}: {str(err)[:300]}"
+        name = name or type(err).__name__
+        self._notes[s.key] = f"it raised {name}: {str(err)[:300]}"
         if not getattr(self, "_said_error", False):
             self._said_error = True
             log.warning(
-                "An agent raised %s: %s (its episode is scored as failed; said once).",
-                type(err).__name__,
-                clause(err),
+                "An agent raised %s: %s (its episode is scored as failed; said once).", name, clause(err)
             )
         return "agent_error"
 
@@ -408,6 +472,10 @@ class AgentRunner:
         return dataclasses.replace(prompts, prompt_token_ids=prompt_ids), rollouts
 
 
+class RaisedInWorker(Exception):
+    """An error an agent raised in a worker process, by its message (its type's name travels beside it)."""
+
+
 def _is_number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
@@ -442,6 +510,7 @@ def build_agent_runner(cfg, formatter, agent=None, **objects) -> AgentRunner:
         strict_history=cfg.env.strict_history,
         template_kwargs=dict(cfg.data.chat_template_kwargs or {}),
         model_name=str(cfg.model.name_or_path),
+        workers=cfg.env.agent_workers,
     )
     log.info(
         "Episodes: your agent %s through the gateway; up to %d tokens each; tool calls parsed as %s.",
