@@ -183,3 +183,11 @@ def test_agent_workers_from_the_config_and_threads_for_an_agent_command(tmp_path
         load_config("tiny_tools_agent", {"env.agent_workers": -1})
     command = AgentRunner(AgentCommand("true"), None, HermesParser(), LIMITS, workers=2)
     assert command._agent_pool() is None  # an agent command is its own process already
+
+
+def test_the_default_is_one_worker_per_core_at_most_eight(monkeypatch):
+    from grpo.gateway import agent_pool
+
+    for cores, expected in ((1, 1), (2, 2), (64, agent_pool.MAX_DEFAULT)):
+        monkeypatch.setattr(agent_pool.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
+        assert agent_pool.default_size() == expected
