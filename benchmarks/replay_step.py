@@ -71,7 +71,8 @@ def main() -> None:
                 v.copy_(start_weights[k])
         learner.optimizer.load_state_dict(start_optim)
         engine.tape = learner.replay_tape = tape if replay else None
-        tape.arm()
+        if replay:  # the off side leaves the tape alone: its storage is reused as from step to step in a run
+            tape.arm()
         torch.manual_seed(seed)
         t0 = clock()
         rollouts = engine.generate(prompts, cell["G"], sampling)
@@ -83,8 +84,6 @@ def main() -> None:
         )
         batch.ref_logprobs = learner.reference_logprobs(batch)
         t2 = clock()
-        if not replay:
-            tape.take()
         stats = learner.train_step(batch)
         t3 = clock()
         weights = {k: v.clone() for k, v in policy.state_dict().items()}

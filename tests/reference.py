@@ -126,6 +126,7 @@ def cli_outputs(argvs: list[list[str]], src: Path | None = None) -> list[tuple[i
 CHANGED_DEFAULTS = {
     ("generation", "compile_decode"): ("false", "null"),
     ("generation", "vllm_enforce_eager"): ("true", "null"),
+    ("train", "replay_rollout_forward"): ("false", "null"),
 }
 
 

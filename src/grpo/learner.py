@@ -23,7 +23,7 @@ from grpo.distributed.runtime import Runtime
 from grpo.model.compiled import compile_by_default
 from grpo.model.forward import PolicyForward
 from grpo.model.loading import resolve_dtype
-from grpo.model.lora import has_adapters, lora_base
+from grpo.model.lora import ReferenceWithoutAdapters, has_adapters, lora_base
 from grpo.model.memory import release_large_frees
 from grpo.model.micro_batch import (
     FALLBACK_TOKENS,
@@ -95,6 +95,13 @@ class StepStats:
             **self.importance,
             **self.amp,
         }
+
+
+def _same_weights(master: torch.Tensor, ref: torch.Tensor, compute: torch.dtype | None) -> bool:
+    """The reference parameter `ref` is the policy's `master` as the update's forward computes with it."""
+    if master.shape != ref.shape or (compute is not None and ref.dtype != compute):
+        return False
+    return torch.equal(master.detach().to(device=ref.device, dtype=ref.dtype), ref.detach())
 
 
 class Learner:
@@ -170,6 +177,31 @@ class Learner:
         self.micro_batch_size = cfg.resolved_micro_batch_size
         self.micro_batch_tokens = self._token_budget(policy, device)
         self.replay_tape: ReplayTape | None = None  # set by attach_replay (model/replay.py)
+        # While the policy's weights are still π_ref's (a fresh run until its first update that moves them),
+        # π_ref's log-probs are the update's own: the reference forward is skipped and the KL term is
+        # exactly 0 with an exactly-0 gradient, whatever kernels the update's forward runs (replay's decode
+        # GEMM shapes included). A checkpoint carries it (state_dict), so a resumed run decides as the
+        # uninterrupted one did.
+        self.reference_is_policy = self._reference_equals_policy()
+
+    def _reference_equals_policy(self) -> bool:
+        """Whether π_ref's weights are the policy's now, checked once at the start (one read of each)."""
+        ref = self.ref_model
+        if ref is None or self.rt.sharded:  # FSDP2 shards: not compared (the reference forward runs)
+            return False
+        if isinstance(ref, ReferenceWithoutAdapters):  # the base with the adapters off: equal iff B = 0
+            named = list(self.policy.named_parameters())
+            if any("lora_magnitude" in name for name, _ in named):  # DoRA rescales even with B = 0
+                return False
+            equal = all(not p.detach().any() for name, p in named if "lora_B" in name)
+        else:
+            mine, theirs = dict(self.policy.named_parameters()), dict(ref.named_parameters())
+            equal = (
+                type(lora_base(self.policy)) is type(ref)
+                and mine.keys() == theirs.keys()
+                and all(_same_weights(mine[name], theirs[name], self.compute_dtype) for name in mine)
+            )
+        return not self.rt.any(not equal)  # every process decides the same
 
     # -- replay: the update reuses the rollout's forward (model/replay.py) ----------------------------
     def replay_refusal(self, source) -> str | None:
@@ -202,16 +234,40 @@ class Learner:
         return next((why for failed, why in reasons if failed), None)
 
     def attach_replay(self, source) -> bool:
-        """When `train.replay_rollout_forward` is on (opt-in), give the source's engine the tape it records
-        into; a condition that does not hold is a ConfigError naming it."""
-        if not self.cfg.train.replay_rollout_forward:
+        """Give the source's engine the tape it records into when `train.replay_rollout_forward` says so:
+        null (auto) where every condition holds on a CPU, true where they hold (else a ConfigError naming
+        the one that fails), false never. Each step's recording still falls back to the recomputed forward
+        when it would exceed its memory budget (model/replay.py)."""
+        asked = self.cfg.train.replay_rollout_forward
+        if asked is False:
             return False
         why = self.replay_refusal(source)
+        if asked is None and why is None and next(self.policy.parameters()).device.type != "cpu":
+            # measured on CPUs only, and its budget reads host memory (MemAvailable), not the GPU's
+            why = "the policy is not on a CPU (auto replays on CPUs only)"
         if why is not None:
-            raise ConfigError(f"train.replay_rollout_forward=true, but {why}. Set it to false (the default).")
-        self.replay_tape = source.engine.tape = ReplayTape()
-        log.info("Replay: the update reuses the rollout's forward (train.replay_rollout_forward).")
+            if asked:
+                raise ConfigError(
+                    f"train.replay_rollout_forward=true, but {why}. Set it to null (auto) or false."
+                )
+            log.debug("Replay off: %s.", why)
+            return False
+        self.replay_tape = source.engine.tape = ReplayTape(cap_bytes=self._recording_cap())
+        log.log(  # auto: quiet, as any default
+            logging.INFO if asked else logging.DEBUG,
+            "Replay: the update reuses the rollout's forward (train.replay_rollout_forward).",
+        )
         return True
+
+    def _recording_cap(self) -> int:
+        """The most a step's recording may hold: it lives from the rollout through the update's peak, like
+        a second micro-batch of activations, so it gets their budget: train.activation_memory_gb, else on
+        a CPU 512 MiB (a host's memory is shared; the eos-off matrix cell records 0.48 GiB, Qwen2.5-0.5B
+        at 16 × 64 tokens 1.7 GB: it recomputes), on a GPU a third of the memory free."""
+        gb = self.cfg.train.activation_memory_gb
+        if gb is not None:
+            return int(gb * 2**30)
+        return default_activation_budget(next(self.policy.parameters()).device)
 
     def before_rollout(self) -> None:
         """The step's rollout is next: the engine records it (when replay is on)."""
@@ -286,7 +342,11 @@ class Learner:
         old_logprobs = batch.old_logprobs if old_given else torch.zeros_like(batch.completion_mask)  # [N, T]
         reweight = batch.behaviour_logprobs is not None and d.importance_correction != "none"
         advantages = batch.advantages.clone() if reweight else batch.advantages  # [N, T]
-        work = replace(batch, old_logprobs=old_logprobs, advantages=advantages)
+        # π_ref = the policy (reference_is_policy) and no reference log-probs given: the first pass's own,
+        # detached, are π_ref's (exactly, not to rounding); later passes read them back from `work`.
+        own_ref = self.reference_is_policy and self.ref_model is not None and batch.ref_logprobs is None
+        ref_logprobs = torch.zeros_like(batch.completion_mask) if own_ref else batch.ref_logprobs  # [N, T]
+        work = replace(batch, old_logprobs=old_logprobs, advantages=advantages, ref_logprobs=ref_logprobs)
         sums, weight_sums = _LossSums(), WeightSums()
         grad_norm, skipped, overflow = 0.0, False, False
         slices = self.micro_slices(batch)
@@ -321,7 +381,11 @@ class Learner:
                 else:
                     old = mb.old_logprobs.to(device)
                 mask = mb.loss_mask.to(device)
-                ref = None if mb.ref_logprobs is None else mb.ref_logprobs.to(device)
+                if own_ref and first_pass:
+                    ref = logp.detach()  # [B, T'] the weights are π_ref's: KL ≡ 0, its gradient exactly 0
+                    ref_logprobs[rows, : ref.shape[1]] = ref.float().cpu()
+                else:
+                    ref = None if mb.ref_logprobs is None else mb.ref_logprobs.to(device)
                 out = self.loss(logp, old, ref, mb_advantages.to(device), mask, norm=norm, entropy=entropy)
                 scaled = out.loss * rt.loss_scale
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -380,6 +444,10 @@ class Learner:
             self.scaler.update()
         else:
             self.optimizer.step()
+        # AdamW moves no weight on a zero gradient without weight decay (its moments stay 0, as they were
+        # while the weights were π_ref's): a step with no signal keeps π_ref = the policy.
+        moved = grad_norm != 0.0 or any(g["weight_decay"] != 0 for g in self.optimizer.param_groups)
+        self.reference_is_policy = self.reference_is_policy and not moved
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.policy_forward.forget_casts()  # the masters moved: their compute-dtype casts are stale
@@ -402,6 +470,7 @@ class Learner:
         state = {
             "optimizer": self.rt.optimizer_state(self.model, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
+            "reference_is_policy": self.reference_is_policy,
         }
         if self.scaler is not None:
             state["grad_scaler"] = self.scaler.state_dict()
@@ -410,6 +479,7 @@ class Learner:
     def load_state_dict(self, state: dict) -> None:
         self.rt.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.reference_is_policy = bool(state.get("reference_is_policy", False))  # older checkpoints: not
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
         self._use_configured_hyperparameters()

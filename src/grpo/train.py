@@ -122,8 +122,9 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
                 behaviour_logprobs=sampled if off_policy else None,
             )  # fmt: skip
             if learner.ref_model is not None:
-                with timer("reference"):
-                    batch = dataclasses.replace(batch, ref_logprobs=learner.reference_logprobs(batch))
+                with timer("reference"):  # none while the policy's weights are π_ref's: the update's own
+                    if not learner.reference_is_policy:
+                        batch = dataclasses.replace(batch, ref_logprobs=learner.reference_logprobs(batch))
             with timer("update"):
                 stats = learner.train_step(batch)
             with timer("weight_sync"):

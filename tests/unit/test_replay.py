@@ -130,6 +130,25 @@ def test_the_tape_gives_a_recording_only_for_one_armed_generate_call_within_budg
     small.arm()
     engine.generate(PROMPTS, 2, sampling)
     assert small.take() is None  # over the memory budget: the update recomputes
+    engine.tape = capped = ReplayTape(cap_bytes=need - 1)  # a quarter of MemAvailable would hold it
+    capped.arm()
+    engine.generate(PROMPTS, 2, sampling)
+    assert capped.take() is None
+
+
+def test_the_recording_gets_the_activation_budget_512_mib_on_a_cpu():
+    model = _model("llama")
+    learner, source = _learner(model), _source(model)
+    assert learner.attach_replay(source) and learner.replay_tape.cap_bytes == 512 << 20
+    learner, source = _learner(model, activation_memory_gb=0.25), _source(model)
+    assert learner.attach_replay(source) and learner.replay_tape.cap_bytes == 256 << 20
+    # what that means at real sizes: Qwen2.5-0.5B's shapes, benchmarks/real_size.py's step (4 prompts of
+    # ~60 tokens, 4 × 64 new tokens each) records ~1.5 GB, over it; the eos-off matrix cell 0.48 GiB
+    qwen = SimpleNamespace(
+        hidden_size=896, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+        intermediate_size=4864, num_hidden_layers=24,
+    )  # fmt: skip
+    assert recording_bytes(qwen, 4 * 60, 16 * 64) > 512 << 20
 
 
 def _learner(model, **overrides):
@@ -143,13 +162,23 @@ def _source(model, **kw):
     )
 
 
-def test_replay_is_opt_in_and_on_when_asked_where_its_conditions_hold():
+def test_replay_is_on_by_default_where_its_conditions_hold_and_off_when_false():
     model = _model("llama")
-    learner, source = _learner(model, replay_rollout_forward=True), _source(model)
-    assert learner.attach_replay(source)
-    assert source.engine.tape is learner.replay_tape is not None
-    learner, source = _learner(model), _source(model)
+    for asked in (None, True):  # null (auto, the default) and true
+        learner, source = _learner(model, replay_rollout_forward=asked), _source(model)
+        assert learner.attach_replay(source)
+        assert source.engine.tape is learner.replay_tape is not None
+    assert GRPOConfig().replay_rollout_forward is None
+    learner, source = _learner(model, replay_rollout_forward=False), _source(model)
     assert not learner.attach_replay(source) and source.engine.tape is None
+
+
+def test_auto_replay_stays_off_off_a_cpu(monkeypatch):
+    model = _model("llama")
+    learner, source = _learner(model), _source(model)
+    meta = torch.nn.Parameter(torch.empty(1, device="meta"))
+    monkeypatch.setattr(model, "parameters", lambda *a, **k: iter([meta]))
+    assert not learner.attach_replay(source) and learner.replay_tape is None
 
 
 @pytest.mark.parametrize(
@@ -233,3 +262,20 @@ def test_the_tape_reuses_the_storage_and_a_rollout_writes_a_prefix_of_it():
     written = second.slot_of[second.slot_of >= 0]
     assert written.numel() >= int((lengths - 1).sum())  # every input token (and rows not yet dropped)
     assert torch.equal(written.sort().values, torch.arange(second.base, second.base + written.numel()))
+
+
+def test_a_wider_prompt_next_step_reuses_the_recording_s_storage():
+    # Fresh pages cost the rollout ~×1.2 of its CPU time (eos-off, 1 thread); a step's prompts set the
+    # recording's size, so the storage is allocated with headroom and the next steps' fit in it.
+    model = _model("llama")
+    engine, tape = NativeEngine(model, IdTokenizer()), ReplayTape()
+    engine.tape = tape
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0)
+    storages = []
+    for prompts in (PROMPTS, [[3, 4, 5, 6, 7, 8, 9], [8, 9], [10, 11, 12]]):
+        tape.arm()
+        engine.generate(prompts, 2, sampling)
+        storages.append(tape.take().storage)
+    assert all(
+        storages[1][i][k] is storages[0][i][k] for i in range(len(storages[0])) for k in storages[0][i]
+    )

@@ -357,17 +357,16 @@ class TrainConfig:
         "Memory for one micro-batch's activations, which sets micro_batch_tokens. Default: a third of "
         "the GPU memory free after loading the models; 0.5 on a CPU.",
     )
-    replay_rollout_forward: bool = _f(
-        False,
+    replay_rollout_forward: bool | None = _f(
+        None,
         "With one pass over each rollout batch (num_iterations 1), the native engine records each layer's "
         "products while it samples, and the update replays them instead of recomputing its forward (a "
         "third of its arithmetic; the same loss and gradients to float32 rounding). It needs float32, the "
         "native engine and training forward in this process, single-turn rollouts in one generate call, "
         "no LoRA, no entropy bonus, no gradient checkpointing, no DAPO rounds, no compiled decode; and "
         "the recording (about 4 × (qkv + 2·hidden + 2·ffn) bytes per token and layer) within a quarter of "
-        "the available memory, else that step recomputes. Opt-in (true: on, or an error naming what does "
-        "not hold): at step 1 its log-probs differ from the reference's by float32 rounding, so a step "
-        "with no reward signal still moves the weights a little (docs/performance.md).",
+        "the available memory, else that step recomputes. null (default): on where all of that holds on a "
+        "CPU; true: on, or an error naming what does not hold; false: off.",
     )
     steps: int | None = _f(None, "Optimizer steps to run; default: num_epochs over the dataset.")
     num_epochs: float = _f(3.0, "Passes over the training prompts (used when steps is unset).")

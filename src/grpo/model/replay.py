@@ -168,6 +168,12 @@ class Recording:
         return {k: b.index_select(0, index) for k, b in self.buffers[layer].items()}
 
 
+# A fresh buffer is this much larger than the recording that asked for it, so the next steps' recordings
+# (their prompts' width varies with the data) still fit and reuse it. Only the pages a rollout writes
+# become resident, so the headroom costs address space, not memory.
+HEADROOM = 1.5
+
+
 def _storage(have: torch.Tensor | None, size: int, kw: dict) -> torch.Tensor:
     if (
         have is not None
@@ -176,7 +182,7 @@ def _storage(have: torch.Tensor | None, size: int, kw: dict) -> torch.Tensor:
         and have.dtype == kw["dtype"]
     ):
         return have
-    return torch.empty(size, **kw)
+    return torch.empty(int(size * HEADROOM) if kw["device"].type == "cpu" else size, **kw)
 
 
 def _prompt_starts(packed) -> list[tuple[int, int]]:
@@ -192,14 +198,17 @@ class ReplayTape:
     by the update. A step with more than one generate call (chunked rollouts, DAPO rounds) or a recording
     over the memory budget gives nothing to take."""
 
-    def __init__(self, budget_bytes: int | None = None):
-        self.budget_bytes = budget_bytes
+    def __init__(self, budget_bytes: int | None = None, cap_bytes: int | None = None):
+        # budget_bytes: the budget itself (tests); else a quarter of the available memory, and at most
+        # cap_bytes (the learner's activation budget: the recording is held through the update's peak)
+        self.budget_bytes, self.cap_bytes = budget_bytes, cap_bytes
         self.armed, self.calls, self.recording = False, 0, None
         self._said_budget = False
         # The last recording's storage, reused by the next: fresh pages cost a page fault per 4 KiB written,
         # ~0.1-0.2 s per rollout (eos-off: ×1.27 of the rollout's CPU time fresh, ×1.04 reused). A rollout
         # writes a prefix of it (the tokens decoded), so what stays resident is the longest rollout's.
         self._kept: list | None = None
+        self._resident = 0  # bytes of it the rollouts wrote at most (allocated with HEADROOM beyond that)
 
     def arm(self) -> None:
         self.armed, self.calls, self.recording = True, 0, None
@@ -217,21 +226,28 @@ class ReplayTape:
         budget = self.budget_bytes
         if budget is None:
             have = available_bytes()
-            held = sum(t.numel() * t.element_size() for layer in self._kept or [] for t in layer.values())
+            held = 0 if self._kept is None else self._resident
             budget = None if have is None else int((have + held) * BUDGET_FRACTION)
+            if self.cap_bytes is not None:
+                budget = self.cap_bytes if budget is None else min(budget, self.cap_bytes)
         if budget is not None and need > budget:
             if not self._said_budget:
                 self._said_budget = True
                 log.info(
                     "Replay: recording this rollout's forward would take %.2f GiB, over its budget of %.2f "
-                    "GiB (%d%% of available memory); the update recomputes its forward.",
+                    "GiB (%d%% of available memory, at most train.activation_memory_gb); the update "
+                    "recomputes its forward.",
                     need / 2**30,
                     budget / 2**30,
                     int(BUDGET_FRACTION * 100),
                 )
             return None
-        self.recording = Recording(dec, prompts, n, t_max, width, self._kept)
-        self._kept = None
+        kept, self._kept = self._kept, None
+        self.recording = Recording(dec, prompts, n, t_max, width, kept)
+        reused = kept is not None and all(
+            new[k] is old[k] for new, old in zip(self.recording.storage, kept, strict=True) for k in new
+        )
+        self._resident = max(self._resident, need) if reused else need
         return self.recording
 
     def take(self) -> Recording | None:
