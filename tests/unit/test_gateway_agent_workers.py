@@ -191,3 +191,21 @@ def test_the_default_is_one_worker_per_core_at_most_eight(monkeypatch):
     for cores, expected in ((1, 1), (2, 2), (64, agent_pool.MAX_DEFAULT)):
         monkeypatch.setattr(agent_pool.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
         assert agent_pool.default_size() == expected
+
+
+def test_a_row_that_cannot_reach_a_worker_stops_the_run_with_the_way_out(qwen):  # noqa: F811
+    import threading
+
+    from grpo.gateway.runner import AgentFailed
+
+    run = runner(qwen, agents.calculator_agent, workers=2)
+    try:
+        with pytest.raises(AgentFailed, match=r"cannot be sent.*env\.agent_workers=0"):
+            run.run(
+                ScriptedEngine(qwen, calls_then_answers),
+                batch(["What is 12 * 34?"], lock=[threading.Lock()]),
+                2,
+                SAMPLING,
+            )
+    finally:
+        run.close()

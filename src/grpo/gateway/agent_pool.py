@@ -202,7 +202,13 @@ class AgentPool:
         worker = None
         try:
             worker = self._worker(i)
-            worker.call("start", (base_url, share, deadline()))
+            try:
+                worker.call("start", (base_url, share, deadline()))
+            except TypeError as err:  # a row that cannot be pickled: the agent never saw it
+                why = f"{err}; env.agent_workers=0 runs the agents in the trainer's process, rows unsent"
+                for k in list(pending):
+                    finish(i, k, None, ("TypeError", why, False))
+                return
             while pending and (left := deadline() - time.monotonic()) > 0:
                 wait = min(POLL_S, left)
                 # A worker that cannot answer within seconds (an agent holding its GIL in C) is killed.
