@@ -183,3 +183,29 @@ def test_agent_workers_from_the_config_and_threads_for_an_agent_command(tmp_path
         load_config("tiny_tools_agent", {"env.agent_workers": -1})
     command = AgentRunner(AgentCommand("true"), None, HermesParser(), LIMITS, workers=2)
     assert command._agent_pool() is None  # an agent command is its own process already
+
+
+def test_the_default_is_one_worker_per_core_at_most_eight(monkeypatch):
+    from grpo.gateway import agent_pool
+
+    for cores, expected in ((1, 1), (2, 2), (64, agent_pool.MAX_DEFAULT)):
+        monkeypatch.setattr(agent_pool.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
+        assert agent_pool.default_size() == expected
+
+
+def test_a_row_that_cannot_reach_a_worker_stops_the_run_with_the_way_out(qwen):  # noqa: F811
+    import threading
+
+    from grpo.gateway.runner import AgentFailed
+
+    run = runner(qwen, agents.calculator_agent, workers=2)
+    try:
+        with pytest.raises(AgentFailed, match=r"cannot be sent.*env\.agent_workers=0"):
+            run.run(
+                ScriptedEngine(qwen, calls_then_answers),
+                batch(["What is 12 * 34?"], lock=[threading.Lock()]),
+                2,
+                SAMPLING,
+            )
+    finally:
+        run.close()

@@ -61,7 +61,7 @@ class EnvConfig:
         None,
         "Worker processes that run env.agent's episodes (each a share of a step's, on threads), so the "
         "agents' openai-client work runs beside the trainer's instead of under its GIL; unset: one per "
-        "core; 0: threads in the trainer's process (always so for env.agent_command).",
+        "core, at most 8; 0: threads in the trainer's process (always so for env.agent_command).",
     )
     episode_timeout_s: float = _f(300.0, "Seconds an agent's episode may run; past it the episode fails.")
     failed_episode: str = _f(

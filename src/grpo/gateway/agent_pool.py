@@ -202,7 +202,13 @@ class AgentPool:
         worker = None
         try:
             worker = self._worker(i)
-            worker.call("start", (base_url, share, deadline()))
+            try:
+                worker.call("start", (base_url, share, deadline()))
+            except TypeError as err:  # a row that cannot be pickled: the agent never saw it
+                why = f"{err}; env.agent_workers=0 runs the agents in the trainer's process, rows unsent"
+                for k in list(pending):
+                    finish(i, k, None, ("TypeError", why, False))
+                return
             while pending and (left := deadline() - time.monotonic()) > 0:
                 wait = min(POLL_S, left)
                 # A worker that cannot answer within seconds (an agent holding its GIL in C) is killed.
@@ -226,13 +232,18 @@ class AgentPool:
         self._workers = [None] * self.size
 
 
+MAX_DEFAULT = 8  # workers by default at most: each is a fork of the trainer (its page tables, a CUDA host's
+# mappings), and 8 processes already run a step's clients at ~4 ms a call in parallel
+
+
 def default_size() -> int:
-    """As many workers as cores, at least 1 (the engine uses them too, but between its calls the agents'
-    client work is what the next call waits for)."""
+    """As many workers as cores, at most MAX_DEFAULT (the engine uses the cores too, but between its calls the
+    agents' client work is what the next call waits for)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_DEFAULT))
 
 
 __all__ = ["AgentPool", "NotAReward", "default_size"]

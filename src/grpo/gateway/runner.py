@@ -3,7 +3,9 @@
     GRPOTrainer(..., agent=run)          grpo train --agent pkg.module:run  (or path/to/file.py:run)
 
 `run(client, row)` gets an `openai.OpenAI` whose base URL and key address its episode's session (`async def
-run`: an `openai.AsyncOpenAI`, all episodes on one event loop) and the dataset row (prompt and columns). It
+run`: an `openai.AsyncOpenAI`, all episodes on one event loop) and the dataset row (prompt and columns). The
+episodes run in a few forked worker processes (env.agent_workers, gateway/agent_pool.py: the client's CPU off
+the trainer's GIL), or with env.agent_workers=0 on threads in this process. It
 runs its own loop, messages and tools, and returns the episode's reward, or None to have the run's reward
 functions score the conversation it had (TRL's contract: `completions` are the messages after the first
 request's, tool messages included; the row's columns as keyword arguments). It may also post the reward to
@@ -139,9 +141,9 @@ class AgentRunner:
         self._previous: list[Session] = []
         self._metrics: dict[str, float] = {}
         self._lock = threading.Lock()
-        # env.agent_workers: the Python agents run in that many forked processes (None: one per core), off the
-        # trainer's GIL (gateway/agent_pool.py); 0, an agent command (already its own processes) or no fork:
-        # threads in this process.
+        # env.agent_workers: the Python agents run in that many forked processes (None: one per core, at most
+        # 8), off the trainer's GIL (gateway/agent_pool.py); 0, an agent command (its own processes already)
+        # or no fork: threads in this process.
         self.workers = workers
         self._pool = None
 
