@@ -43,7 +43,9 @@ def main() -> None:
     ap.add_argument("--gradient-accumulation-steps", type=int, default=None)
     ap.add_argument("--compile-training", action="store_true")
     ap.add_argument("--compile-decode", action="store_true")
-    ap.add_argument("--replay", action="store_true", help="train.replay_rollout_forward=true (opt-in; A/B)")
+    replay = ap.add_mutually_exclusive_group()  # default: null (auto), on where its conditions hold on a CPU
+    replay.add_argument("--replay", action="store_true", help="train.replay_rollout_forward=true (A/B)")
+    replay.add_argument("--no-replay", action="store_true", help="train.replay_rollout_forward=false (A/B)")
     args = ap.parse_args()
     cell = matrix_cell(args.cell)
     path = make_matrix_model(cell["eos"], cell["completion"])
@@ -74,8 +76,8 @@ def main() -> None:
             cfg.update({"model.compile_training": True})
         if args.compile_decode:
             cfg.update({"generation.compile_decode": True})
-        if args.replay:
-            cfg.update({"train.replay_rollout_forward": True})
+        if args.replay or args.no_replay:
+            cfg.update({"train.replay_rollout_forward": bool(args.replay)})
         trainer = GRPOTrainer(
             model=load(),
             ref_model=load() if cell["beta"] else None,
