@@ -82,8 +82,13 @@ def test_sigterm_ends_the_agents_and_the_server_and_leaves_no_port(tmp_path):
                 port = int(m.group(1))
                 break
         assert port is not None
+        # the agents' worker processes (env.agent_workers), forked when the first step's episodes start:
+        # on a loaded machine that can take longer than any fixed sleep, so wait for them
+        deadline, workers = time.monotonic() + 90, []
+        while not workers and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            workers = _children(proc.pid)
         time.sleep(2)  # the agents have called the model and hang
-        workers = _children(proc.pid)  # the agents' worker processes (env.agent_workers), tool workers
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.stderr.read()
