@@ -88,6 +88,11 @@ def one_run(side: str, steps: int, threads: int) -> dict:
         "forks": sum(r.get("gateway/forks", 0) for r in steps_rows),
         "wall_s": wall,
         "load": load(),
+        # every stage the step timed (rollout, scoring, reference, update, weight sync), median s
+        "stages": {
+            k[5:]: statistics.median(r[k] for r in steps_rows if k in r)
+            for k in sorted({k for r in steps_rows for k in r if k.startswith("time/") and k != "time/step"})
+        },
     }
 
 
@@ -111,7 +116,7 @@ def main() -> None:
             print(
                 f"# repeat {rep} {side}: {r['s_per_step']:.2f} s/step, rollout {r['rollout_s']:.2f} s, "
                 f"turns {r['turns']:.2f}, tool calls {r['tool_calls']:.2f}, forks {r['forks']}, "
-                f"load {r['load']:.2f}",
+                f"load {r['load']:.2f}; stages " + ", ".join(f"{k} {v:.3f}" for k, v in r["stages"].items()),
                 flush=True,
             )
         for side in sides[1:]:
