@@ -209,15 +209,3 @@ def test_a_row_that_cannot_reach_a_worker_stops_the_run_with_the_way_out(qwen): 
             )
     finally:
         run.close()
-
-
-def test_the_workers_run_below_the_trainers_priority(qwen):  # noqa: F811
-    """The engine decodes while the agents parse replies: the workers yield the cores to it (os.nice)."""
-    from grpo.gateway.agent_pool import AGENT_NICENESS
-
-    def niceness(client, row):
-        agents.calculator_agent(client, row)
-        return float(os.nice(0))
-
-    _, r = one_step(qwen, niceness, 2, n=2)
-    assert [e.final_reward for e in r.episodes] == [float(min(os.nice(0) + AGENT_NICENESS, 19))] * 2

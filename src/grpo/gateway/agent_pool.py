@@ -29,7 +29,6 @@ from collections.abc import Callable
 from grpo.agents.workers import CallTimedOut, Worker, WorkerDied
 from grpo.rewards.isolation import RewardInterrupted
 
-AGENT_NICENESS = 10  # added to the trainer's niceness in each agent worker (below the engine; see _Host)
 POLL_S = 0.5  # the longest a worker's `done` call waits for an episode to end before answering
 ANSWER_S = 5.0  # beyond that wait, how long a worker may take to answer before it is killed
 
@@ -61,12 +60,6 @@ class _Host:
         # Nothing inherited from the trainer (its model, its tensors' Python objects) is garbage: keep the
         # collector from walking it (CPU) and from touching its pages (copy-on-write).
         gc.freeze()
-        # Below the trainer in the CPU's queue: while the engine decodes a batch, the agents' work (mostly
-        # replies that ended their episode) must not slow it; the next batch waits for the engine, and when
-        # the engine waits for the agents' requests the cores are theirs. Measured on 2 cores: the rollout
-        # 1.26-1.35× the in-process runner at the trainer's priority, 1.04-1.15× at +10 (docs/agents.md).
-        with contextlib.suppress(OSError):
-            os.nice(AGENT_NICENESS)
         self.agent, self.is_async, self.timeout_s = agent, is_async, timeout_s
         self._ended: list[tuple] = []
         self._cond = threading.Condition()
