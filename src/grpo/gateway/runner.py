@@ -40,6 +40,7 @@ from grpo.config.errors import clause
 from grpo.gateway.server import GatewayServer
 from grpo.gateway.service import Gateway, Limits
 from grpo.gateway.sessions import Session
+from grpo.gateway.wire import finite_reward
 from grpo.records import Episode, PromptBatch
 from grpo.rewards.isolation import STOP_GRACE_S, stop_requested
 from grpo.rollout.multi_turn import episode_rollouts
@@ -392,13 +393,13 @@ class AgentRunner:
         if failure is None and not s.calls:
             failure = "no_calls"
             self._notes[s.key] = "it never called the model (no request reached this episode's session)"
-        if failure is None and value is not None and not _is_number(value):
+        if failure is None and value is not None and finite_reward(value) is None:
             log.warning("An agent returned %r, not a number or None: its episode is scored as failed.", value)
             failure = "agent_error"
             self._notes[s.key] = f"it returned {value!r}, which is not a number or None"
         # The episode's own reward wins (returned, else posted without a turn); else the sum of its per-turn
         # rewards; else None: the run's reward functions score it. The "turn" estimator reads both apart.
-        reward = float(value) if failure is None and value is not None else s.reward
+        reward = finite_reward(value) if failure is None and value is not None else s.reward
         from_turns = reward is None and bool(s.turn_rewards)
         if from_turns:
             reward = sum(s.turn_rewards.values())
@@ -476,10 +477,6 @@ class AgentRunner:
 
 class RaisedInWorker(Exception):
     """An error an agent raised in a worker process, by its message (its type's name travels beside it)."""
-
-
-def _is_number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def build_agent_runner(cfg, formatter, agent=None, **objects) -> AgentRunner:
