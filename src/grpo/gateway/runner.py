@@ -496,7 +496,7 @@ def build_agent_runner(cfg, formatter, agent=None, **objects) -> AgentRunner:
 
         agent = AgentCommand(cfg.env.agent_command, timeout_s=cfg.env.episode_timeout_s)
     tokenizer = formatter.tokenizer
-    parser = detect_parser(tokenizer, cfg.model.name_or_path, cfg.env.tool_parser)
+    parser = detect_parser(tokenizer, cfg.model.name_or_path, cfg.env.tool_parser, optional=True)
     limits = Limits(
         max_tokens=cfg.episode_max_tokens,
         turn_tokens=cfg.effective_max_new_tokens,
@@ -515,10 +515,13 @@ def build_agent_runner(cfg, formatter, agent=None, **objects) -> AgentRunner:
         workers=cfg.env.agent_workers,
     )
     log.info(
-        "Episodes: your agent %s through the gateway; up to %d tokens each; tool calls parsed as %s.",
+        "Episodes: your agent %s through the gateway; up to %d tokens each; %s.",
         getattr(runner.agent, "__qualname__", runner.agent),
         limits.max_tokens,
-        parser.name,
+        f"tool calls parsed as {parser.name}"
+        if parser.name != "none"
+        else "no tool calls (the chat template declares no tool-call format: requests that send tools get "
+        "a 400; set env.tool_parser=hermes|llama3_json|mistral to the format the model writes)",
     )
     return runner
 
