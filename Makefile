@@ -9,9 +9,10 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 # The main suite runs on two pytest-xdist workers: most tests run torch on one thread, so one process leaves a
 # core of a 2-core machine idle. Whole files per worker (loadfile), so module-scoped fixtures (a trained demo
-# run, a loaded model) are built once. 2026-11-27 on a 2-core AVX2 EPYC: 1413 passed in 690 s this way (the
-# Ray and distributed tests included); `make test PYTEST_PARALLEL=` runs it in one process.
-PYTEST_PARALLEL ?= -n 2 --dist loadfile
+# run, a loaded model) are built once; in the order tests/conftest.py gives them (longest first), which
+# xdist's default reorder (by number of tests per file) would replace. `make test PYTEST_PARALLEL=` runs it
+# in one process.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 $(BIN)/grpo: pyproject.toml
 	$(PY) -m venv $(VENV)

@@ -51,37 +51,43 @@ def id_tokenizer() -> IdTokenizer:
     return IdTokenizer()
 
 
-# The test files that take longest (wall time on two xdist workers), longest first. `make test` hands whole
-# files to two workers in collection order (--dist loadfile); a long file collected last keeps one worker
-# busy alone at the end while the other core idles (measured: test_distributed, test_fault_injection and
-# test_faults ran last). Starting the long files first leaves the short ones to fill the gaps. A file not
-# listed keeps its place after these; the list only orders, it selects nothing.
-LONGEST_FIRST = (  # from `--durations=0` of a full run (2026-11-27), summed per file
-    "integration/test_single_turn_unchanged.py",
-    "integration/test_ray_gateway.py",
-    "integration/test_train_e2e.py",
-    "integration/test_rewards_e2e.py",
-    "integration/test_ray.py",
-    "integration/test_seed_commands.py",
-    "integration/test_trl_compat.py",
-    "integration/test_issue24_runs.py",
-    "integration/test_first_run_output.py",
-    "integration/test_distributed.py",
-    "integration/test_big_vocab.py",
-    "integration/test_lora.py",
-    "integration/test_mixed_precision.py",
-    "integration/test_agent_clients.py",
-    "integration/test_gateway_e2e.py",
-    "integration/test_agents_e2e.py",
-    "integration/test_python_runs.py",
-    "integration/test_fault_injection.py",
-    "integration/test_faults.py",
-    "integration/test_code_exec.py",
-    "integration/test_hostile_inputs.py",
-    "integration/test_reliability_resume.py",
-    "unit/test_hybrid_decode.py",
-    "integration/test_faults_isolation_run.py",
-    "unit/test_train_property.py",
+# The test files that take longest (summed --durations=0 of a full `make test`, 2026-11-27 16:10, load ~3.5),
+# longest first. `make test` hands whole files to two workers in collection order (--dist loadfile with
+# --no-loadscope-reorder: xdist's default reorder sorts files by their number of tests instead, which had
+# put a dozen small parametrized files first and left this order unused). A long file started last keeps
+# one worker busy alone while the other core idles; started first, the short ones fill the gaps at the
+# end. A file not listed keeps its place after these; the list only orders, it selects nothing.
+LONGEST_FIRST = (
+    "integration/test_seed_commands.py",  # 172 s before the Ray-head test's refused join was shortened
+    "integration/test_ray.py",  # 147
+    "integration/test_single_turn_unchanged.py",  # 146
+    "integration/test_train_e2e.py",  # 102
+    "integration/test_ray_gateway.py",  # 90
+    "integration/test_mixed_precision.py",  # 76
+    "integration/test_first_run_output.py",  # 65 before the sweep's runs were made smaller
+    "integration/test_gateway_e2e.py",  # 61
+    "integration/test_distributed.py",  # 61
+    "integration/test_code_exec.py",  # 58
+    "integration/test_issue24_runs.py",  # 57
+    "integration/test_agents_e2e.py",  # 51
+    "integration/test_fault_injection.py",  # 46
+    "integration/test_big_vocab.py",  # 44
+    "integration/test_python_runs.py",  # 43
+    "integration/test_agent_clients.py",  # 41
+    "integration/test_rewards_e2e.py",  # 39
+    "integration/test_trl_compat.py",  # 35
+    "integration/test_lora.py",  # 31
+    "unit/test_gateway.py",  # 30
+    "integration/test_hostile_inputs.py",  # 29
+    "integration/test_reliability_resume.py",  # 26
+    "unit/test_train_property.py",  # 22
+    "integration/test_files_and_links.py",  # 20
+    "unit/test_hybrid_decode.py",  # 19
+    "unit/test_gateway_agent_workers.py",  # 19
+    "integration/test_faults_isolation_run.py",  # 18
+    "unit/test_native_rollout.py",  # 18
+    "unit/test_numbers_and_settings.py",  # 17
+    "integration/test_faults.py",  # 15
 )
 
 

@@ -102,8 +102,12 @@ def test_the_final_model_answers_through_its_chat_template_as_the_readme_shows(d
 
 def test_a_sweep_ends_with_a_table_of_its_runs(tmp_path):
     sweep = tmp_path / "sweep"
-    off = ["train.eval_before=false", "train.eval_after=false", "--steps", "1"]
-    done = grpo("train", "--multirun", *SIZES, *off, "optimizer.lr=1e-4,3e-5", "--output-dir", str(sweep))
+    # The table is what is checked, not the runs: the smallest run (2×2 completions of 8 tokens, one
+    # thread, no report plots) gives it as well as the demo's sizes do, in a fraction of the time.
+    off = ["train.eval_before=false", "train.eval_after=false", "--steps", "1", "train.report=false"]
+    off += ["--batch-size", "2", "--num-generations", "2", "--max-new-tokens", "8", "train.num_threads=1"]
+    off += ["--logging-steps", "1", "--tensorboard", "false"]
+    done = grpo("train", "--multirun", *off, "optimizer.lr=1e-4,3e-5", "--output-dir", str(sweep))
     lines = done.stdout.strip().splitlines()
     lines = lines[next(i for i, line in enumerate(lines) if line.startswith("Sweep ")) :]
     assert lines[0] == f"Sweep {sweep} (2 runs; also in {sweep / 'results.txt'}):"

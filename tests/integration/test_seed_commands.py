@@ -754,7 +754,9 @@ def test_scaling_doc_torchrl_translation_with_a_ray_head(files, tmp_path):
                 *cmd[cmd.index("train") + 5 : -1],
                 f"output_dir={tmp_path / 'run2'}",
             ],
-            env={**env, "RAY_AUTH_TOKEN": "not-the-head-token"},
+            # Ray retries a refused connection ~20 times (RAY_NUM_REDIS_GET_RETRIES, 21 s measured) before
+            # it raises; 2 tries reach the same ConnectionError, and the same message from grpo, in 3 s.
+            env={**env, "RAY_AUTH_TOKEN": "not-the-head-token", "RAY_NUM_REDIS_GET_RETRIES": "2"},
             check=False,
             capture_output=True,
             text=True,

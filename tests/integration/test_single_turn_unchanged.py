@@ -61,12 +61,13 @@ def test_preset_runs_are_what_they_were(preset, tmp_path):
     seen = {}
     for side, src in (("before", reference.source_at(BEFORE_ISSUE_30)), ("now", None)):
         run = tmp_path / "run"  # one path for both sides: config.yaml records it
-        # A quarter of the preset's prompts per step, on one thread (the other xdist worker has the other
-        # core), no report (its plots cost ~2 s of CPU a run; tests/unit/test_report.py covers it): the same
-        # training path for less; both sides get the same overrides, and config.yaml still carries every
-        # other setting of the preset.
+        # A quarter of the preset's prompts per step and half its group size, on one thread (the other
+        # xdist worker has the other core), no report (its plots cost ~2 s of CPU a run;
+        # tests/unit/test_report.py covers it): the same training path for less; both sides get the same
+        # overrides, and config.yaml still carries every other setting of the preset.
         argv = ["train", "--config", preset, "--output-dir", str(run), "train.steps=2"]
-        argv += ["train.prompts_per_step=4", "train.num_threads=1", "train.report=false"]
+        argv += ["train.prompts_per_step=4", "generation.num_generations=4"]
+        argv += ["train.num_threads=1", "train.report=false"]
         reference.run_cli([*argv, "train.eval_before=false", "train.eval_after=false"], src)
         seen[side] = (run / "config.yaml").read_bytes(), tiny_run.weights(run / "final_model")
         shutil.rmtree(run)

@@ -42,9 +42,17 @@ def run(output_dir, **overrides):
     return GRPOTrainer(config=cfg, reward_funcs=["gsm8k_correctness", "gsm8k_format", shortness]).train()
 
 
-def test_short_run_trains_saves_and_reloads(tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """One 4-step run (saves at 2 and 4), read by the tests below and never written to: the same run
+    that each of them would otherwise train for itself."""
+    out = tmp_path_factory.mktemp("four") / "run"
     run(out, steps=4, save_steps=2)
+    return out
+
+
+def test_short_run_trains_saves_and_reloads(four_steps):
+    out = four_steps
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     for key in (
@@ -86,9 +94,8 @@ def test_short_run_trains_saves_and_reloads(tmp_path):
         assert os.path.samefile(out / "final_model" / name, out / "checkpoint-4" / name)
 
 
-def test_resume_continues_exactly(tmp_path):
-    straight = tmp_path / "straight"
-    run(straight, steps=4, save_steps=2)
+def test_resume_continues_exactly(four_steps, tmp_path):
+    straight = four_steps
     split = tmp_path / "split"
     run(split, steps=2, save_steps=2)
     run(split, steps=4, save_steps=2, resume="latest")
