@@ -60,6 +60,7 @@ class _Ahead:
     thread: threading.Thread | None = None
     results: list[tuple] | None = None
     cut: threading.Event = dataclasses.field(default_factory=threading.Event)  # set: discarded
+    error: BaseException | None = None  # what driving them raised (run() raises it)
 
 
 def load_agent(spec):
@@ -241,7 +242,9 @@ class AgentRunner:
             sessions = ahead.sessions
             gateway.batcher.resume()
             ahead.thread.join()
-            results = ahead.results or [(None, "agent_error")] * len(sessions)
+            if ahead.error is not None:
+                raise ahead.error
+            results = ahead.results
         else:
             sessions = self._sessions(gateway, prompts, n)
             results = self._drive_any(sessions)
@@ -289,7 +292,10 @@ class AgentRunner:
         ahead = _Ahead(prompts, n, sessions)
 
         def drive() -> None:
-            ahead.results = self._drive_any(sessions, ahead.cut)
+            try:
+                ahead.results = self._drive_any(sessions, ahead.cut)
+            except BaseException as err:  # noqa: BLE001 - raised again by the run() that takes the step
+                ahead.error = err
 
         ahead.thread = threading.Thread(target=drive, name="grpo-agents-ahead", daemon=True)
         ahead.thread.start()
