@@ -254,6 +254,7 @@ class AgentRunner:
         self._previous = sessions
         self._refuse_if_all_failed(sessions, episodes)
         self._count(sessions)
+        self._metrics["gateway/started_ahead"] = float(ahead is not None)
         return session_rollouts(self.tokenizer, prompts, sessions, episodes)
 
     def _sessions(self, gateway: Gateway, prompts: PromptBatch, n: int) -> list[Session]:
