@@ -137,6 +137,20 @@ def test_a_streamed_reply_reassembles_to_the_non_streamed_one(served):
     )
 
 
+def test_a_posted_reward_must_be_a_finite_number(served):
+    gateway, server = served
+    # Python's JSON reader takes NaN and Infinity: an infinite reward would make every advantage NaN.
+    for raw in (b'{"reward": Infinity}', b'{"reward": -Infinity}', b'{"reward": NaN}', b'{"reward": true}',
+                b'{"reward": "1"}', b'{"reward": 1e400}', b'[1]'):  # fmt: skip
+        s = gateway.sessions.add(Session(0, 0, {}))
+        reply = post(server, s.key, None, path="/v1/reward", raw=raw)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "reward", raw
+        assert s.reward is None
+    s = gateway.sessions.add(Session(0, 0, {}))
+    assert post(server, s.key, {"reward": 0.5}, path="/v1/reward").json()["reward"] == 0.5
+    assert s.reward == 0.5
+
+
 def test_text_streams_as_it_is_sampled_and_stops_where_a_call_begins(qwen):
     from grpo.gateway.service import _TextStream
 

@@ -79,6 +79,30 @@ def test_the_agent_runs_in_another_process_and_its_closures_work(qwen):  # noqa:
     assert not any(alive(p) for p in pids)  # close() ends the workers
 
 
+@pytest.mark.parametrize("workers", [2, 0], ids=["workers", "threads"])
+def test_numpy_and_torch_scalars_are_rewards(qwen, workers):  # noqa: F811
+    import numpy as np
+
+    scores = [np.float32(0.5), torch.tensor(0.25), np.array(2.0), np.int64(3)]
+
+    def scoring(client, row):
+        agents.calculator_agent(client, row)
+        return scores[int(row["tag"])]
+
+    run = runner(qwen, scoring, workers=workers)
+    try:
+        _, r = run.run(
+            ScriptedEngine(qwen, calls_then_answers),
+            batch(["What is 12 * 34?"] * 4, tag=["0", "1", "2", "3"]),
+            1,
+            SAMPLING,
+        )
+    finally:
+        run.close()
+    assert [e.ended_by for e in r.episodes] == ["answer"] * 4
+    assert [e.final_reward for e in r.episodes] == [0.5, 0.25, 2.0, 3.0]
+
+
 @pytest.mark.parametrize(
     ("agent", "reason"),
     [

@@ -28,6 +28,12 @@ NAMED = {"type": "function", "function": {"name": "x"}}
         ({**GOOD, "n": 0}, "n"),
         ({**GOOD, "n": 3}, "n"),
         ({**GOOD, "max_tokens": 0}, "max_tokens"),
+        # NaN and Infinity are JSON to Python's reader (json.dumps writes them here): not numbers to us
+        ({**GOOD, "temperature": float("nan")}, "temperature"),
+        ({**GOOD, "top_p": float("nan")}, "top_p"),
+        ({**GOOD, "max_tokens": float("inf")}, "max_tokens"),
+        ({**GOOD, "max_completion_tokens": float("nan")}, "max_completion_tokens"),
+        ({**GOOD, "seed": float("-inf")}, "seed"),
         ({**GOOD, "tools": agents.TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({**GOOD, "tools": agents.TOOLS, "tool_choice": NAMED}, "tool_choice"),
     ],

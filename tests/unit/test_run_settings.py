@@ -122,6 +122,52 @@ def test_an_agent_run_longer_than_the_models_positions_is_refused_before_the_wei
     )
 
 
+def test_an_agent_run_that_set_no_lengths_gets_an_episode_budget_that_fits_the_model(tmp_path, monkeypatch):
+    class Loaded(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Loaded
+
+    written: list[str] = []
+    monkeypatch.setattr(grpo.run.assemble, "_policy", stop)
+    monkeypatch.setattr(grpo.run.assemble, "write_run_config", lambda run_dir, text: written.append(text))
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("grpo").addHandler(handler)
+    try:
+        # The default preset's 4 turns × 48 tokens after its longest prompt (70 tokens) need 262 positions;
+        # the bundled model has 256. Nothing about lengths was set: the budget is fitted, not refused.
+        cfg = load_config(
+            "tiny_math",
+            {
+                "env.agent": "tests.gateway_agents:calculator_agent",
+                "output_dir": str(tmp_path / "run"),
+                "eval_before": False,
+            },
+        )
+        with pytest.raises(Loaded):  # the context check passed: the weights were about to load
+            GRPOTrainer(config=cfg)
+    finally:
+        logging.getLogger("grpo").removeHandler(handler)
+    assert any("env.max_tokens is set to 186 so every episode fits" in m for m in said)
+    assert "max_tokens: null" in written[0] and "max_tokens: 186" in written[-1]  # config.yaml shows it
+    assert cfg.env.max_tokens is None  # the caller's config is not written
+    # A length the user set is theirs: the same overflow is refused, as above.
+    cfg = load_config(
+        "tiny_math",
+        {
+            "env.agent": "tests.gateway_agents:calculator_agent",
+            "env.max_turns": 4,
+            "output_dir": str(tmp_path / "run2"),
+            "eval_before": False,
+        },
+    )
+    with pytest.raises(ConfigError, match=r"Set env\.max_tokens to 186 or less"):
+        GRPOTrainer(config=cfg)
+
+
 def test_trl_max_tool_calling_iterations_sets_the_turn_cap():
     # TRL counts rounds of tool calls, each followed by one more sampled turn: N rounds, N + 1 turns.
     assert GRPOConfig(max_completion_length=64, max_tool_calling_iterations=3).env.max_turns == 4

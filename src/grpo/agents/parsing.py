@@ -312,6 +312,22 @@ def parse_turn(parser: ToolCallParser, text: str) -> ParsedTurn:
         )
 
 
+class NoToolCalls:
+    """A model whose chat template declares no tool-call format, serving an agent that sends no tools (the
+    gateway): its replies are text, never read for calls. Requests that send tools are refused (400)."""
+
+    name = "none"
+    usage = "plain text (this model has no tool-call format)"
+
+    def parse(self, text: str) -> ParsedTurn:
+        return ParsedTurn(text.strip(), [], [])
+
+    def format_call(self, call: ToolCall) -> str:
+        raise ValueError(
+            f"{call.name}: this model has no tool-call format; set env.tool_parser to the one it writes"
+        )
+
+
 PARSERS: dict[str, type] = {
     HermesParser.name: HermesParser,
     Llama3JsonParser.name: Llama3JsonParser,
@@ -343,8 +359,17 @@ def _template_text(tokenizer: Any) -> str:
     return template if isinstance(template, str) else ""
 
 
-def detect_parser(tokenizer: Any, model_name: str, choice: str = "auto") -> ToolCallParser:
-    """The parser for `model_name`'s tool-call format: `choice` if given, else what its template declares."""
+def detect_parser(
+    tokenizer: Any, model_name: str, choice: str = "auto", optional: bool = False
+) -> ToolCallParser:
+    """The parser for `model_name`'s tool-call format: `choice` if given, else what its template declares.
+    optional (the gateway, whose agent may send no tools): where the template declares no format, the
+    NoToolCalls parser instead of an error; requests with tools are then refused, naming env.tool_parser."""
+    if optional and choice == "auto":
+        try:
+            return detect_parser(tokenizer, model_name, choice)
+        except ConfigError:
+            return NoToolCalls()
     if choice != "auto":
         if choice not in PARSERS:
             raise ConfigError(

@@ -15,7 +15,8 @@ read. The decisions (cleanrl derives its sizes once, right after parsing, and ne
   generation.max_new_tokens (capped by max_total_length); a multi-turn run's is the episode's, sampled and
   injected tokens together: env.max_tokens, else env.max_turns × the per-turn limit. Overlong shaping, the
   loss's constant normaliser, the context and memory preflights, the episode cap and vLLM's max_model_len
-  all read this one number.
+  all read this one number. When only the defaults make a multi-turn run's episode longer than the model's
+  positions (no length setting given), the context preflight fits env.max_tokens to them (run/sizes.py).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ DECIDED_KEYS = frozenset(
         "algorithm.reward_model",
         "env.tools",
         "env.environment",
+        # an episode budget only the defaults made longer than the model's positions (run/sizes.py)
+        "env.max_tokens",
     }
 )
 

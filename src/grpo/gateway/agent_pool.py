@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from grpo.agents.workers import CallTimedOut, Worker, WorkerDied
+from grpo.gateway.wire import finite_reward
 from grpo.rewards.isolation import RewardInterrupted
 
 POLL_S = 0.5  # the longest a worker's `done` call waits for an episode to end before answering
@@ -45,9 +46,11 @@ class NotAReward:
 
 
 def _sendable(value):
-    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
-        return value
-    return NotAReward(repr(value)[:300])
+    """What travels back to the trainer: None, the reward as a float, or the repr of anything else."""
+    if value is None:
+        return None
+    number = finite_reward(value)
+    return number if number is not None else NotAReward(repr(value)[:300])
 
 
 class _Host:

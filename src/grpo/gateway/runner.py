@@ -41,6 +41,7 @@ from grpo.gateway.rows import session_rollouts
 from grpo.gateway.server import GatewayServer
 from grpo.gateway.service import Gateway, Limits
 from grpo.gateway.sessions import Session
+from grpo.gateway.wire import finite_reward
 from grpo.records import Episode, PromptBatch
 from grpo.rewards.isolation import STOP_GRACE_S, stop_requested
 
@@ -487,13 +488,13 @@ class AgentRunner:
         if failure is None and not s.calls:
             failure = "no_calls"
             self._notes[s.key] = "it never called the model (no request reached this episode's session)"
-        if failure is None and value is not None and not _is_number(value):
+        if failure is None and value is not None and finite_reward(value) is None:
             log.warning("An agent returned %r, not a number or None: its episode is scored as failed.", value)
             failure = "agent_error"
             self._notes[s.key] = f"it returned {value!r}, which is not a number or None"
         # The episode's own reward wins (returned, else posted without a turn); else the sum of its per-turn
         # rewards; else None: the run's reward functions score it. The "turn" estimator reads both apart.
-        reward = float(value) if failure is None and value is not None else s.reward
+        reward = finite_reward(value) if failure is None and value is not None else s.reward
         from_turns = reward is None and bool(s.turn_rewards)
         if from_turns:
             reward = sum(s.turn_rewards.values())
@@ -525,10 +526,6 @@ class RaisedInWorker(Exception):
     """An error an agent raised in a worker process, by its message (its type's name travels beside it)."""
 
 
-def _is_number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
 def build_agent_runner(cfg, formatter, agent=None, **objects) -> AgentRunner:
     """The runner for GRPOTrainer(agent=) or env.agent; the family's tool-call parser reads every turn.
     (`objects`: the other runners' objects, which rollout/episodes.RUNNERS passes to every builder.)"""
@@ -543,7 +540,7 @@ def build_agent_runner(cfg, formatter, agent=None, **objects) -> AgentRunner:
 
         agent = AgentCommand(cfg.env.agent_command, timeout_s=cfg.env.episode_timeout_s)
     tokenizer = formatter.tokenizer
-    parser = detect_parser(tokenizer, cfg.model.name_or_path, cfg.env.tool_parser)
+    parser = detect_parser(tokenizer, cfg.model.name_or_path, cfg.env.tool_parser, optional=True)
     limits = Limits(
         max_tokens=cfg.episode_max_tokens,
         turn_tokens=cfg.effective_max_new_tokens,
@@ -562,10 +559,13 @@ def build_agent_runner(cfg, formatter, agent=None, **objects) -> AgentRunner:
         workers=cfg.env.agent_workers,
     )
     log.info(
-        "Episodes: your agent %s through the gateway; up to %d tokens each; tool calls parsed as %s.",
+        "Episodes: your agent %s through the gateway; up to %d tokens each; %s.",
         getattr(runner.agent, "__qualname__", runner.agent),
         limits.max_tokens,
-        parser.name,
+        f"tool calls parsed as {parser.name}"
+        if parser.name != "none"
+        else "no tool calls (the chat template declares no tool-call format: requests that send tools get "
+        "a 400; set env.tool_parser=hermes|llama3_json|mistral to the format the model writes)",
     )
     return runner
 

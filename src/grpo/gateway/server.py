@@ -22,7 +22,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from grpo.gateway.responses import responses_route
 from grpo.gateway.service import Gateway, ended_error
 from grpo.gateway.sessions import Session
-from grpo.gateway.wire import ChatRequest, GatewayError, TurnDone, chat_completion, stream_chunks
+from grpo.gateway.wire import (
+    ChatRequest,
+    GatewayError,
+    TurnDone,
+    chat_completion,
+    finite_reward,
+    stream_chunks,
+)
 
 log = logging.getLogger("grpo")
 
@@ -44,10 +51,12 @@ def chat_completions(gateway: Gateway, session: Session, body: dict):
 
 def reward(gateway: Gateway, session: Session, body: dict):
     del gateway
-    value = body.get("reward") if isinstance(body, dict) else None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    value = finite_reward(body.get("reward")) if isinstance(body, dict) else None
+    if value is None:  # JSON as Python reads it also carries NaN and Infinity: not a reward either
         raise GatewayError(
-            400, 'The body must be {"reward": <number>} (and optionally "turn": <int>).', param="reward"
+            400,
+            'The body must be {"reward": <finite number>} (and optionally "turn": <int>).',
+            param="reward",
         )
     turn = body.get("turn")
     if turn is not None and (isinstance(turn, bool) or not isinstance(turn, int) or turn < 1):
@@ -56,10 +65,10 @@ def reward(gateway: Gateway, session: Session, body: dict):
         )
     with session.lock:
         if turn is None:
-            session.reward = float(value)
+            session.reward = value
         else:
-            session.turn_rewards[turn] = float(value)
-    return {"object": "reward", "reward": float(value), "turn": turn}
+            session.turn_rewards[turn] = value
+    return {"object": "reward", "reward": value, "turn": turn}
 
 
 def _chain(first, rest: Iterator) -> Iterator:

@@ -151,6 +151,14 @@ class Gateway:
     def _start(self, session: Session, req: ChatRequest):
         """Under the session's lock: the row to continue and its job submitted (None: the budget is spent)."""
         self._overrides(req)
+        if req.tools and self.parser.name == "none":
+            raise GatewayError(
+                400,
+                f"This run's model ({self.model_name}) has no tool-call format: its chat template declares "
+                "none, so a reply could not be read for calls. Send no tools, or start the run with "
+                "env.tool_parser=hermes|llama3_json|mistral (the format the model writes).",
+                param="tools",
+            )
         key, renderer = self.renderer(req.tools)
         # A final reply may wait for the next batch to start (batching.py) where the agents end after one;
         # never a streamed one (its client reads it as it is sampled).

@@ -10,6 +10,8 @@ arguments as a JSON string), normalizes to the very dict the session stored.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +138,7 @@ def _number(body: dict, key: str, kind=float, low=None, high=None):
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
+        or not math.isfinite(value)  # Python's JSON reader takes NaN and Infinity
         or (kind is int and value != int(value))
     ):
         raise bad(f"{key} must be {'an integer' if kind is int else 'a number'}.", key)
@@ -296,3 +299,17 @@ def stream_chunks(events, request_id: str, model: str, include_usage: bool):
             if include_usage:
                 yield chunk(request_id, model, None, usage=ev.usage)
     yield "[DONE]"
+
+
+def finite_reward(value) -> float | None:
+    """An agent's returned reward as a float: a finite real number, from Python, numpy (np.float32
+    included) or a 0-d array or tensor (`scores.mean()`); None for anything else (a bool, a string, NaN)."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy 0-d array, a torch scalar
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return value if math.isfinite(value) else None

@@ -209,7 +209,12 @@ def _build_parts(
     model_config = model_config_of(cfg, model)
     if model_config is not None:  # before any weight is read: positions and memory the run needs
         settings = dataclasses.replace(settings, model_context=model_context(model_config))
-        check_context(settings, model_config, lambda: formatter.longest(train_rows))
+        fitted = check_context(settings, model_config, lambda: formatter.longest(train_rows))
+        if fitted:  # config.yaml shows the budget the run uses
+            settings = settings.extend(fitted)
+            cfg = settings.config
+            if is_main:
+                write_run_config(run_dir, settings.to_yaml())
         gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         check_memory(settings, model_config, torch.finfo(compute).bits // 8, gpu)
     episodes = build_episodes(

@@ -72,15 +72,16 @@ def _shorter_completions(settings: RunSettings, room: int) -> str:
     )
 
 
-def check_context(settings: RunSettings, model_config: Any, longest_prompt: callable) -> None:
+def check_context(settings: RunSettings, model_config: Any, longest_prompt: callable) -> dict[str, int]:
     """Raise when prompt + completion can exceed the model's positions. `longest_prompt()` measures the
-    data (called only when the caps alone do not fit)."""
+    data (called only when the caps alone do not fit). Returns the start-up decisions it makes: an episode
+    budget that only the defaults made too long is fitted to the model ({"env.max_tokens": n}), else {}."""
     context = model_context(model_config)
     if context is None:
-        return
+        return {}
     cfg, completion = settings.config, settings.completion_limit
     if cfg.data.max_prompt_length + completion <= context:
-        return
+        return {}
     longest = min(longest_prompt(), cfg.data.max_prompt_length)
     if longest + completion <= context:
         log.info(
@@ -91,8 +92,26 @@ def check_context(settings: RunSettings, model_config: Any, longest_prompt: call
             context,
             longest,
         )
-        return
-    if longest < context and not (cfg.explicit_keys & _LENGTH_KEYS) and not settings.multi_turn:
+        return {}
+    untouched = not (cfg.explicit_keys & _LENGTH_KEYS)
+    if longest < context and untouched and settings.multi_turn:
+        # Only the defaults overflow: an agent, tools or an environment on a preset whose per-turn cap × turn
+        # cap was sized for single turns (`grpo train --agent m:run` on the default tiny model). The episode
+        # budget is fitted to the model instead of refusing a run that set nothing: an episode that reaches
+        # it ends with finish "length", as at any env.max_tokens.
+        room = context - longest
+        log.warning(
+            "%s after the longest prompt (%d tokens) would need %d positions, but the model has %d "
+            "(max_position_embeddings): env.max_tokens is set to %d so every episode fits. Set "
+            "env.max_tokens (or env.max_turns, generation.max_new_tokens) to choose another budget.",
+            _completion_words(settings)[0].upper() + _completion_words(settings)[1:],
+            longest,
+            longest + completion,
+            context,
+            room,
+        )
+        return {"env.max_tokens": room}
+    if longest < context and untouched and not settings.multi_turn:
         # Only the defaults overflow (the seed's max_new_tokens=256 on a 256-position model): say so, as a
         # run that set none of these could not know; a completion that reaches the cap is the rare case.
         log.warning(
@@ -105,7 +124,7 @@ def check_context(settings: RunSettings, model_config: Any, longest_prompt: call
             context,
             context - longest,
         )
-        return
+        return {}
     prompt_room = context - completion
     shorter_prompts = (
         f", or data.max_prompt_length (now {cfg.data.max_prompt_length}) to {prompt_room} with "
