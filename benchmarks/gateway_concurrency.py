@@ -51,7 +51,8 @@ def load() -> float:
     return float(open("/proc/loadavg").read().split()[0])
 
 
-def one_run(side: str, steps: int, threads: int) -> dict:
+def one_run(side: str, steps: int, threads: int, root: Path = ROOT) -> dict:
+    """`root`: the checkout whose code runs (--before: another worktree, e.g. main before a change)."""
     with tempfile.TemporaryDirectory(prefix="gwbench-") as out:
         cmd = [
             sys.executable,
@@ -67,7 +68,7 @@ def one_run(side: str, steps: int, threads: int) -> dict:
         cmd += [*COMMON, f"train.num_threads={threads}"]
         t0 = time.perf_counter()
         proc = subprocess.run(
-            cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "src"}
+            cmd, cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "src"}
         )
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
@@ -103,15 +104,33 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gateway_concurrency.json"))
     ap.add_argument("--sides", default="tools=,gateway", help=f"comma-separated, of {', '.join(SIDES)}")
+    ap.add_argument(
+        "--before",
+        metavar="CHECKOUT",
+        help="also run the gateway side from this checkout (e.g. a worktree at main before a change) as side "
+        "`gateway-before`, interleaved with this one's, its order against `gateway` swapped every repeat",
+    )
     args = ap.parse_args()
     sides = args.sides.split(",")
     if "tools=" not in sides or not set(sides) <= set(SIDES):
         ap.error(f"--sides: tools= and any of {', '.join(SIDES)}, comma-separated")
+    roots = dict.fromkeys(sides, ROOT)
+    if args.before:
+        before = Path(args.before).resolve()
+        if not (before / "src" / "grpo").is_dir():
+            ap.error(f"--before {args.before}: not a grpo checkout (no src/grpo in it)")
+        SIDES["gateway-before"] = SIDES["gateway"]
+        sides.append("gateway-before")
+        roots["gateway-before"] = before
     runs = []
     for rep in range(args.repeats):
         pair = {}
-        for side in sides:
-            pair[side] = one_run(side, args.steps, args.threads)
+        order = list(sides)
+        if args.before and rep % 2:  # drift within a repeat hits the before and after sides alike
+            a, b = order.index("gateway"), order.index("gateway-before")
+            order[a], order[b] = order[b], order[a]
+        for side in order:
+            pair[side] = one_run(side, args.steps, args.threads, roots[side])
             r = pair[side]
             print(
                 f"# repeat {rep} {side}: {r['s_per_step']:.2f} s/step, rollout {r['rollout_s']:.2f} s, "
@@ -127,6 +146,9 @@ def main() -> None:
                 f"# repeat {rep}: {side}/tools= step {pair[f'ratio_step{tag}']:.3f}×, "
                 f"rollout {pair[f'ratio_rollout{tag}']:.3f}×"
             )
+        if args.before:  # the change itself, load drift within the repeat aside
+            pair["after_before"] = pair["gateway"]["s_per_step"] / pair["gateway-before"]["s_per_step"]
+            print(f"# repeat {rep}: gateway / gateway-before per step {pair['after_before']:.3f}×")
         runs.append(pair)
     summary = {
         f"ratio_{kind}{tag}_median": statistics.median(p[f"ratio_{kind}{tag}"] for p in runs)
@@ -134,6 +156,8 @@ def main() -> None:
         for tag in ("" if side == "gateway" else f"_{side}",)
         for kind in ("step", "rollout")
     }
+    if args.before:
+        summary["after_before_median"] = statistics.median(p["after_before"] for p in runs)
     summary |= {
         "runs": runs,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -154,6 +178,8 @@ def main() -> None:
             f"{side}/tools= per step: median {summary[f'ratio_step{tag}_median']:.3f}× "
             f"(rollout {summary[f'ratio_rollout{tag}_median']:.3f}×) over {args.repeats} interleaved repeats"
         )
+    if args.before:
+        print(f"gateway / gateway-before per step: median {summary['after_before_median']:.3f}×")
 
 
 if __name__ == "__main__":

@@ -110,6 +110,8 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
             if scored is None:  # a stop signal, and a reward call that would not finish: drop the step
                 step, data_at_stop = step - 1, data_before
                 break
+            if step < total_steps:  # the agent gateway's next episodes start while this step updates
+                getattr(source, "start_next", lambda: None)()
             advantages = estimate_advantages(scored, a)  # [N], or [N, T] from a per-token estimator
             # The sampler's log-probs [N, T] are π_old itself when they are the learner's own (exact
             # engine, one pass), or a behaviour policy to correct for (stale weights, other kernels).

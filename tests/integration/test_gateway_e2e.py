@@ -170,3 +170,30 @@ def test_grpo_train_through_the_agent_on_the_transformers_engine(tmp_path):
         assert m["mismatch/logp_abs_mean"] < 1e-3  # the learner scores the very ids generate sampled
     assert (out / "final_model" / "model.safetensors").exists()
     assert not [t for t in threading.enumerate() if t.name.startswith(("grpo-gateway", "grpo-agent"))]
+
+
+def test_a_checkpoint_after_a_pre_started_step_resumes_with_its_prompts(tmp_path):
+    """Step 2's agents start while step 1 updates; checkpoint-1 still holds the stream after step 1 only, so
+    a run resumed from it samples step 2's prompts as the straight run did (the pre-started episodes were
+    discarded with the run that started them, never counted)."""
+    from grpo.checkpoint.store import load_training_state
+
+    base = [a for a in SMALL if not a.startswith(("steps=", "save_steps="))]
+    agent = ["--agent", f"{AGENTS}:calculator_agent"]
+    straight, first = tmp_path / "straight", tmp_path / "first"
+    for out, steps in ((straight, 3), (first, 2)):
+        argv = ["train", "--config", "tiny_tools", *agent, f"output_dir={out}", f"steps={steps}", *base]
+        assert main([*argv, "save_steps=1"]) == 0
+    lines = metrics_of(straight)
+    assert [m.get("gateway/started_ahead") for m in lines if "time/step" in m] == [0.0, 1.0, 1.0]
+    state = load_training_state(first / "checkpoint-1")
+    assert state["data"] == load_training_state(straight / "checkpoint-1")["data"]
+    assert state["data"]["position"] == 2  # step 1's prompts only, though step 2's had been drawn
+    resumed = tmp_path / "resumed"
+    argv = ["train", "--config", "tiny_tools", *agent, f"output_dir={resumed}", "steps=3", *base]
+    assert main([*argv, "save_steps=1", f"resume={first / 'checkpoint-1'}"]) == 0
+    assert (
+        load_training_state(resumed / "checkpoint-3")["data"]
+        == load_training_state(straight / "checkpoint-3")["data"]
+    )
+    assert not [t for t in threading.enumerate() if t.name.startswith(("grpo-gateway", "grpo-agent"))]

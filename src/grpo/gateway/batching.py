@@ -22,6 +22,10 @@ step's tokens, which the waiting requests stream as they are sampled; another en
 ends. An engine with its own continuous batching (`add_row` / `step_rows`: vLLM in-process) is driven step
 by step instead: a request joins the running batch at the next engine step, with no window, and its tokens
 stream after every step.
+
+`pause()` holds every request until `resume()`: the runner starts the next step's agents while the learner
+updates (gateway/runner.py, `start_ahead`), and their first requests, rendered and queued meanwhile, must be
+sampled with the new weights, not the ones being changed.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class Batcher:
         self._in_flight: dict[int, Callable] = {}  # id → fail(error) of each job a continuous engine samples
         self._cond = threading.Condition()
         self._closed = False
+        self._paused = False  # requests queue, no engine call starts (the weights are being updated)
         self.batches: list[int] = []  # rows per engine call, since the last metrics()
         self.engine_s = 0.0  # seconds in engine calls, since the last metrics()
         self._thread = threading.Thread(target=self._loop, name="grpo-gateway-batcher", daemon=True)
@@ -98,6 +103,23 @@ class Batcher:
             self._pending.append(job)
             self._cond.notify_all()
         return job
+
+    def pause(self) -> None:
+        """No engine call starts until resume(); requests queue meanwhile (a call already running ends)."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def fail_pending(self, error: BaseException) -> None:
+        """Every queued request gets `error` (discarded episodes' first calls, before they are sampled)."""
+        with self._cond:
+            pending, self._pending = self._pending, []
+        for job in pending:
+            job.events.put(("error", error))
 
     def wake(self) -> None:
         """A session ended: the batch waiting for it may start now."""
@@ -124,7 +146,7 @@ class Batcher:
 
     def _take(self) -> list[Job] | None:
         with self._cond:
-            while not self._pending and not self._closed:
+            while (not self._pending or self._paused) and not self._closed:
                 if self._held and (self._expected()[0] <= 0 or time.monotonic() >= self._held_until):
                     self._release()  # no call is coming that the replies would delay
                     continue
@@ -175,7 +197,7 @@ class Batcher:
         """Add the requests that arrived, then one engine step; False once closed."""
         with self._cond:
             self._release()  # held by a batch of the engine before this one
-            while not self._pending and not self._in_flight and not self._closed:
+            while (self._paused or not (self._pending or self._in_flight)) and not self._closed:
                 self._cond.wait()
             if self._closed:
                 for job in self._pending:

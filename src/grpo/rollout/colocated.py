@@ -43,12 +43,35 @@ class ColocatedRollout:
         self.multi_turn = self.episodes.multi_turn
         self.exact_logprobs = logprobs_match_policy(engine, sampling)
         self.sampler_differs = engine.sampler_differs
+        self._next: tuple[PromptBatch, dict] | None = None  # start_next's prompts, the stream after them
 
     def next_batch(self) -> tuple[PromptBatch, Rollouts, int]:
+        if self._next is not None:  # the episodes start_next began
+            prompts, after = self._next
+            self._next = None
+            self.feed.stream.load_state_dict(after)
+        else:
+            prompts = self.feed.next()
         prompts, rollouts = self.episodes.run(
-            self.engine, self.feed.next(), self.n, self.sampling, chunk_prompts=self.chunk_prompts
+            self.engine, prompts, self.n, self.sampling, chunk_prompts=self.chunk_prompts
         )
         return prompts, rollouts, 0
+
+    def start_next(self) -> None:
+        """The next step's episodes start now, while the learner updates, where the runner can (the agent
+        gateway's `start_ahead`: its agents' first requests are built and queued, then sampled with the new
+        weights at next_batch). The prompt stream stays where it is until next_batch takes them: a checkpoint
+        saved before that, or a stop, resumes with the same prompts, the started episodes discarded."""
+        start = getattr(self.episodes, "start_ahead", None)
+        if start is None or self._next is not None:
+            return
+        stream = self.feed.stream
+        here = stream.state_dict()
+        prompts = self.feed.next()
+        after = stream.state_dict()
+        stream.load_state_dict(here)
+        if start(self.engine, prompts, self.n, self.sampling):
+            self._next = (prompts, after)
 
     def sample(self, prompts: PromptBatch, n: int, sampling: SamplingParams) -> tuple[PromptBatch, Rollouts]:
         return self.episodes.run(self.engine, prompts, n, sampling, chunk_prompts=self.chunk_prompts)
