@@ -122,7 +122,10 @@ def test_close_kills_a_running_program_and_its_children(tmp_path):
 
 
 DRIVER = """
-import sys
+import signal, sys
+# SIGINT as a terminal's Ctrl-C delivers it: a child of a background job (`make test`'s suite run with `&`,
+# nohup) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler at all.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from grpo.agents.code_exec import PythonSandbox
 from tests.chat_templates import family_tokenizer
 from grpo.records import SamplingParams
