@@ -70,10 +70,13 @@ def test_cli_bf16_at_lr_1e_6_moves_the_saved_weights_and_tracks_float32(tmp_path
         in (tmp_path / "bfloat16" / "train.log").read_text()
     )
     # The runs sample different tokens once bf16 logits differ from float32's, so the rewards part ways by
-    # sampling noise, not drift: measured per-step |Δ reward| 0.006, 0.06, 0.19; of the 3-step mean 0.04.
+    # sampling noise, not drift (measured on an AVX2 EPYC: per-step |Δ reward| 0.006, 0.06, 0.19; of the
+    # 3-step mean 0.04). Which tokens differ depends on the CPU's bf16 rounding, so the bound is the noise's,
+    # not one host's draw: 16 completions a step give each step's mean reward a std of up to 0.125, the
+    # difference of two 3-step means up to ~0.1, and 0.3 is three of those. What it catches: bf16 training
+    # that collapses (rewards to 0) or diverges.
     rewards = {d: [m["reward"] for m in r["metrics"]] for d, r in runs.items()}
-    deltas = [abs(a - b) for a, b in zip(rewards["float32"], rewards["bfloat16"], strict=True)]
-    assert max(deltas) < 0.25 and abs(sum(rewards["float32"]) - sum(rewards["bfloat16"])) / 3 < 0.1, rewards
+    assert abs(sum(rewards["float32"]) - sum(rewards["bfloat16"])) / 3 < 0.3, rewards
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in runs["bfloat16"]["metrics"])
 
 
