@@ -81,7 +81,7 @@ def test_pre_started_episodes_are_sampled_with_the_new_weights_and_equal_a_plain
         expected = plain.run(ScriptedEngine(qwen, calls_then_answers), step2, 2, SAMPLING)
     finally:
         plain.close()
-    run = runner(qwen, agents.calculator_agent, workers=workers, window_s=2.0)
+    run = runner(qwen, agents.calculator_agent, workers=workers, window_s=2.0, ahead=True)
     engine = Versioned(qwen, calls_then_answers)
     try:
         run.run(engine, step1, 2, SAMPLING)
@@ -110,7 +110,7 @@ def test_an_evaluation_between_steps_discards_the_pre_started_episodes(qwen, wor
         expected = plain.run(ScriptedEngine(qwen, calls_then_answers), step2, 2, SAMPLING)
     finally:
         plain.close()
-    run = runner(qwen, agents.calculator_agent, workers=workers, window_s=2.0)
+    run = runner(qwen, agents.calculator_agent, workers=workers, window_s=2.0, ahead=True)
     engine = ScriptedEngine(qwen, calls_then_answers)
     try:
         run.run(engine, step1, 2, SAMPLING)
@@ -132,7 +132,7 @@ def test_an_evaluation_between_steps_discards_the_pre_started_episodes(qwen, wor
 
 @pytest.mark.skipif(not can_fork(), reason="worker processes need fork")
 def test_close_discards_pre_started_episodes_and_leaves_no_worker(qwen):  # noqa: F811
-    run = runner(qwen, agents.calculator_agent, workers=2, window_s=2.0)
+    run = runner(qwen, agents.calculator_agent, workers=2, window_s=2.0, ahead=True)
     engine = ScriptedEngine(qwen, calls_then_answers)
     try:
         run.run(engine, batch(["What is 12 * 34?"]), 2, SAMPLING)
@@ -149,7 +149,7 @@ def test_close_discards_pre_started_episodes_and_leaves_no_worker(qwen):  # noqa
 
 
 def test_no_pre_start_after_a_stop_signal_or_before_the_first_step(qwen, monkeypatch):  # noqa: F811
-    run = runner(qwen, agents.calculator_agent, workers=0, window_s=2.0)
+    run = runner(qwen, agents.calculator_agent, workers=0, window_s=2.0, ahead=True)
     engine = ScriptedEngine(qwen, calls_then_answers)
     try:
         assert not run.start_ahead(engine, batch(["What is 12 * 34?"]), 2, SAMPLING)  # no gateway yet
@@ -203,3 +203,15 @@ def test_start_next_does_nothing_for_a_runner_that_cannot_start_ahead():
     before = source.data_state()
     source.start_next()
     assert source._next is None and source.data_state() == before
+
+
+def test_by_default_the_agents_start_ahead_only_where_the_update_leaves_a_core_idle(qwen, monkeypatch):  # noqa: F811
+    run = runner(qwen, agents.calculator_agent, workers=0, window_s=2.0)
+    monkeypatch.setattr("grpo.gateway.agent_pool.default_size", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not run._ahead_pays()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert run._ahead_pays()
+    monkeypatch.setenv("GRPO_GATEWAY_AHEAD", "0")
+    assert not run._ahead_pays()
+    assert not runner(qwen, agents.calculator_agent, workers=0, ahead=False)._ahead_pays()

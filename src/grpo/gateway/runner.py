@@ -27,6 +27,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -135,6 +136,7 @@ class AgentRunner:
         model_name: str = "grpo-policy",
         window_s: float = 0.2,
         workers: int | None = 0,
+        ahead: bool | None = None,
     ):
         self.agent = load_agent(agent)
         self.agent_spec = portable_spec(agent)  # set: a Ray rollout actor loads the agent by it
@@ -161,6 +163,11 @@ class AgentRunner:
         self.workers = workers
         self._pool = None
         self._ahead: _Ahead | None = None
+        # start_ahead: True / False, or None: where a core is left idle by the update's torch threads
+        # (GRPO_GATEWAY_AHEAD=1/0 overrides, for benchmarks). On 2 cores at 2 threads the agents' first
+        # requests only move into the update and slow it as much as they save (12 interleaved pairs,
+        # 2026-11-27: 1.07x the step without); with a spare core their CPU is free.
+        self.ahead = ahead
 
     def __getstate__(self) -> dict:
         """What travels to a Ray rollout actor: the settings, not the live server, threads or sessions (the
@@ -287,7 +294,7 @@ class AgentRunner:
         if self._ahead is not None:
             self._discard(self._ahead)
             self._ahead = None
-        if self.gateway is None or stop_requested():
+        if self.gateway is None or stop_requested() or not self._ahead_pays():
             return False
         self.gateway.batcher.pause()
         sessions = self._sessions(self.gateway, prompts, n)
@@ -303,6 +310,15 @@ class AgentRunner:
         ahead.thread.start()
         self._ahead = ahead
         return True
+
+    def _ahead_pays(self) -> bool:
+        if self.ahead is not None:
+            return self.ahead
+        if (forced := os.environ.get("GRPO_GATEWAY_AHEAD")) in ("0", "1"):
+            return forced == "1"
+        from grpo.gateway.agent_pool import default_size
+
+        return default_size() > torch.get_num_threads()
 
     def _discard(self, ahead: _Ahead) -> None:
         """End the pre-started episodes: their calls get 409, their queued first requests an error, and their
