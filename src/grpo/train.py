@@ -66,6 +66,13 @@ __all__ = ["TrainingHalted", "build_train_batch", "collect", "run"]
 log = logging.getLogger("grpo")
 
 
+def _start_next_step(source: RolloutSource, more: bool) -> None:
+    """Where another step follows, the source may start its episodes now, while this step updates (the agent
+    gateway's agents: rollout/colocated.py start_next); the prompt stream's position stays this step's."""
+    if more:
+        getattr(source, "start_next", lambda: None)()
+
+
 def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[str, float]:
     """The steps of `trainer`'s run, from its resume point to the final save, evaluation and report."""
     cfg, p, rt = trainer.cfg, trainer.parts, trainer.rt
@@ -110,8 +117,7 @@ def run(trainer: Trainer, source: RolloutSource, stream: PromptStream) -> dict[s
             if scored is None:  # a stop signal, and a reward call that would not finish: drop the step
                 step, data_at_stop = step - 1, data_before
                 break
-            if step < total_steps:  # the agent gateway's next episodes start while this step updates
-                getattr(source, "start_next", lambda: None)()
+            _start_next_step(source, more=step < total_steps)
             advantages = estimate_advantages(scored, a)  # [N], or [N, T] from a per-token estimator
             # The sampler's log-probs [N, T] are π_old itself when they are the learner's own (exact
             # engine, one pass), or a behaviour policy to correct for (stale weights, other kernels).
