@@ -72,15 +72,19 @@ def test_a_paused_batcher_starts_no_engine_call_until_resumed():
         batcher.close()
 
 
+def plain_steps(tokenizer, workers, *steps):
+    """The steps' (batch, n) rollouts run one after another without starting ahead: what to compare with."""
+    plain = runner(tokenizer, agents.calculator_agent, workers=workers, window_s=2.0)
+    try:
+        return [plain.run(ScriptedEngine(tokenizer, calls_then_answers), b, n, SAMPLING) for b, n in steps]
+    finally:
+        plain.close()
+
+
 @pytest.mark.parametrize("workers", WORKERS)
 def test_pre_started_episodes_are_sampled_with_the_new_weights_and_equal_a_plain_step(qwen, workers):  # noqa: F811
     step1, step2 = batch(["What is 12 * 34?"]), batch(["Compute 12 * 34.", "What is 12 * 34 exactly?"])
-    plain = runner(qwen, agents.calculator_agent, workers=workers, window_s=2.0)
-    try:
-        plain.run(ScriptedEngine(qwen, calls_then_answers), step1, 2, SAMPLING)
-        expected = plain.run(ScriptedEngine(qwen, calls_then_answers), step2, 2, SAMPLING)
-    finally:
-        plain.close()
+    _, expected = plain_steps(qwen, workers, (step1, 2), (step2, 2))
     run = runner(qwen, agents.calculator_agent, workers=workers, window_s=2.0, ahead=True)
     engine = Versioned(qwen, calls_then_answers)
     try:
@@ -103,13 +107,7 @@ def test_pre_started_episodes_are_sampled_with_the_new_weights_and_equal_a_plain
 def test_an_evaluation_between_steps_discards_the_pre_started_episodes(qwen, workers):  # noqa: F811
     step1, step2 = batch(["What is 12 * 34?"]), batch(["Compute 12 * 34.", "What is 12 * 34 exactly?"])
     held_out = batch(["What is 12 * 34, held out?"])
-    plain = runner(qwen, agents.calculator_agent, workers=workers, window_s=2.0)
-    try:
-        plain.run(ScriptedEngine(qwen, calls_then_answers), step1, 2, SAMPLING)
-        expected_eval = plain.run(ScriptedEngine(qwen, calls_then_answers), held_out, 1, SAMPLING)
-        expected = plain.run(ScriptedEngine(qwen, calls_then_answers), step2, 2, SAMPLING)
-    finally:
-        plain.close()
+    _, expected_eval, expected = plain_steps(qwen, workers, (step1, 2), (held_out, 1), (step2, 2))
     run = runner(qwen, agents.calculator_agent, workers=workers, window_s=2.0, ahead=True)
     engine = ScriptedEngine(qwen, calls_then_answers)
     try:
