@@ -152,3 +152,15 @@ def test_python_is_the_interpreter_running_grpo():
     assert AgentCommand("python -c 'import sys; print(sys.executable)'").argv[0] == sys.executable
     assert AgentCommand(["python3", "x.py"]).argv == [sys.executable, "x.py"]
     assert AgentCommand(["/usr/bin/env", "python"]).argv == ["/usr/bin/env", "python"]
+
+
+def test_the_time_limit_waits_while_the_runner_holds_the_step():
+    # Started while the learner updates (the runner's start_ahead), a command's wait on the paused batcher is
+    # not its time: paused for 1.5 s, then 0.6 s more of its own, within a 1 s limit.
+    release = time.monotonic() + 1.5
+    command = AgentCommand(python("import time; time.sleep(1.9); print(0.5)"), timeout_s=1.0)
+    command.paused = lambda: time.monotonic() < release
+    assert command(CLIENT, {}) == 0.5
+    command.paused = lambda: False  # not held: the same command is past its limit
+    with pytest.raises(AgentCommandError, match="past its 1 s limit"):
+        command(CLIENT, {})

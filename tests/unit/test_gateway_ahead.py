@@ -213,3 +213,23 @@ def test_by_default_the_agents_start_ahead_only_where_the_update_leaves_a_core_i
     monkeypatch.setenv("GRPO_GATEWAY_AHEAD", "0")
     assert not run._ahead_pays()
     assert not runner(qwen, agents.calculator_agent, workers=0, ahead=False)._ahead_pays()
+
+
+@pytest.mark.parametrize("agent", [agents.calculator_agent, agents.async_agent], ids=["sync", "async"])
+@pytest.mark.parametrize("workers", WORKERS)
+def test_an_update_longer_than_the_episode_timeout_does_not_time_the_pre_started_episodes_out(
+    qwen, workers, agent
+):
+    step1, step2 = batch(["What is 12 * 34?"]), batch(["Compute 12 * 34."])
+    run = runner(qwen, agent, workers=workers, window_s=0.5, ahead=True, timeout_s=1.5)
+    engine = ScriptedEngine(qwen, calls_then_answers)
+    try:
+        run.run(engine, step1, 2, SAMPLING)
+        assert run.start_ahead(engine, step2, 2, SAMPLING)
+        assert queued(run, 2)
+        time.sleep(2.5)  # the learner's update: longer than env.episode_timeout_s
+        _, got = run.run(engine, step2, 2, SAMPLING)
+    finally:
+        run.close()
+    # the episodes' clock started when the step did: they ran to their answers
+    assert [e.ended_by for e in got.episodes] == ["answer", "answer"]

@@ -33,7 +33,10 @@ import time
 import weakref
 from typing import Any
 
+from grpo.gateway.clock import step_deadline
+
 GRACE_S = 2.0  # between SIGTERM and SIGKILL
+_POLL_S = 0.5  # how often a waiting command's time limit is read again (it moves while the batcher holds)
 _STDERR_TAIL = 600  # characters of the command's stderr quoted in an error
 
 
@@ -53,6 +56,7 @@ class AgentCommand:
         if timeout_s <= 0:
             raise ValueError(f"the agent command's time limit must be positive, got {timeout_s}")
         self.argv, self.timeout_s, self.cwd = argv, timeout_s, cwd
+        self.paused = _never  # the runner's: whether its batcher holds the step (its time limit waits)
         self._live: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
         self.__qualname__ = f"command {shlex.join(argv)!r}"  # how the runner names the agent in its log
@@ -92,8 +96,20 @@ class AgentCommand:
             ) from None
         with self._lock:
             self._live.add(process)
+        # Its limit runs from when the step's requests can be served: a command started while the learner
+        # updates (the runner's start_ahead) waits on a paused batcher, and that wait is not its time.
+        deadline = step_deadline(self.timeout_s, self.paused)
+        text = json.dumps(row, default=str)
         try:
-            stdout, stderr = process.communicate(json.dumps(row, default=str), timeout=self.timeout_s)
+            while True:
+                left = max(min(deadline() - time.monotonic(), _POLL_S), 0.0)
+                try:  # communicate may be called again after a timeout, without the input (sent once)
+                    stdout, stderr = process.communicate(text, timeout=left)
+                    break
+                except subprocess.TimeoutExpired:
+                    text = None
+                    if time.monotonic() >= deadline():
+                        raise
         except subprocess.TimeoutExpired:
             _kill_group(process)
             raise AgentCommandError(
@@ -122,6 +138,10 @@ class AgentCommand:
             time.sleep(0.05)
         for process in live:
             _signal_group(process.pid, signal.SIGKILL)  # the stragglers, and what the leaders left behind
+
+
+def _never() -> bool:
+    return False
 
 
 def last_line_reward(stdout: str) -> float | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import os
 import threading
 import time
@@ -82,7 +83,7 @@ class _Host:
         import openai
 
         if self._http is None:  # one connection pool for the worker's episodes, kept across steps
-            self._http = httpx.Client(timeout=self.timeout_s, limits=httpx.Limits(max_connections=None))
+            self._http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None))
         for k, key, row in episodes:
             client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, http_client=self._http)
             threading.Thread(
@@ -103,7 +104,7 @@ class _Host:
         async def one(k: int, key: str, row: dict, http) -> None:
             client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, http_client=http)
             try:
-                left = max(deadline - time.monotonic(), 0.0)
+                left = None if math.isinf(deadline) else max(deadline - time.monotonic(), 0.0)
                 out = (k, _sendable(await asyncio.wait_for(self.agent(client, row), left)), None)
             except TimeoutError:
                 out = (k, None, ("TimeoutError", "", True))
@@ -111,9 +112,7 @@ class _Host:
                 out = (k, None, (type(err).__name__, str(err)[:1000], time.monotonic() >= deadline - 0.1))
             self._report(out)
 
-        async with httpx.AsyncClient(
-            timeout=self.timeout_s, limits=httpx.Limits(max_connections=None)
-        ) as http:
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as http:
             await asyncio.gather(*(one(k, key, row, http) for k, key, row in episodes))
 
     def _report(self, out: tuple) -> None:
@@ -206,7 +205,9 @@ class AgentPool:
         try:
             worker = self._worker(i)
             try:
-                worker.call("start", (base_url, share, deadline()))
+                # The limit is the trainer's to enforce (it kills the worker): it moves (a stop signal, a
+                # step started while the learner updates), which a number sent now could not follow.
+                worker.call("start", (base_url, share, math.inf))
             except TypeError as err:  # a row that cannot be pickled: the agent never saw it
                 why = f"{err}; env.agent_workers=0 runs the agents in the trainer's process, rows unsent"
                 for k in list(pending):

@@ -109,6 +109,10 @@ class Batcher:
         with self._cond:
             self._paused = True
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
     def resume(self) -> None:
         with self._cond:
             self._paused = False

@@ -38,6 +38,7 @@ from grpo import plugins
 from grpo.agents.environments import EnvironmentContractError
 from grpo.config import ConfigError
 from grpo.config.errors import clause
+from grpo.gateway.clock import step_deadline, until
 from grpo.gateway.rows import session_rollouts
 from grpo.gateway.server import GatewayServer
 from grpo.gateway.service import Gateway, Limits
@@ -139,6 +140,8 @@ class AgentRunner:
         ahead: bool | None = None,
     ):
         self.agent = load_agent(agent)
+        if hasattr(self.agent, "paused"):  # an agent command: its time limit waits while the batcher holds
+            self.agent.paused = self._paused
         self.agent_spec = portable_spec(agent)  # set: a Ray rollout actor loads the agent by it
         self.is_async = inspect.iscoroutinefunction(self.agent)
         self.tokenizer, self.parser, self.limits = tokenizer, parser, limits
@@ -278,8 +281,12 @@ class AgentRunner:
         if (pool := self._agent_pool()) is not None:
             return self._drive_workers(pool, sessions, cut)
         if self.is_async:
-            return self._drive_async(sessions)
+            return self._drive_async(sessions, cut)
         return self._drive(sessions, cut)
+
+    def _paused(self) -> bool:
+        """The batcher holds the step's requests (the learner updates): its episodes' clock waits."""
+        return self.gateway is not None and self.gateway.batcher.paused
 
     # -- the next step's agents, started while the learner updates -----------------------------------------
     def start_ahead(self, engine, prompts: PromptBatch, n: int, sampling) -> bool:
@@ -362,14 +369,7 @@ class AgentRunner:
 
     def _drive_workers(self, pool, sessions: list[Session], cut: threading.Event | None = None):
         results: list[tuple] = [(None, "timeout")] * len(sessions)
-        limit = [time.monotonic() + self.timeout_s]
-
-        def deadline() -> float:
-            if stop_requested() and limit[0] > time.monotonic() + STOP_GRACE_S:
-                limit[0] = time.monotonic() + STOP_GRACE_S  # SIGINT/SIGTERM: the step ends soon
-            if cut is not None and cut.is_set() and limit[0] > time.monotonic() + 1.0:
-                limit[0] = time.monotonic() + 1.0  # discarded: their calls get 409 now
-            return limit[0]
+        deadline = step_deadline(self.timeout_s, self._paused, cut)
 
         def ended(k: int, value, error) -> None:
             s = sessions[k]
@@ -377,6 +377,7 @@ class AgentRunner:
                 results[k] = (value, None)
             else:
                 name, message, late = error
+                late = late or time.monotonic() >= deadline() - 0.1  # it raised as its time ran out
                 results[k] = (None, "timeout" if late else self._failure(s, RaisedInWorker(message), name))
             self._ended(s, results[k][1])
 
@@ -391,7 +392,9 @@ class AgentRunner:
 
         results: list[tuple] = [(None, "timeout")] * len(sessions)
         if self._http is None:  # one connection pool for every episode's client: a client each costs ~0.1 s
-            self._http = httpx.Client(timeout=self.timeout_s, limits=httpx.Limits(max_connections=None))
+            # No client-side timeout: a request may wait in a paused batcher for a whole update (start_ahead);
+            # the episode's time limit is the runner's (gateway/clock.py).
+            self._http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None))
         clients = [
             openai.OpenAI(base_url=self.server.base_url, api_key=s.key, max_retries=0, http_client=self._http)
             for s in sessions
@@ -401,7 +404,7 @@ class AgentRunner:
             try:
                 results[k] = (self.agent(clients[k], copy.deepcopy(s.row)), None)
             except Exception as err:  # noqa: BLE001 - the agent's fault ends its episode, not the run
-                late = time.monotonic() >= deadline - 0.1  # e.g. an agent command killed at its limit
+                late = time.monotonic() >= deadline() - 0.1  # e.g. an agent command killed at its limit
                 results[k] = (None, "timeout" if late else self._failure(s, err))
             finally:
                 self._ended(s, results[k][1])
@@ -410,30 +413,28 @@ class AgentRunner:
             threading.Thread(target=work, args=(k, s), name=f"grpo-agent-{k}", daemon=True)
             for k, s in enumerate(sessions)
         ]
-        deadline = time.monotonic() + self.timeout_s
+        deadline = step_deadline(self.timeout_s, self._paused, cut)
         for t in threads:
             t.start()
         for k, t in enumerate(threads):
-            while t.is_alive() and (left := deadline - time.monotonic()) > 0:
+            while t.is_alive() and (left := deadline() - time.monotonic()) > 0:
                 t.join(min(left, 0.25))
-                if stop_requested() and deadline > time.monotonic() + STOP_GRACE_S:
-                    deadline = time.monotonic() + STOP_GRACE_S  # SIGINT/SIGTERM: the step ends soon
-                if cut is not None and cut.is_set() and deadline > time.monotonic() + 1.0:
-                    deadline = time.monotonic() + 1.0  # discarded: their calls get 409 now
             if t.is_alive():  # a thread cannot be stopped: its session ends, so its calls now get 409
                 self._ended(sessions[k], "timeout")
         return results
 
-    def _drive_async(self, sessions: list[Session]) -> list[tuple]:
+    def _drive_async(self, sessions: list[Session], cut: threading.Event | None = None) -> list[tuple]:
         import httpx
         import openai
+
+        deadline = step_deadline(self.timeout_s, self._paused, cut)
 
         async def one(s: Session, http):
             client = openai.AsyncOpenAI(
                 base_url=self.server.base_url, api_key=s.key, max_retries=0, http_client=http
             )
             try:
-                return await asyncio.wait_for(self.agent(client, copy.deepcopy(s.row)), self.timeout_s), None
+                return await until(self.agent(client, copy.deepcopy(s.row)), deadline), None
             except TimeoutError:
                 return None, "timeout"
             except Exception as err:  # noqa: BLE001
@@ -445,9 +446,7 @@ class AgentRunner:
                 self._ended(s, out[1])
                 return out
 
-            async with httpx.AsyncClient(
-                timeout=self.timeout_s, limits=httpx.Limits(max_connections=None)
-            ) as http:
+            async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as http:
                 return await asyncio.gather(*(ended(s, http) for s in sessions))
 
         box: list = []
