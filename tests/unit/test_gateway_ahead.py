@@ -218,7 +218,9 @@ def test_by_default_the_agents_start_ahead_only_where_the_update_leaves_a_core_i
 @pytest.mark.parametrize("agent", [agents.calculator_agent, agents.async_agent], ids=["sync", "async"])
 @pytest.mark.parametrize("workers", WORKERS)
 def test_an_update_longer_than_the_episode_timeout_does_not_time_the_pre_started_episodes_out(
-    qwen, workers, agent
+    qwen,  # noqa: F811 - the fixture
+    workers,
+    agent,
 ):
     step1, step2 = batch(["What is 12 * 34?"]), batch(["Compute 12 * 34."])
     run = runner(qwen, agent, workers=workers, window_s=0.5, ahead=True, timeout_s=1.5)
