@@ -52,11 +52,11 @@ def id_tokenizer() -> IdTokenizer:
 
 
 # The test files that take longest (summed --durations=0 of a full `make test`, 2026-11-27 16:10, load ~3.5),
-# longest first. `make test` hands whole files to two workers in collection order (--dist loadfile with
-# --no-loadscope-reorder: xdist's default reorder sorts files by their number of tests instead, which had
-# put a dozen small parametrized files first and left this order unused). A long file started last keeps
-# one worker busy alone while the other core idles; started first, the short ones fill the gaps at the
-# end. A file not listed keeps its place after these; the list only orders, it selects nothing.
+# longest first: the order of a one-process run (and of xdist with --no-loadscope-reorder). A long file
+# started last keeps one worker busy alone while the other core idles; started first, the short ones fill
+# the gaps at the end. `make test` does not use it: xdist's default hands out files by their number of tests,
+# which measured faster there (the Makefile says why). A file not listed keeps its place after these; the
+# list only orders, it selects nothing.
 LONGEST_FIRST = (
     "integration/test_seed_commands.py",  # 172 s before the Ray-head test's refused join was shortened
     "integration/test_ray.py",  # 147
