@@ -164,3 +164,23 @@ def test_the_time_limit_waits_while_the_runner_holds_the_step():
     command.paused = lambda: False  # not held: the same command is past its limit
     with pytest.raises(AgentCommandError, match="past its 1 s limit"):
         command(CLIENT, {})
+
+
+def test_the_runner_gives_an_agent_command_its_paused_batcher_and_leaves_other_agents_alone():
+    from grpo.agents import HermesParser
+    from grpo.gateway.runner import AgentRunner
+    from grpo.gateway.service import Limits
+    from tests.chat_templates import family_tokenizer
+
+    qwen, limits = family_tokenizer("qwen2.5"), Limits(100, 10, 100)
+    command = AgentCommand(python("print(1)"))
+    run = AgentRunner(command, qwen, HermesParser(), limits)
+    assert command.paused == run._paused and not command.paused()  # no batcher yet: not held
+
+    def agent(client, row):
+        return 1.0
+
+    agent.paused = "the user's own attribute"
+    AgentRunner(agent, qwen, HermesParser(), limits).close()
+    assert agent.paused == "the user's own attribute"
+    run.close()

@@ -140,7 +140,9 @@ class AgentRunner:
         ahead: bool | None = None,
     ):
         self.agent = load_agent(agent)
-        if hasattr(self.agent, "paused"):  # an agent command: its time limit waits while the batcher holds
+        from grpo.gateway.agent_command import AgentCommand
+
+        if isinstance(self.agent, AgentCommand):  # its time limit waits while the batcher holds the step
             self.agent.paused = self._paused
         self.agent_spec = portable_spec(agent)  # set: a Ray rollout actor loads the agent by it
         self.is_async = inspect.iscoroutinefunction(self.agent)
