@@ -10,9 +10,9 @@ TORCH := torch==2.13.0
 # The main suite runs on two pytest-xdist workers: most tests run torch on one thread, so one process leaves a
 # core of a 2-core machine idle. Whole files per worker (loadfile), so module-scoped fixtures (a trained demo
 # run, a loaded model) are built once. xdist hands out files by their number of tests, not in
-# tests/conftest.py's longest-first order: kept, because it measured faster here (2026-11-27, quiet 2-core
-# AVX2 EPYC, same commit: 729 s against 812 s with --no-loadscope-reorder, which puts the Ray and two-process
-# files where the vLLM tests run beside them). `make test PYTEST_PARALLEL=` runs it in one process.
+# tests/conftest.py's longest-first order. Kept, the simpler of two that measured the same here (2026-11-27,
+# quiet 2-core AVX2 EPYC: 729 and 829 s this way, 756 and 812 s with --no-loadscope-reorder, which puts the
+# Ray and two-process files beside the vLLM tests). `make test PYTEST_PARALLEL=` runs it in one process.
 PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 $(BIN)/grpo: pyproject.toml
