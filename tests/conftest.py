@@ -55,8 +55,8 @@ def id_tokenizer() -> IdTokenizer:
 # longest first: the order of a one-process run (and of xdist with --no-loadscope-reorder). A long file
 # started last keeps one worker busy alone while the other core idles; started first, the short ones fill
 # the gaps at the end. `make test` does not use it: xdist's default hands out files by their number of tests,
-# which measured the same there (the Makefile has the numbers). A file not listed keeps its place after these; the
-# list only orders, it selects nothing.
+# which measured the same there (the Makefile has the numbers). A file not listed keeps its place after
+# these; the list only orders, it selects nothing.
 LONGEST_FIRST = (
     "integration/test_seed_commands.py",  # 172 s before the Ray-head test's refused join was shortened
     "integration/test_ray.py",  # 147
