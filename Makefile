@@ -13,10 +13,10 @@ TORCH := torch==2.13.0
 # tests/conftest.py's longest-first order. Kept, the simpler of two that measured the same here (2026-11-27,
 # quiet 2-core AVX2 EPYC: 729 and 829 s this way, 756 and 812 s with --no-loadscope-reorder, which puts the
 # Ray and two-process files beside the vLLM tests). `make test PYTEST_PARALLEL=` runs it in one process.
-# Three workers (-n 3) measured no better (2026-11-27 19:02-19:44, same host, others' jobs running: 1387 s
-# at load 5-9 (its own included) against 1067 s with two at load 3-4; the three workers' processes used 1250 CPU-s against
-# 1056): each worker also collects the whole suite (~25 CPU-s of imports: torch, transformers,
-# hypothesis, openai, datasets), and the long files still end on one worker.
+# Three workers (-n 3) measured no better (2026-11-27 19:02-19:44, same host, others' jobs running:
+# 1387 s at load 5-9, its own included, against 1067 s with two at load 3-4; the three workers' process
+# trees used 1250 CPU-s against 1056): each worker also collects the whole suite (~25 CPU-s of imports:
+# torch, transformers, hypothesis, openai, datasets), and the long files still end on one worker.
 PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 $(BIN)/grpo: pyproject.toml
