@@ -33,6 +33,7 @@ BASE = {
     "tensorboard": False,
     "loss_aggregation": "token_mean",
     "save_steps": 0,
+    "report": False,  # its plots cost ~2 CPU-s a run (measured); no test here reads them
 }
 
 

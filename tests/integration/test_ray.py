@@ -30,6 +30,7 @@ SMALL = {
     "beta": 0.04,
     "tensorboard": False,
     "save_steps": 0,
+    "report": False,  # its plots cost ~2 CPU-s a run (measured); no test here reads them
 }
 
 
