@@ -228,8 +228,6 @@ class Learner:
             (a.dynamic_sampling, "algorithm.dynamic_sampling draws several rollout rounds per step"),
             (chunk is not None and chunk < cfg.train.prompts_per_step, "generation.batch_size splits each "
              "rollout into several generate calls"),
-            (bool(getattr(engine, "compiled", False)), "generation.compile_decode is true (the compiled "
-             "decode step records nothing)"),
         ]  # fmt: skip
         return next((why for failed, why in reasons if failed), None)
 

@@ -135,22 +135,36 @@ def test_explicit_decode_compile_without_a_compiler_is_a_config_error(monkeypatc
 
 
 @pytest.mark.slow  # compiles the full-batch graph (~1 min on a 2-core CPU)
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.9)])
-def test_the_compiled_graph_samples_what_the_eager_step_samples(tiny_model, id_tokenizer, top_k, top_p):
+@pytest.mark.parametrize("top_k,top_p,record", [(0, 1.0, False), (5, 0.9, True)])
+def test_the_compiled_graph_samples_what_the_eager_step_samples(
+    tiny_model, id_tokenizer, top_k, top_p, record
+):
     """The sampler runs inside the compiled graph on aten's RNG (fallback_random): for one seed it draws the
     eager engine's tokens and leaves the generator where the eager engine leaves it (a seeded run, and its
-    resume, sample the same whichever step serves them)."""
+    resume, sample the same whichever step serves them). With replay's recording on (the second case: the
+    graph that returns each layer's products), the recording is the eager step's to float rounding."""
+    from grpo.model.replay import ReplayTape
+
     tiny_model.generation_config.eos_token_id = None  # every row runs to the limit: the graph serves all
     params = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=top_k, top_p=top_p)
     runs = []
     for compiled in (False, True):
         engine = NativeEngine(tiny_model, id_tokenizer, compile_decode=compiled)
         engine.eos_ids = torch.tensor([-1])
+        if record:
+            engine.tape = ReplayTape()
+            engine.tape.arm()
         torch.manual_seed(5)
         with torch.no_grad():
             out = engine.generate([[2, 9, 4], [2, 3]], 3, params)
-        runs.append((out, torch.rand(4)))
-    (eager, after_eager), (compiled, after_compiled) = runs
+        runs.append((out, torch.rand(4), engine.tape and engine.tape.take()))
+    (eager, after_eager, eager_rec), (compiled, after_compiled, rec) = runs
     assert torch.equal(compiled.completion_ids, eager.completion_ids)
     torch.testing.assert_close(compiled.sampling_logprobs, eager.sampling_logprobs, rtol=0, atol=1e-5)
     assert torch.equal(after_compiled, after_eager)
+    if record:
+        assert rec is not None and torch.equal(rec.ids, eager_rec.ids) and rec.cursor == eager_rec.cursor
+        for got, want in zip(rec.buffers, eager_rec.buffers, strict=True):
+            for kind, buffer in want.items():
+                written = slice(0, rec.cursor)
+                torch.testing.assert_close(got[kind][written], buffer[written], rtol=0, atol=1e-5)
