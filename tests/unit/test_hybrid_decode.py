@@ -120,6 +120,40 @@ def test_the_rent_counts_full_batch_steps_only(tiny_model, id_tokenizer, monkeyp
     assert engine._rent_s < 3 * native._COMPILE_SAVES
 
 
+def test_a_recorded_rollout_pays_rent_and_once_compiled_records_through_the_full_batch_step(
+    tiny_model, id_tokenizer, monkeypatch
+):
+    """Replay's recording (train.replay_rollout_forward, on by default on a CPU) used to keep a run eager:
+    the compiled step recorded nothing, so recorded steps paid no rent. Now they pay, and once compiled
+    the full-batch step serves the recorded rollout and its products reach the recording."""
+    from grpo.model.replay import ReplayTape
+
+    monkeypatch.setattr(native, "cpp_compiler", lambda: "g++")
+    monkeypatch.setattr(native.torch, "compile", lambda fn, **kw: fn)
+    tiny_model.generation_config.eos_token_id = None
+    engine = NativeEngine(tiny_model, id_tokenizer, compile_decode=None)
+    engine.eos_ids = torch.tensor([-1])
+    engine.tape = ReplayTape()
+    params = SamplingParams(max_new_tokens=6)
+    with torch.no_grad():
+        engine.tape.arm()
+        engine.generate([[3, 4, 5]], 2, params)
+        assert engine.tape.take() is not None and engine._rent_s > 0
+        monkeypatch.setattr(native, "_COMPILE_S_PER_LAYER", 0.0)  # the next call's rent pays for it
+        engine.tape.arm()
+        engine.generate([[3, 4, 5]], 2, params)
+        engine.tape.take()
+        assert engine.compiled
+        full = []
+        engine._full_step = _counting(full, native._full_batch_step)
+        engine.tape.arm()
+        out = engine.generate([[3, 4, 5]], 2, params)
+        recording = engine.tape.take()
+    assert len(full) == 5 and recording is not None
+    # the five decoded inputs are the first five sampled tokens (the sixth is sampled, never decoded)
+    assert torch.equal(recording.ids[recording.slot_of[0, :5]], out.completion_ids[0, :5])
+
+
 def test_explicit_decode_compile_without_a_compiler_is_a_config_error(monkeypatch):
     import shutil
 
