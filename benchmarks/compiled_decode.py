@@ -7,7 +7,10 @@ interleaved.
 Workload: one rollout of a matrix cell (8 prompts × G rows, the cell's prompt length and completion
 limit and eos rate), the matrix's random model, temperature 1. `--variants` picks what runs: `eager`,
 `hybrid` (the default compiled graph; on a CPU with inductor's cpp_wrapper: its kernels called from
-generated C++), `hybrid-py` (the same graph called from inductor's Python wrapper).
+generated C++), `hybrid-py` (the same graph called from inductor's Python wrapper). A `+record` suffix
+(`eager+record`, `hybrid+record`) arms replay's tape before each generate call, as a training step does
+(`train.replay_rollout_forward`), so the rollout records each layer's products; its storage is kept from
+call to call, as the trainer keeps it.
 """
 
 from __future__ import annotations
@@ -21,19 +24,24 @@ from common import MATRIX_PROMPTS, make_matrix_model, make_prompts, matrix_cell,
 from transformers import AutoModelForCausalLM
 
 from grpo.model.compiled import compile_report
+from grpo.model.replay import ReplayTape
 from grpo.records import SamplingParams
 from grpo.rollout import native
 from grpo.rollout.native import NativeEngine
 
 
 def engine(variant: str, model, tok) -> NativeEngine:
+    if variant.endswith("+record"):
+        built = engine(variant.removesuffix("+record"), model, tok)
+        built.tape = ReplayTape()
+        return built
     if variant == "eager":
         return NativeEngine(model, tok)
     built = NativeEngine(model, tok, compile_decode=True)
     if variant == "hybrid-py":
         built._full_step = torch.compile(native._full_batch_step, options=native._INDUCTOR)
     elif variant != "hybrid":
-        raise SystemExit(f"--variants: unknown {variant!r} (eager, hybrid, hybrid-py)")
+        raise SystemExit(f"--variants: unknown {variant!r} (eager, hybrid, hybrid-py, each +record)")
     return built
 
 
@@ -42,7 +50,7 @@ def main() -> None:
     ap.add_argument("--cell", default="eos-off")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--variants", default="eager,hybrid", help="comma-separated: eager, hybrid, hybrid-py")
+    ap.add_argument("--variants", default="eager,hybrid", help="eager, hybrid, hybrid-py (+record)")
     ap.add_argument("--cpu-time", action="store_true", help="the process's CPU time (use with --threads 1)")
     args = ap.parse_args()
     if args.threads:
@@ -64,8 +72,13 @@ def main() -> None:
     @torch.no_grad()
     def generate(variant: str, seed: int) -> float:
         torch.manual_seed(seed)
+        tape = engines[variant].tape
         start = clock()
+        if tape is not None:
+            tape.arm()
         out = engines[variant].generate(prompts, cell["G"], sampling)
+        if tape is not None:
+            assert tape.take() is not None, "the recording did not fit its budget"
         tokens[variant].append(int(out.completion_mask.sum()))
         return clock() - start
 

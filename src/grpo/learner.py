@@ -79,6 +79,7 @@ class StepStats:
     skipped: bool
     importance: dict[str, float] = field(default_factory=dict)  # off-policy correction, when applied
     amp: dict[str, float] = field(default_factory=dict)  # float16 loss scaling: scale, overflow
+    replay: dict[str, float] = field(default_factory=dict)  # when replay is on: what the update replayed
     # [N, T] π_old as the step used it (the batch's own, or the first pass's log-probs); not a metric
     old_logprobs: torch.Tensor | None = field(default=None, repr=False)
 
@@ -94,7 +95,17 @@ class StepStats:
             "skipped_nonfinite": float(self.skipped),
             **self.importance,
             **self.amp,
+            **self.replay,
         }
+
+
+def _replay_metrics(tape: ReplayTape | None, recording) -> dict[str, float]:
+    """replay/frac: the share of the step's micro-batches whose forward replayed the rollout (0 when the
+    step recorded nothing: over its memory budget, or a second generate call), when replay is on."""
+    if tape is None:
+        return {}
+    done = 0 if recording is None else recording.replayed + recording.missed
+    return {"replay/frac": recording.replayed / done if done else 0.0}
 
 
 def _same_weights(master: torch.Tensor, ref: torch.Tensor, compute: torch.dtype | None) -> bool:
@@ -228,8 +239,6 @@ class Learner:
             (a.dynamic_sampling, "algorithm.dynamic_sampling draws several rollout rounds per step"),
             (chunk is not None and chunk < cfg.train.prompts_per_step, "generation.batch_size splits each "
              "rollout into several generate calls"),
-            (bool(getattr(engine, "compiled", False)), "generation.compile_decode is true (the compiled "
-             "decode step records nothing)"),
         ]  # fmt: skip
         return next((why for failed, why in reasons if failed), None)
 
@@ -415,6 +424,7 @@ class Learner:
             if self.scaler is None
             else {"amp/loss_scale": float(self.scaler.get_scale()), "amp/overflow": float(overflow)},
             old_logprobs=old_logprobs,
+            replay=_replay_metrics(self.replay_tape, recording),
         )
 
     def _optimizer_step(self, loss_finite: bool = True) -> tuple[float, bool]:

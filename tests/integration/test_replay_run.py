@@ -34,6 +34,8 @@ def test_a_run_with_replay_trains_as_the_run_without(tmp_path, monkeypatch):
             tiny_run.weights(out / "final_model"),
         )
         assert summary
+        said = [m.get("replay/frac") for m in tiny_run.metrics(out) if "loss" in m]
+        assert said == ([None, None] if replay is False else [1.0, 1.0])  # the metric says what happened
         if replay is False:
             assert not replayed
     assert len(replayed) == 2  # one micro-batch an update (gradient_accumulation_steps 1), two steps

@@ -120,6 +120,40 @@ def test_the_rent_counts_full_batch_steps_only(tiny_model, id_tokenizer, monkeyp
     assert engine._rent_s < 3 * native._COMPILE_SAVES
 
 
+def test_a_recorded_rollout_pays_rent_and_once_compiled_records_through_the_full_batch_step(
+    tiny_model, id_tokenizer, monkeypatch
+):
+    """Replay's recording (train.replay_rollout_forward, on by default on a CPU) used to keep a run eager:
+    the compiled step recorded nothing, so recorded steps paid no rent. Now they pay, and once compiled
+    the full-batch step serves the recorded rollout and its products reach the recording."""
+    from grpo.model.replay import ReplayTape
+
+    monkeypatch.setattr(native, "cpp_compiler", lambda: "g++")
+    monkeypatch.setattr(native.torch, "compile", lambda fn, **kw: fn)
+    tiny_model.generation_config.eos_token_id = None
+    engine = NativeEngine(tiny_model, id_tokenizer, compile_decode=None)
+    engine.eos_ids = torch.tensor([-1])
+    engine.tape = ReplayTape()
+    params = SamplingParams(max_new_tokens=6)
+    with torch.no_grad():
+        engine.tape.arm()
+        engine.generate([[3, 4, 5]], 2, params)
+        assert engine.tape.take() is not None and engine._rent_s > 0
+        monkeypatch.setattr(native, "_COMPILE_S_PER_LAYER", 0.0)  # the next call's rent pays for it
+        engine.tape.arm()
+        engine.generate([[3, 4, 5]], 2, params)
+        engine.tape.take()
+        assert engine.compiled
+        full = []
+        engine._full_step = _counting(full, native._full_batch_step)
+        engine.tape.arm()
+        out = engine.generate([[3, 4, 5]], 2, params)
+        recording = engine.tape.take()
+    assert len(full) == 5 and recording is not None
+    # the five decoded inputs are the first five sampled tokens (the sixth is sampled, never decoded)
+    assert torch.equal(recording.ids[recording.slot_of[0, :5]], out.completion_ids[0, :5])
+
+
 def test_explicit_decode_compile_without_a_compiler_is_a_config_error(monkeypatch):
     import shutil
 
@@ -135,22 +169,36 @@ def test_explicit_decode_compile_without_a_compiler_is_a_config_error(monkeypatc
 
 
 @pytest.mark.slow  # compiles the full-batch graph (~1 min on a 2-core CPU)
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.9)])
-def test_the_compiled_graph_samples_what_the_eager_step_samples(tiny_model, id_tokenizer, top_k, top_p):
+@pytest.mark.parametrize("top_k,top_p,record", [(0, 1.0, False), (5, 0.9, True)])
+def test_the_compiled_graph_samples_what_the_eager_step_samples(
+    tiny_model, id_tokenizer, top_k, top_p, record
+):
     """The sampler runs inside the compiled graph on aten's RNG (fallback_random): for one seed it draws the
     eager engine's tokens and leaves the generator where the eager engine leaves it (a seeded run, and its
-    resume, sample the same whichever step serves them)."""
+    resume, sample the same whichever step serves them). With replay's recording on (the second case: the
+    graph that returns each layer's products), the recording is the eager step's to float rounding."""
+    from grpo.model.replay import ReplayTape
+
     tiny_model.generation_config.eos_token_id = None  # every row runs to the limit: the graph serves all
     params = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=top_k, top_p=top_p)
     runs = []
     for compiled in (False, True):
         engine = NativeEngine(tiny_model, id_tokenizer, compile_decode=compiled)
         engine.eos_ids = torch.tensor([-1])
+        if record:
+            engine.tape = ReplayTape()
+            engine.tape.arm()
         torch.manual_seed(5)
         with torch.no_grad():
             out = engine.generate([[2, 9, 4], [2, 3]], 3, params)
-        runs.append((out, torch.rand(4)))
-    (eager, after_eager), (compiled, after_compiled) = runs
+        runs.append((out, torch.rand(4), engine.tape and engine.tape.take()))
+    (eager, after_eager, eager_rec), (compiled, after_compiled, rec) = runs
     assert torch.equal(compiled.completion_ids, eager.completion_ids)
     torch.testing.assert_close(compiled.sampling_logprobs, eager.sampling_logprobs, rtol=0, atol=1e-5)
     assert torch.equal(after_compiled, after_eager)
+    if record:
+        assert rec is not None and torch.equal(rec.ids, eager_rec.ids) and rec.cursor == eager_rec.cursor
+        for got, want in zip(rec.buffers, eager_rec.buffers, strict=True):
+            for kind, buffer in want.items():
+                written = slice(0, rec.cursor)
+                torch.testing.assert_close(got[kind][written], buffer[written], rtol=0, atol=1e-5)

@@ -207,15 +207,15 @@ def test_replay_is_off_where_a_condition_fails_and_true_says_which(overrides, so
         learner.attach_replay(source)
 
 
-def test_lora_and_compiled_decode_turn_replay_off():
+def test_lora_turns_replay_off_and_compiled_decode_does_not():
     from tests.unit.test_native import lora_model
 
     model = lora_model("qwen2", ["q_proj"])
     assert "LoRA" in _learner(model).replay_refusal(_source(model))
     plain = _model("llama")
     source = _source(plain)
-    source.engine.compiled = True
-    assert "compile_decode" in _learner(plain).replay_refusal(source)
+    source.engine.compiled = True  # the compiled full-batch step returns its products for the recording
+    assert _learner(plain).replay_refusal(source) is None
 
 
 def test_recording_on_onednn_decode_layers_replays_as_exactly(monkeypatch):
@@ -293,3 +293,49 @@ def test_gathers_reuse_one_buffer_per_layer_and_kind():
         assert v.data_ptr() == first[k].data_ptr()
         assert torch.equal(v, values[k][2:6])
         assert torch.equal(v, recording.buffers[0][k][2:6])
+
+
+def test_the_full_batch_step_records_what_the_update_replays(monkeypatch):
+    """The hybrid decode's full-batch step (run uncompiled here: its logic, not inductor's) returns each
+    layer's products and the engine copies them into the recording; after rows finish, the eager step
+    records the compacted batch. The replayed update then gives the recomputed forward's log-probs and
+    gradients, and the recording is slot for slot the eager engine's."""
+    from grpo.rollout import native
+
+    model = _model("qwen2")
+    full = []
+
+    def counting(dec, tokens, *args):
+        full.append(tokens.shape[0])
+        return native._full_batch_step(dec, tokens, *args)
+
+    def rollout(compiled: bool):
+        engine = NativeEngine(model, IdTokenizer(), compile_decode=compiled)
+        if compiled:
+            engine._full_step = counting
+        engine.tape = ReplayTape()
+        engine.tape.arm()
+        torch.manual_seed(0)
+        rollouts = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=12, temperature=1.0))
+        return rollouts, engine.tape.take()
+
+    eager, eager_rec = rollout(False)
+    rollouts, recording = rollout(True)
+    lengths = rollouts.completion_mask.sum(1)
+    assert full and set(full) == {12} and lengths.min() < len(full) + 1 < lengths.max()  # then compacted
+    assert torch.equal(rollouts.completion_ids, eager.completion_ids)
+    assert torch.equal(recording.slot_of, eager_rec.slot_of) and torch.equal(recording.ids, eager_rec.ids)
+    written = recording.cursor
+    for got, want in zip(recording.buffers, eager_rec.buffers, strict=True):
+        for kind in want:
+            torch.testing.assert_close(got[kind][:written], want[kind][:written], rtol=0, atol=1e-5)
+
+    batch = _batch(rollouts)
+    slices = [slice(0, 5), slice(5, 12)]
+    want, want_grads = _forward_and_grads(model, batch, slices)
+    got, got_grads = _forward_and_grads(model, batch, slices, recording)
+    assert (recording.replayed, recording.missed) == (2, 0)
+    mask = batch.completion_mask
+    torch.testing.assert_close(got * mask, want * mask, rtol=0, atol=5e-6)
+    for name, g in want_grads.items():
+        assert (got_grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-9, name

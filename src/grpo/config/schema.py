@@ -363,7 +363,7 @@ class TrainConfig:
         "products while it samples, and the update replays them instead of recomputing its forward (a "
         "third of its arithmetic; the same loss and gradients to float32 rounding). It needs float32, the "
         "native engine and training forward in this process, single-turn rollouts in one generate call, "
-        "no LoRA, no entropy bonus, no gradient checkpointing, no DAPO rounds, no compiled decode; and "
+        "no LoRA, no entropy bonus, no gradient checkpointing, no DAPO rounds; and "
         "the recording (about 4 × (qkv + 2·hidden + 2·ffn) bytes per token and layer) within a quarter of "
         "the available memory, else that step recomputes. null (default): on where all of that holds on a "
         "CPU; true: on, or an error naming what does not hold; false: off.",

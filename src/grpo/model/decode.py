@@ -264,10 +264,12 @@ def decode_step(
             continue
         # Recording: each product goes straight into the recording (on MKL the GEMM writes it there); the
         # MLP unfused (oneDNN would fuse SiLU and the product), since gate and up are both kept.
-        h = w.o_proj.plus(attn, h, out=record.block(i, "mid"))
+        # `kept` tells a recording without blocks (the compiled step's) the value.
+        h = record.kept(i, "mid", w.o_proj.plus(attn, h, out=record.block(i, "mid")))
         x = rms_norm(h, w.post_norm, dec.eps)
-        gate, up = w.gate(x, out=record.block(i, "gate")), w.up(x, out=record.block(i, "up"))
-        h = w.down.plus(F.silu(gate) * up, h, out=record.block(i, "out"))
+        gate = record.kept(i, "gate", w.gate(x, out=record.block(i, "gate")))
+        up = record.kept(i, "up", w.up(x, out=record.block(i, "up")))
+        h = record.kept(i, "out", w.down.plus(F.silu(gate) * up, h, out=record.block(i, "out")))
     return weights.lm_head(rms_norm(h, weights.final_norm, dec.eps))
 
 

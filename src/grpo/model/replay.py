@@ -132,6 +132,10 @@ class Recording:
         """This step's rows of `kind` in `layer` [n, width], for the decode to write its product into."""
         return self.buffers[layer][kind][self.start : self.start + self.count]
 
+    def kept(self, layer: int, kind: str, value: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
+        """`value` was computed into `block(layer, kind)`: nothing more to keep."""
+        return value
+
     def put(self, layer: int, kind: str, value: torch.Tensor, scaled_q: bool = False) -> None:
         """value [n, width]: this step's (or the prefill's [P·Lp, width]) output of `kind` in `layer`."""
         out = self.buffers[layer][kind][self.start : self.start + value.shape[0]]

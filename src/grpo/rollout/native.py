@@ -80,7 +80,8 @@ class NativeEngine:
         )
         self.tokenizer = tokenizer
         # Replay (model/replay.py): the learner's tape, armed before each step's rollout; the single-turn
-        # generate call records its products into it and decodes eagerly (the compiled step records none).
+        # generate call records its products into it (the compiled step returns them, the eager step
+        # writes them).
         self.tape = None
         self._said_no_copy = False
         self.pad_id, eos = pad_and_eos(model, tokenizer)
@@ -146,6 +147,14 @@ class NativeEngine:
             )
         return fits
 
+    def _full_batch(self, tokens, inputs: tuple, recording, active: torch.Tensor, step: int):
+        """One step of the compiled full-batch graph; its products go into the recording when there is
+        one. Returns the sampled tokens [N] and `_flags` [3, N]."""
+        tokens, flags, products = self._full_step(self.decoder, tokens, *inputs, recording is not None)
+        if recording is not None:
+            _record_products(recording.at_step(active, step), inputs[3], products)
+        return tokens, flags
+
     def _start_compiling(self) -> None:
         self.auto, self.compiled = False, True
         self._full_step = _compile_full_step(self.decoder.device)
@@ -183,8 +192,8 @@ class NativeEngine:
         weights = dec.decode_weights(fuse=device.type == "cpu", onednn=onednn, copy=copy)
         shape = (rows, dec.num_kv_heads, t_max, dec.head_dim)
         # The full-batch graph reads the unwritten columns too (masked): they must hold numbers, not NaN.
-        # every row still in the batch: the compiled static-shape step serves it (unless recording)
-        full = self.compiled and recording is None
+        # every row still in the batch: the compiled static-shape step serves it
+        full = self.compiled
         alloc = torch.zeros if full else torch.empty
         cache_k = [alloc(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
         cache_v = [alloc(shape, device=device, dtype=dec.dtype) for _ in dec.layers]
@@ -223,18 +232,8 @@ class NativeEngine:
                     onednn, weights = wanted, dec.decode_weights(fuse=True, onednn=wanted, copy=copy)
             if full:
                 position = torch.tensor([step], device=device)
-                tokens, flags = self._full_step(
-                    dec,
-                    tokens,
-                    prompt_cache,
-                    layout,
-                    caches,
-                    weights,
-                    *rope,
-                    position,
-                    sampling,
-                    eos_ids,
-                )
+                full_inputs = (prompt_cache, layout, caches, weights, *rope, position, sampling, eos_ids)
+                tokens, flags = self._full_batch(tokens, full_inputs, recording, active, step)
                 host_tokens, host_lp, hit_eos = _split_flags(flags.cpu())
                 continue
             start = time.perf_counter()
@@ -248,7 +247,7 @@ class NativeEngine:
             logits = dec.decode_step(tokens, prompt_cache, layout, step_caches, weights, cos, sin, record=rec)
             tokens, lp = sample_tokens(logits, sampling)  # [n_active]
             host_tokens, host_lp, hit_eos = _to_host(tokens, lp, eos_ids)
-            if self.auto and recording is None and n_rows == rows:  # a step the compiled graph would serve
+            if self.auto and n_rows == rows:  # a step the compiled graph would serve
                 self._rent_s += (time.perf_counter() - start) * _COMPILE_SAVES
         if self.auto and self._rent_s >= _COMPILE_S_PER_LAYER * len(dec.layers):
             self._start_compiling()
@@ -273,20 +272,63 @@ def _compile_full_step(device: torch.device):
 
 
 def _full_batch_step(
-    dec, tokens, prompt_cache, layout, caches, weights, rope_cos, rope_sin, position, sampling, eos_ids
+    dec,
+    tokens,
+    prompt_cache,
+    layout,
+    caches,
+    weights,
+    rope_cos,
+    rope_sin,
+    position,
+    sampling,
+    eos_ids,
+    record=False,
 ):
     """The step the compiled graph runs while every row is in the batch: decode `tokens` [N] at cache
-    column `position` [1], sample the next tokens. Returns them [N] and `_flags` [3, N]."""
+    column `position` [1], sample the next tokens. Returns them [N], `_flags` [3, N] and, when `record`
+    (replay's recording is on), each layer's products as graph outputs in `_Products` order (a second
+    graph: `record` is a constant to the compiler); the caller copies them into the recording, which a
+    graph cannot address (its block moves every step)."""
+    products = _Products() if record else None
     length = caches[0][0].shape[2]
     at = layout.prompt_len_per_row + position  # [N] each row's position
     cols = torch.arange(length, device=tokens.device)
     bias = torch.zeros(1, 1, 1, length, device=tokens.device, dtype=dec.dtype)
     bias = bias.masked_fill(cols > position, float("-inf"))  # the columns not written yet
     logits = dec.decode_step(
-        tokens, prompt_cache, layout, caches, weights, rope_cos[at], rope_sin[at], position, bias
+        tokens, prompt_cache, layout, caches, weights, rope_cos[at], rope_sin[at], position, bias, products
     )
     tokens, lp = sample_tokens(logits, sampling)
-    return tokens, _flags(tokens, lp, eos_ids)
+    return tokens, _flags(tokens, lp, eos_ids), (() if products is None else tuple(products.values))
+
+
+class _Products:
+    """What decode_step's `record` receives inside the compiled graph: each product as a value (no `out=`
+    blocks), in the order decode_step puts them: per layer _PRODUCT_KINDS."""
+
+    def __init__(self):
+        self.values: list[torch.Tensor] = []
+
+    def block(self, layer: int, kind: str) -> None:  # noqa: ARG002 (the Recording's signature)
+        return None
+
+    def kept(self, layer: int, kind: str, value: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
+        self.values.append(value)
+        return value
+
+    def put(self, layer: int, kind: str, value: torch.Tensor, scaled_q: bool = False) -> None:  # noqa: ARG002
+        self.values.append(value)
+
+
+_PRODUCT_KINDS = ("qkv", "mid", "gate", "up", "out")  # decode_step's recording order within a layer
+
+
+def _record_products(recording, weights, products: tuple) -> None:
+    kinds = len(_PRODUCT_KINDS)
+    for i, w in enumerate(weights.layers):
+        for kind, value in zip(_PRODUCT_KINDS, products[i * kinds : (i + 1) * kinds], strict=True):
+            recording.put(i, kind, value, scaled_q=kind == "qkv" and w.q_scaled)
 
 
 def _recording_at(recording, rows: torch.Tensor, step: int):
