@@ -95,12 +95,7 @@ def measure(episodes: int, repeats: int) -> list[dict]:
     gateway = Gateway(tok, parser, Limits(160, 48, 4096), Canned(), SamplingParams(max_new_tokens=48),
                       window_s=0.0)  # fmt: skip
     server = GatewayServer(gateway)
-    try:  # the http client an agent worker gives its episodes' `openai` clients
-        from grpo.gateway.transport import agent_http_client
-
-        http = agent_http_client(server.base_url)
-    except ImportError:  # a checkout before gateway/transport.py
-        http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None))
+    http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None))  # as an agent worker's
     rows = [{"prompt": f"What is {a} * {a + 7}?", "answer": str(a * (a + 7))} for a in range(episodes)]
     out = []
     try:

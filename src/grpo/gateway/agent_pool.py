@@ -68,7 +68,6 @@ class _Host:
         self._ended: list[tuple] = []
         self._cond = threading.Condition()
         self._http = None
-        self._http_url = None
 
     def start(self, base_url: str, episodes: list[tuple[int, str, dict]], deadline: float) -> None:
         """Start `episodes` ((index, session key, row) each) against the gateway at `base_url`; returns at
@@ -80,14 +79,11 @@ class _Host:
                 daemon=True,
             ).start()
             return
+        import httpx
         import openai
 
-        from grpo.gateway.transport import agent_http_client
-
-        if self._http is None or self._http_url != base_url:  # one client for the worker's episodes
-            # The gateway's calls over a plain socket each (transport.py: a third of the client's CPU a call).
-            self._http = agent_http_client(base_url)
-            self._http_url = base_url
+        if self._http is None:  # one connection pool for the worker's episodes, kept across steps
+            self._http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None))
         for k, key, row in episodes:
             client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, http_client=self._http)
             threading.Thread(
