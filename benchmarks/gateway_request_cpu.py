@@ -10,7 +10,9 @@ Python around the engine: the server's request threads (HTTP parsing, JSON, the 
 the reply) and the agent's thread (examples/tiny_tools_agent.py's `run`: the `openai` client, httpx), each by
 its own thread CPU time (time.thread_time), one episode at a time, at one torch thread. `--before DIR` runs
 the same measurement with DIR's src/ in a child process, alternating with this checkout's, so both sides see
-the same machine; the medians per call are printed side by side.
+the same machine; the medians per call are printed side by side. `--continuations` measures, in one process,
+interleaved, the server's ids of a continued row both ways: the delta rule (two renderings) and the gateway's
+one rendering (gateway/service.py, _Renderer.continued_ids), checked equal.
 """
 
 from __future__ import annotations
@@ -127,13 +129,63 @@ def measure(episodes: int, repeats: int) -> list[dict]:
     return out
 
 
+def continuations(rounds: int = 7, n: int = 50) -> None:
+    """CPU per continued row's ids: ChatRenderer.injected_ids against _Renderer.continued_ids (see the module
+    docstring), interleaved in this process at one torch thread; the first request's rendering not counted."""
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT / "examples"))
+    from tiny_tools_agent import TOOLS
+    from transformers import AutoTokenizer
+
+    from grpo.agents.chat import ChatRenderer
+    from grpo.gateway.service import _Renderer
+    from grpo.model.loading import resolve_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_path("tiny-tools-lm"))
+    delta, once = ChatRenderer(tok, TOOLS), _Renderer(tok, TOOLS)
+    once._checked = once.VERIFY  # past the first calls' check against the delta rule
+    cases = []
+    for a in range(n):
+        first = [{"role": "user", "content": f"What is {a} * {a + 7}?"}]
+        call = {"type": "function", "id": "call00001",
+                "function": {"name": "calculator", "arguments": {"expression": f"{a}*{a + 7}"}}}  # fmt: skip
+        tool = {
+            "role": "tool",
+            "tool_call_id": "call00001",
+            "name": "calculator",
+            "content": str(a * (a + 7)),
+        }
+        history = [*first, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        cases.append((history, [tool], once.render(first, add_generation_prompt=True)))
+    assert all(delta.injected_ids(h, new) == once.continued_ids(h, new, r)[0] for h, new, r in cases)
+    times: dict[str, list[float]] = {"delta rule": [], "one rendering": []}
+    for rep in range(rounds):
+        for side in list(times) if rep % 2 else list(times)[::-1]:
+            start = time.thread_time()
+            for h, new, r in cases:
+                delta.injected_ids(h, new) if side == "delta rule" else once.continued_ids(h, new, r)
+            times[side].append((time.thread_time() - start) / n)
+    load = Path("/proc/loadavg").read_text().split()[0]
+    for side, values in times.items():
+        print(
+            f"{side}: {1e3 * statistics.median(values):.3f} ms per continuation "
+            f"(median of {rounds}; load {load})"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--episodes", type=int, default=200, help="episodes per round (2 model calls each)")
     ap.add_argument("--repeats", type=int, default=5, help="rounds (per side, alternating with --before)")
     ap.add_argument("--before", type=Path, help="another checkout (e.g. main) to measure the same way")
     ap.add_argument("--json", action="store_true", help="(internal) measure one round here, print JSON")
+    ap.add_argument("--continuations", action="store_true", help="the continued row's ids both ways (above)")
     args = ap.parse_args()
+    if args.continuations:
+        continuations()
+        return
     if args.json:
         print(json.dumps(measure(args.episodes, args.repeats)))
         return
