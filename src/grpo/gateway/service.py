@@ -262,31 +262,89 @@ class _Renderer(ChatRenderer):
     """The renderer of one tool set, keeping the ids of the conversations it rendered last: a group's
     episodes open with the same messages, so one rendering (the chat template and the tokenizer, most of a
     request's cost on the server) serves the whole group. The same messages and tools render to the same
-    ids, so a kept rendering is exact."""
+    ids, so a kept rendering is exact.
+
+    A continued row's new ids (`continued_ids`) take one rendering instead of the delta rule's two: the
+    rendering before the new messages is the row's last one (its request's, with the generation prompt) and
+    the reply that followed it, which ends at the first end-of-turn string after it (the reply's own text is
+    masked: it holds no special-token string). Only for a template that preserves prefixes
+    (`prefix_problem()`), and checked against the delta rule on the first VERIFY continuations: on any
+    difference the delta rule serves every later call."""
 
     KEEP = 256  # conversations: a step's distinct first requests, with room for evaluation's
+    VERIFY = 8  # continuations computed both ways before the one-rendering path is trusted alone
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._kept: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._kept: OrderedDict[str, tuple[tuple[int, ...], str]] = OrderedDict()
         self._lock = threading.Lock()
+        self._short: bool | None = None  # None: the template not probed yet
+        self._checked = 0
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.prompt(messages)[0]
+
+    def prompt(self, messages: list[dict]) -> tuple[list[int], str]:
+        """The ids of `messages` with the generation prompt, and the text they encode."""
         try:
             key = json.dumps(messages, sort_keys=True)
         except (TypeError, ValueError):  # not JSON (cannot come from the wire): render it
-            return super().prompt_ids(messages)
+            key = None
+        if key is not None:
+            with self._lock:
+                kept = self._kept.get(key)
+                if kept is not None:
+                    self._kept.move_to_end(key)
+                    return list(kept[0]), kept[1]
+        text = self.render(messages, add_generation_prompt=True)
+        ids = self.encode(text)
+        if key is not None:
+            with self._lock:
+                self._kept[key] = (tuple(ids), text)
+                if len(self._kept) > self.KEEP:
+                    self._kept.popitem(last=False)
+        return ids, text
+
+    def continued_ids(
+        self, history: list[dict], new: list[dict], rendered: str | None
+    ) -> tuple[list[int], str]:
+        """`injected_ids(history, new)`, and the rendering of history + new with the generation prompt (the
+        next call's `rendered`). `rendered`: the rendering of `history` less its last message (the reply)
+        with the generation prompt, as this returned it or `prompt` gave it; None: not known."""
+        after = self.render(history + new, add_generation_prompt=True)
+        cut = self._reply_end(after, rendered)
+        if cut is None:
+            return self.injected_ids(history, new), after
+        ids = self.encode(self.turn_tail + after[cut:])
         with self._lock:
-            ids = self._kept.get(key)
-            if ids is not None:
-                self._kept.move_to_end(key)
-                return list(ids)
-        ids = super().prompt_ids(messages)
-        with self._lock:
-            self._kept[key] = tuple(ids)
-            if len(self._kept) > self.KEEP:
-                self._kept.popitem(last=False)
-        return ids
+            check = self._checked < self.VERIFY
+            self._checked += check
+        if check:
+            full = self.injected_ids(history, new)
+            if full != ids:
+                self._short = False
+                log.info(
+                    "Gateway: the chat template's continuations need the full delta rule (two renderings)."
+                )
+                return full, after
+        return ids, after
+
+    def _reply_end(self, after: str, rendered: str | None) -> int | None:
+        """Where the rendering of the history (up to the reply's end of turn) ends in `after`; None where the
+        one-rendering path does not hold."""
+        if rendered is None or not after.startswith(rendered) or not self._trusted():
+            return None
+        end = self.end_of_turn + self.turn_tail
+        at = after.find(end, len(rendered))
+        return None if at < 0 else at + len(end)
+
+    def _trusted(self) -> bool:
+        if self._short is None:
+            try:
+                self._short = self.prefix_problem() is None
+            except Exception:  # noqa: BLE001 - a template the probe cannot render: the delta rule decides
+                self._short = False
+        return self._short
 
 
 def _always(ids: list[int]) -> bool:

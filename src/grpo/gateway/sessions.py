@@ -36,6 +36,9 @@ class Row:
     # per id: the weight version that sampled it (-1: not sampled, or the engine does not say); a Ray
     # rollout actor's weights may change between two turns of one row (rollout/weight_versions.py)
     versions: list[int] = dataclasses.field(default_factory=list)
+    # the rendering (text) of the row's last request with the generation prompt, where the renderer gives it:
+    # the next continuation renders once instead of twice (gateway/service.py, _Renderer.continued_ids)
+    rendered: str | None = None
 
     def add(self, ids: list[int], logprobs: list[float] | None, version: int | None = None) -> None:
         self.ids += ids
@@ -108,11 +111,15 @@ class Session:
             end = renderer.tokenizer.convert_tokens_to_ids(renderer.end_of_turn)
             if cur.ids[-1] != end:  # the turn stopped on a stop string or a cap: the template closes it
                 ids.append(end)
-            ids += renderer.injected_ids(cur.messages, new)
-            cur.add(ids, None)
+            if hasattr(renderer, "continued_ids"):
+                more, cur.rendered = renderer.continued_ids(cur.messages, new, cur.rendered)
+            else:
+                more = renderer.injected_ids(cur.messages, new)
+            cur.add([*ids, *more], None)
             cur.messages = list(messages)
             return cur
-        prompt = renderer.prompt_ids(messages)
+        prompt, rendered = renderer.prompt(messages) if hasattr(renderer, "prompt") else (None, None)
+        prompt = renderer.prompt_ids(messages) if prompt is None else prompt
         if cur is not None:
             self.forks += 1
             if strict:
@@ -128,6 +135,7 @@ class Session:
             self.drift_tokens += len(prompt) - (min(len(prompt), len(cur.ids)) if same is None else same)
         zeros = [0.0] * len(prompt)
         row = Row(len(prompt), list(prompt), zeros, list(zeros), list(messages), tools_key, len(messages))
+        row.rendered = rendered
         self.rows.append(row)
         return row
 
