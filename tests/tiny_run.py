@@ -34,6 +34,9 @@ SETTINGS = {
     "save_steps": 1,
     "reward_funcs": ["tests.tiny_run:letter_score", "gsm8k_format"],
     "max_prompt_length": 96,
+    # The HTML report's plots cost ~2.2 CPU-s a run (matplotlib), ~15% of the suite's CPU over its ~100
+    # runs; the tests that read a report ask for it (report=True).
+    "report": False,
 }
 
 

@@ -40,7 +40,8 @@ def trained(inputs, tmp_path_factory):
     """A finished 2-step run (checkpoints, final_model, logs, report) and its trainer."""
     model, data = inputs
     run = tmp_path_factory.mktemp("trained") / "run"
-    cfg = GRPOConfig(**tiny_run.config(model, data, run, steps=2, tensorboard=True, log_samples=2))
+    settings = tiny_run.config(model, data, run, steps=2, tensorboard=True, log_samples=2, report=True)
+    cfg = GRPOConfig(**settings)
     trainer = GRPOTrainer(config=cfg)
     trainer.train()
     return trainer, run

@@ -51,7 +51,7 @@ def test_a_python_run_records_its_data_rewards_and_tools_and_a_cli_resume_refuse
     out = tmp_path / "run"
     trainer = GRPOTrainer(
         model="tiny-tools-lm",
-        args=_args("tiny-tools-lm", out, max_prompt_length=256),
+        args=_args("tiny-tools-lm", out, max_prompt_length=256, report=True),
         train_dataset=_rows(),
         reward_funcs=[in_script, gsm8k_correctness, "gsm8k_format"],
         tools=[calculator],
