@@ -102,6 +102,7 @@ class Recording:
         self.unscale = torch.ones(widths["qkv"], **kw)  # the decode's q arrives scaled (folded weights)
         self.unscale[: dec.num_heads * hd] = 1.0 / dec.scale
         self.start, self.count = 0, 0  # this step's block of slots
+        self._whole: list | None = None  # graph_target's buffers, made on first use
         self.cursor = self.base  # where the next step's block goes: the blocks are packed, decoded rows only
         # [first step, last step + 1, original row of each cache row, the first step's block]
         self._segments: list[list] = []
@@ -131,6 +132,22 @@ class Recording:
     def block(self, layer: int, kind: str) -> torch.Tensor:
         """This step's rows of `kind` in `layer` [n, width], for the decode to write its product into."""
         return self.buffers[layer][kind][self.start : self.start + self.count]
+
+    def graph_target(self) -> tuple:
+        """What the compiled full-batch decode step writes this step's products into (rollout/native.py
+        `_GraphRecord`): per layer each kind's buffer over the whole kept storage (its shape stays the same
+        from call to call while the storage is reused, so the graph is not recompiled for another prompt
+        width), this step's slots [n], and the factor that unscales q."""
+        if self._whole is None:
+            self._whole = [
+                {k: flat[: flat.numel() // w * w].view(-1, w) for k, (flat, w) in layer.items()}
+                for layer in (
+                    {k: (self.storage[i][k], b.shape[1]) for k, b in buffers.items()}
+                    for i, buffers in enumerate(self.buffers)
+                )
+            ]
+        slots = torch.arange(self.start, self.start + self.count, device=self.unscale.device)
+        return self._whole, slots, self.unscale
 
     def kept(self, layer: int, kind: str, value: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
         """`value` was computed into `block(layer, kind)`: nothing more to keep."""

@@ -148,12 +148,10 @@ class NativeEngine:
         return fits
 
     def _full_batch(self, tokens, inputs: tuple, recording, active: torch.Tensor, step: int):
-        """One step of the compiled full-batch graph; its products go into the recording when there is
-        one. Returns the sampled tokens [N] and `_flags` [3, N]."""
-        tokens, flags, products = self._full_step(self.decoder, tokens, *inputs, recording is not None)
-        if recording is not None:
-            _record_products(recording.at_step(active, step), inputs[3], products)
-        return tokens, flags
+        """One step of the compiled full-batch graph, which writes its products into the recording's
+        block for this step when there is one. Returns the sampled tokens [N] and `_flags` [3, N]."""
+        target = None if recording is None else recording.at_step(active, step).graph_target()
+        return self._full_step(self.decoder, tokens, *inputs, target)
 
     def _start_compiling(self) -> None:
         self.auto, self.compiled = False, True
@@ -283,14 +281,13 @@ def _full_batch_step(
     position,
     sampling,
     eos_ids,
-    record=False,
+    record=None,
 ):
     """The step the compiled graph runs while every row is in the batch: decode `tokens` [N] at cache
-    column `position` [1], sample the next tokens. Returns them [N], `_flags` [3, N] and, when `record`
-    (replay's recording is on), each layer's products as graph outputs in `_Products` order (a second
-    graph: `record` is a constant to the compiler); the caller copies them into the recording, which a
-    graph cannot address (its block moves every step)."""
-    products = _Products() if record else None
+    column `position` [1], sample the next tokens. Returns them [N] and `_flags` [3, N]. `record`: replay's
+    recording's `graph_target()` (a second graph: None or not is a constant to the compiler), into which
+    each layer's products are written at this step's slots, as the KV cache is written."""
+    products = None if record is None else _GraphRecord(*record)
     length = caches[0][0].shape[2]
     at = layout.prompt_len_per_row + position  # [N] each row's position
     cols = torch.arange(length, device=tokens.device)
@@ -300,35 +297,27 @@ def _full_batch_step(
         tokens, prompt_cache, layout, caches, weights, rope_cos[at], rope_sin[at], position, bias, products
     )
     tokens, lp = sample_tokens(logits, sampling)
-    return tokens, _flags(tokens, lp, eos_ids), (() if products is None else tuple(products.values))
+    return tokens, _flags(tokens, lp, eos_ids)
 
 
-class _Products:
-    """What decode_step's `record` receives inside the compiled graph: each product as a value (no `out=`
-    blocks), in the order decode_step puts them: per layer _PRODUCT_KINDS."""
+class _GraphRecord:
+    """What decode_step's `record` is inside the compiled graph: each product is written into the
+    recording's buffers (graph inputs of fixed shape: the kept storage) at this step's `slots` [N] by an
+    in-place index_copy_, which the compiler fuses like the KV cache's write; no block views, which would
+    move every step."""
 
-    def __init__(self):
-        self.values: list[torch.Tensor] = []
+    def __init__(self, buffers, slots: torch.Tensor, unscale: torch.Tensor):
+        self.buffers, self.slots, self.unscale = buffers, slots, unscale
 
     def block(self, layer: int, kind: str) -> None:  # noqa: ARG002 (the Recording's signature)
         return None
 
-    def kept(self, layer: int, kind: str, value: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
-        self.values.append(value)
+    def kept(self, layer: int, kind: str, value: torch.Tensor) -> torch.Tensor:
+        self.buffers[layer][kind].index_copy_(0, self.slots, value)
         return value
 
-    def put(self, layer: int, kind: str, value: torch.Tensor, scaled_q: bool = False) -> None:  # noqa: ARG002
-        self.values.append(value)
-
-
-_PRODUCT_KINDS = ("qkv", "mid", "gate", "up", "out")  # decode_step's recording order within a layer
-
-
-def _record_products(recording, weights, products: tuple) -> None:
-    kinds = len(_PRODUCT_KINDS)
-    for i, w in enumerate(weights.layers):
-        for kind, value in zip(_PRODUCT_KINDS, products[i * kinds : (i + 1) * kinds], strict=True):
-            recording.put(i, kind, value, scaled_q=kind == "qkv" and w.q_scaled)
+    def put(self, layer: int, kind: str, value: torch.Tensor, scaled_q: bool = False) -> None:
+        self.kept(layer, kind, value * self.unscale if scaled_q else value)
 
 
 def _recording_at(recording, rows: torch.Tensor, step: int):
