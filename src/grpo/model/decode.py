@@ -220,8 +220,9 @@ def decode_step(
     caches are the whole [n, Hkv, T, D] buffers, this step's K/V go to column `position`, and the
     bias (−inf past it) masks the columns not written yet; every step then has the same shapes, and
     one compiled graph serves them all.
-    record: a model/replay.py `Recording` set to this step's rows (eager steps only), which keeps each
-    layer's products; the step's numbers are the same with or without it.
+    record: a model/replay.py `Recording` set to this step's rows (or, in the compiled full-batch step,
+    rollout/native.py's `_GraphRecord`), which keeps each layer's products; the step's numbers are the
+    same with or without it.
     """
     n, h_q, h_kv, d = tokens.shape[0], dec.num_heads, dec.num_kv_heads, dec.head_dim
     cos, sin = cos[:, None], sin[:, None]

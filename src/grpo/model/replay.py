@@ -140,11 +140,8 @@ class Recording:
         width), this step's slots [n], and the factor that unscales q."""
         if self._whole is None:
             self._whole = [
-                {k: flat[: flat.numel() // w * w].view(-1, w) for k, (flat, w) in layer.items()}
-                for layer in (
-                    {k: (self.storage[i][k], b.shape[1]) for k, b in buffers.items()}
-                    for i, buffers in enumerate(self.buffers)
-                )
+                {k: _whole_rows(self.storage[i][k], b.shape[1]) for k, b in buffers.items()}
+                for i, buffers in enumerate(self.buffers)
             ]
         slots = torch.arange(self.start, self.start + self.count, device=self.unscale.device)
         return self._whole, slots, self.unscale
@@ -214,6 +211,11 @@ class Recording:
 # (their prompts' width varies with the data) still fit and reuse it. Only the pages a rollout writes
 # become resident, so the headroom costs address space, not memory.
 HEADROOM = 1.5
+
+
+def _whole_rows(flat: torch.Tensor, width: int) -> torch.Tensor:
+    """The flat storage as [rows, width] from its start (where a recording's buffer begins too)."""
+    return flat[: flat.numel() // width * width].view(-1, width)
 
 
 def _storage(have: torch.Tensor | None, size: int, kw: dict) -> torch.Tensor:

@@ -80,8 +80,7 @@ class NativeEngine:
         )
         self.tokenizer = tokenizer
         # Replay (model/replay.py): the learner's tape, armed before each step's rollout; the single-turn
-        # generate call records its products into it (the compiled step returns them, the eager step
-        # writes them).
+        # generate call records its products into it (the eager step and the compiled one alike).
         self.tape = None
         self._said_no_copy = False
         self.pad_id, eos = pad_and_eos(model, tokenizer)
