@@ -27,23 +27,10 @@ import threading
 import time
 from pathlib import Path
 
+# the server's request threads' CPU, counted by gateway_rollout's Thread.run wrapper (key "server")
+from gateway_rollout import _THREAD_CPU, _counted_run, _lock
+
 ROOT = Path(__file__).resolve().parent.parent
-
-_SERVER_CPU = [0.0]
-_lock = threading.Lock()
-_run = threading.Thread.run
-
-
-def _counted_run(self):
-    """Thread.run, adding a server request thread's CPU time (socketserver names them process_request)."""
-    if "process_request" not in self.name:
-        return _run(self)
-    start = time.thread_time()
-    try:
-        return _run(self)
-    finally:
-        with _lock:
-            _SERVER_CPU[0] += time.thread_time() - start
 
 
 def measure(episodes: int, repeats: int) -> list[dict]:
@@ -104,7 +91,7 @@ def measure(episodes: int, repeats: int) -> list[dict]:
         for rep in range(repeats + 1):  # the first round warms up
             sessions = [Session(k, k, row) for k, row in enumerate(rows)]
             with _lock:
-                _SERVER_CPU[0] = 0.0
+                _THREAD_CPU["server"] = 0.0
             client_cpu = 0.0
             for s in sessions:  # one live at a time: the batcher waits for no other session's call
                 gateway.sessions.add(s)
@@ -119,7 +106,7 @@ def measure(episodes: int, repeats: int) -> list[dict]:
             time.sleep(0.05)  # the last request thread's CPU is counted as it exits
             calls = sum(s.calls for s in sessions)
             with _lock:
-                server_cpu = _SERVER_CPU[0]
+                server_cpu = _THREAD_CPU["server"]
             if rep:
                 out.append({"calls": calls, "server_ms": 1e3 * server_cpu / calls,
                             "client_ms": 1e3 * client_cpu / calls})  # fmt: skip
