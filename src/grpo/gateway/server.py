@@ -282,8 +282,12 @@ class _Handler(BaseHTTPRequestHandler):
         # connect costs ~0.1 ms, and no thread sits on an idle connection.
         self.send_header("Connection", "close")
         self.close_connection = True
-        self.end_headers()
-        self.wfile.write(data)
+        if getattr(self, "_headers_buffer", None) is not None:  # headers and body in one send, not two
+            self._headers_buffer.append(b"\r\n" + data)
+            self.flush_headers()
+        else:  # an HTTP/0.9 request line: the stdlib buffers no headers
+            self.end_headers()
+            self.wfile.write(data)
 
     def _error(self, err: GatewayError, headers: dict | None = None) -> None:
         self._json(err.status, err.body(), headers)
