@@ -194,7 +194,9 @@ class Gateway:
             row.busy = True
             session.calls += 1
             session.recalls += session.answered
-            job = Job(list(row.ids), cap, stream=req.stream, key=session.key, final=final)
+            job = Job(
+                list(row.ids), cap, stream=req.stream, key=session.key, final=final, order=session.index
+            )
         self.batcher.submit(job)
         return job, row, cap
 
