@@ -7,10 +7,14 @@ concurrent episodes a step, at most 4 model calls each, 48 tokens a turn. Side A
 (the calculator as a `tools=` function, the turn loop in grpo's process); side B is the `tiny_tools_agent`
 preset (examples/tiny_tools_agent.py, a plain openai-python agent, one thread per episode, every model call
 an HTTP request to the gateway, the calculator run by the agent). The learning rate is 1e-9 so the policy,
-and with it the episodes' lengths and tool calls, stays the same across steps and sides. Each repeat runs A
-then B as fresh processes (interleaved: drift in the machine's speed hits both); a run's time is the median of
-its steps after the first. Reported: s/step and rollout s/step per side, B/A per repeat and their median,
-the mean turns and tool calls per episode (same workload check), and the host's load.
+and with it the episodes' lengths and tool calls, stays the same across steps and sides. The gateway
+batches its calls in episode order (gateway/batching.py, `in_episode_order`), so the two sides sample the
+same episodes token for token (turns, tool calls and sampled tokens per episode are printed to check it);
+before, the gateway's episodes hung on the agents' timing and its steps fell in two clusters (a third turn
+or not). Each repeat runs A then B as fresh processes (interleaved: drift in the machine's speed hits
+both); a run's time is the median of its steps after the first. Reported: s/step and rollout s/step per
+side, B/A per repeat and their median, the mean turns, tool calls and sampled tokens per episode (same
+workload check), and the host's load.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ def one_run(side: str, steps: int, threads: int, root: Path = ROOT) -> dict:
         "rollout_s": statistics.median(r.get("time/rollout", float("nan")) for r in steps_rows),
         "turns": mean("episode/turns"),
         "tool_calls": mean("episode/tool_calls"),
+        "sampled_tokens": mean("episode/sampled_tokens"),
         "forks": sum(r.get("gateway/forks", 0) for r in steps_rows),
         "wall_s": wall,
         "load": load(),
@@ -134,7 +139,8 @@ def main() -> None:
             r = pair[side]
             print(
                 f"# repeat {rep} {side}: {r['s_per_step']:.2f} s/step, rollout {r['rollout_s']:.2f} s, "
-                f"turns {r['turns']:.2f}, tool calls {r['tool_calls']:.2f}, forks {r['forks']}, "
+                f"turns {r['turns']:.2f}, tool calls {r['tool_calls']:.2f}, "
+                f"sampled {r['sampled_tokens']:.2f}, forks {r['forks']}, "
                 f"load {r['load']:.2f}; stages " + ", ".join(f"{k} {v:.3f}" for k, v in r["stages"].items()),
                 flush=True,
             )

@@ -226,3 +226,30 @@ def test_final_replies_wait_as_long_as_an_engine_call_for_the_next_calls():
         assert kind == "done" and 0.3 < at - started < 3.0
     finally:
         b.close()
+
+
+def test_a_batchs_rows_go_to_the_engine_in_episode_order_not_arrival_order():
+    # Each row draws its random numbers by its place in the batch: in arrival order, the agents' timing would
+    # decide what each episode samples, and the same seed would run different episodes from run to run.
+    live = Live(4)
+    b, _ = batcher(live, window_s=5.0)
+    seen: list[list[int]] = []
+    original = b.engine.continue_rows
+
+    def recording(rows, sampling):
+        seen.append([r[0] for r in rows])
+        return original(rows, sampling)
+
+    b.engine.continue_rows = recording
+    try:
+        jobs = [b.submit(Job([10 + k], 4, order=k)) for k in (2, 0, 3, 1)]  # they arrive out of order
+        for job in jobs:
+            assert arrival(job)[0] == "done"
+        stray = b.submit(Job([99], 4))  # no episode order (not a session's call): after the others
+        late = b.submit(Job([20], 4, order=0))
+        live.set(2)
+        for job in (stray, late):
+            assert arrival(job)[0] == "done"
+    finally:
+        b.close()
+    assert seen == [[10, 11, 12, 13], [20, 99]]

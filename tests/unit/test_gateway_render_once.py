@@ -11,6 +11,7 @@ from grpo.agents import ChatRenderer
 from grpo.agents.chat import ChatTemplateError
 from grpo.gateway.service import _Renderer
 from grpo.gateway.sessions import Session
+from grpo.gateway.template import FastTemplate
 from tests import gateway_agents as agents
 from tests.chat_templates import family_tokenizer
 
@@ -26,6 +27,13 @@ def _counting(monkeypatch, tokenizer) -> list[int]:
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(type(tokenizer), "apply_chat_template", counted)
+    fast = FastTemplate.render  # the gateway's own path to the compiled template (gateway/template.py)
+
+    def counted_fast(self, *args, **kwargs):
+        renders.append(1)
+        return fast(self, *args, **kwargs)
+
+    monkeypatch.setattr(FastTemplate, "render", counted_fast)
     return renders
 
 

@@ -62,6 +62,9 @@ class Job:
     # `final(ids)`: the sampled ids make a final reply (no tool call), which may wait for the next batch to
     # start (see the module docstring); None: the reply goes out as soon as it is sampled.
     final: Callable[[list[int]], bool] | None = None
+    # The episode's index in its step: a batch's rows go to the engine in this order, not in the order the
+    # requests arrived (see `in_episode_order`); None: after the others, as they arrived.
+    order: int | None = None
 
 
 class Batcher:
@@ -180,7 +183,7 @@ class Batcher:
                     break
                 self._cond.wait(min(left, self._held_until - now) if self._held else left)
             self._release()  # the batch starts: the answers are read while it decodes
-            jobs = [j for j in self._pending if not j.cancelled]
+            jobs = in_episode_order(j for j in self._pending if not j.cancelled)
             self._pending = []
             return jobs
 
@@ -207,7 +210,8 @@ class Batcher:
                 for job in self._pending:
                     job.events.put(("error", RuntimeError("the gateway closed")))
                 return False
-            jobs, self._pending, sampling = [j for j in self._pending if not j.cancelled], [], self.sampling
+            jobs = in_episode_order(j for j in self._pending if not j.cancelled)
+            self._pending, sampling = [], self.sampling
         for job in jobs:
             self._join(engine, sampling, job)
         if not self._in_flight:
@@ -320,6 +324,15 @@ class Batcher:
             "gateway/engine_calls": float(len(batches)),
             "gateway/batch_rows": sum(batches) / len(batches),
         }
+
+
+def in_episode_order(jobs) -> list[Job]:
+    """`jobs` by their episodes' order in the step (those without one last, as they arrived). Each row of an
+    engine call draws its own random numbers by its place in the batch, so in arrival order what a row samples
+    would hang on the agents' timing: a run's episodes, and with them its steps' work (whether an episode
+    calls a tool twice, a third turn), differed from run to run of the same seed, while the in-process
+    runners, which batch their episodes in order, repeat (gateway_concurrency.py's two clusters)."""
+    return sorted(jobs, key=lambda j: (j.order is None, 0 if j.order is None else j.order))
 
 
 def _is_final(job: Job, ids: list[int]) -> bool:

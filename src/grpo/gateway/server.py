@@ -137,7 +137,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.requestline = line.decode("iso-8859-1")
         self.command, path, self.request_version = (w.decode("iso-8859-1") for w in words)
         self.path = "/" + path.lstrip("/") if path.startswith("//") else path  # as the stdlib: no '//host'
-        headers, name = _Headers(), None
+        # by lower-cased name: a plain dict while read (_Headers' own lookups lower the name again)
+        headers, name = {}, None
         for count in range(MAX_HEADERS + 1):
             raw = self.rfile.readline(MAX_LINE + 1)
             if len(raw) > MAX_LINE:
@@ -154,10 +155,11 @@ class _Handler(BaseHTTPRequestHandler):
                     headers[name] += " " + text.strip()
                 continue
             key, colon, value = text.partition(":")
-            name = key.strip().lower() if colon and key.strip().lower() not in headers else None
+            key = key.strip().lower()
+            name = key if colon and key not in headers else None
             if name is not None:  # the first of repeated headers counts, as email.message.Message.get gives
                 headers[name] = value.strip()
-        self.headers = headers
+        self.headers = headers = _Headers(headers)
         connection = headers.get("Connection", "").lower()
         self.close_connection = self.request_version == "HTTP/1.0" or connection == "close"
         if headers.get("Expect", "").lower() == "100-continue" and self.request_version == "HTTP/1.1":
@@ -280,8 +282,12 @@ class _Handler(BaseHTTPRequestHandler):
         # connect costs ~0.1 ms, and no thread sits on an idle connection.
         self.send_header("Connection", "close")
         self.close_connection = True
-        self.end_headers()
-        self.wfile.write(data)
+        if getattr(self, "_headers_buffer", None) is not None:  # headers and body in one send, not two
+            self._headers_buffer.append(b"\r\n" + data)
+            self.flush_headers()
+        else:  # an HTTP/0.9 request line: the stdlib buffers no headers
+            self.end_headers()
+            self.wfile.write(data)
 
     def _error(self, err: GatewayError, headers: dict | None = None) -> None:
         self._json(err.status, err.body(), headers)

@@ -22,6 +22,7 @@ from grpo.agents.messages import call_id
 from grpo.agents.parsing import ParsedTurn, ToolCallParser, parse_turn
 from grpo.gateway.batching import Batcher, Job
 from grpo.gateway.sessions import Session, SessionTable
+from grpo.gateway.template import FastTemplate
 from grpo.gateway.wire import ChatRequest, GatewayError, TextDelta, ToolCallDelta, TurnDone
 from grpo.records import SamplingParams
 
@@ -193,7 +194,9 @@ class Gateway:
             row.busy = True
             session.calls += 1
             session.recalls += session.answered
-            job = Job(list(row.ids), cap, stream=req.stream, key=session.key, final=final)
+            job = Job(
+                list(row.ids), cap, stream=req.stream, key=session.key, final=final, order=session.index
+            )
         self.batcher.submit(job)
         return job, row, cap
 
@@ -269,17 +272,62 @@ class _Renderer(ChatRenderer):
     the reply that followed it, which ends at the first end-of-turn string after it (the reply's own text is
     masked: it holds no special-token string). Only for a template that preserves prefixes
     (`prefix_problem()`), and checked against the delta rule on the first VERIFY continuations: on any
-    difference the delta rule serves every later call."""
+    difference the delta rule serves every later call.
+
+    Each rendering and tokenizing goes through `FastTemplate` (gateway/template.py: the compiled template and
+    the Rust tokenizer without transformers' per-call Python); its first VERIFY renderings and encodings are
+    also computed by transformers' calls, and on any difference those serve every later call."""
 
     KEEP = 256  # conversations: a step's distinct first requests, with room for evaluation's
     VERIFY = 8  # continuations computed both ways before the one-rendering path is trusted alone
 
     def __init__(self, *args, **kwargs):
+        self._fast: FastTemplate | None = None  # set after ChatRenderer's own probes, which render
+        self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
         self._kept: OrderedDict[str, tuple[tuple[int, ...], str]] = OrderedDict()
-        self._lock = threading.Lock()
         self._short: bool | None = None  # None: the template not probed yet
         self._checked = 0
+        self._fast_checked = {"render": 0, "encode": 0}
+        self._fast = FastTemplate.build(self.tokenizer, self.tools, self.template_kwargs)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        fast = self._fast
+        if fast is None:
+            return super().render(messages, add_generation_prompt)
+        try:
+            text = fast.render(self.literal.mask(messages), add_generation_prompt)
+        except Exception:  # noqa: BLE001 - a template that raises: transformers' call says why (ChatTemplateError)
+            text = None
+        return self._checked_fast(
+            "render", text, lambda: super(_Renderer, self).render(messages, add_generation_prompt)
+        )
+
+    def encode(self, text: str) -> list[int]:
+        fast = self._fast
+        # a rendering holding masked special-token strings is tokenized piecewise by LiteralText
+        ids = fast.encode(text) if fast is not None and not self.literal._marked.search(text) else None
+        if ids is None:
+            return super().encode(text)
+        return self._checked_fast("encode", ids, lambda: super(_Renderer, self).encode(text))
+
+    def _checked_fast(self, kind: str, value, slow):
+        """`value` (the fast path's; None: it failed), compared with `slow()` on the first VERIFY calls of
+        `kind`; on a difference transformers' path serves every later call."""
+        if value is None:
+            return slow()
+        with self._lock:
+            check = self._fast_checked[kind] < self.VERIFY
+            self._fast_checked[kind] += check
+        if not check:
+            return value
+        expected = slow()
+        if expected != value:
+            self._fast = None
+            log.info(
+                "Gateway: the fast %s differs from transformers'; transformers' serves from now on.", kind
+            )
+        return expected
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.prompt(messages)[0]
