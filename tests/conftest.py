@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads: GNU OpenMP reads this once, at library load, in this process and in every process the
+# tests start (subprocesses, torchrun, Ray, vLLM inherit the environment). By default an OpenMP thread that
+# finishes its share of an op spins for its next one instead of sleeping; the tiny models' ops are short,
+# so a 2-thread process (the presets, torch's default, vLLM's engine) keeps a core busy spinning between
+# them, taken from the other worker and the vLLM tests. Measured on this 2-core host at load ~4.5
+# (2026-11-27): a 2-step tiny_math preset run used 10.4 and 10.1 CPU-s with PASSIVE against 14.6 and 12.2
+# without; a loop of small matmuls on 2 threads 4.4 CPU-s against 88.8. Results do not change: only how
+# an idle thread waits. A value set outside (CI, a developer) is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
