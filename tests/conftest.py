@@ -22,6 +22,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread_after_each_test():
+    """A run in this process sets torch's threads from its config (the presets say 2) and nothing sets them
+    back: every later test of this worker would then run on 2 threads, beside the other worker and the
+    vLLM tests on a 2-core machine."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 def tiny_llama(vocab_size: int = 48, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(

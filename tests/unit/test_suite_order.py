@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from tests.conftest import LONGEST_FIRST
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,3 +33,11 @@ def test_the_suite_and_the_processes_it_starts_let_idle_openmp_threads_sleep():
         check=True,
     )
     assert child.stdout.strip() == os.environ["OMP_WAIT_POLICY"]
+
+
+def test_a_test_that_changes_torchs_threads_leaves_them_changed_only_for_itself_part_1():
+    torch.set_num_threads(2)  # as a run in this process with train.num_threads=2 (a preset) does
+
+
+def test_a_test_that_changes_torchs_threads_leaves_them_changed_only_for_itself_part_2():
+    assert torch.get_num_threads() == 1
