@@ -73,43 +73,47 @@ def id_tokenizer() -> IdTokenizer:
     return IdTokenizer()
 
 
-# The test files that take longest (summed --durations=0 of a full `make test`, 2026-11-27 16:10, load ~3.5),
-# longest first: the order of a one-process run (and of xdist with --no-loadscope-reorder). A long file
-# started last keeps one worker busy alone while the other core idles; started first, the short ones fill
-# the gaps at the end. `make test` does not use it: xdist's default hands out files by their number of tests,
-# which measured the same there (the Makefile has the numbers). A file not listed keeps its place after
-# these; the list only orders, it selects nothing.
+# The test files that take longest (summed --durations=0 of a full run of `make test`'s commands, 2026-11-27
+# 22:25, load ~4 with two other sessions' jobs), longest first: the order of a one-process run (and of xdist
+# with --no-loadscope-reorder). A long file started last keeps one worker busy alone while the other core
+# idles; started first, the short ones fill the gaps at the end. `make test` does not use it: xdist's default
+# hands out files by their number of tests, which measured the same there (the Makefile has the numbers). A
+# file not listed keeps its place after these; the list only orders, it selects nothing.
 LONGEST_FIRST = (
-    "integration/test_seed_commands.py",  # 172 s before the Ray-head test's refused join was shortened
-    "integration/test_ray.py",  # 147
-    "integration/test_single_turn_unchanged.py",  # 146
-    "integration/test_train_e2e.py",  # 102
-    "integration/test_ray_gateway.py",  # 90
-    "integration/test_mixed_precision.py",  # 76
-    "integration/test_first_run_output.py",  # 65 before the sweep's runs were made smaller
-    "integration/test_gateway_e2e.py",  # 61
-    "integration/test_distributed.py",  # 61
-    "integration/test_code_exec.py",  # 58
-    "integration/test_issue24_runs.py",  # 57
-    "integration/test_agents_e2e.py",  # 51
-    "integration/test_fault_injection.py",  # 46
-    "integration/test_big_vocab.py",  # 44
-    "integration/test_python_runs.py",  # 43
-    "integration/test_agent_clients.py",  # 41
-    "integration/test_rewards_e2e.py",  # 39
-    "integration/test_trl_compat.py",  # 35
-    "integration/test_lora.py",  # 31
-    "unit/test_gateway.py",  # 30
-    "integration/test_hostile_inputs.py",  # 29
-    "integration/test_reliability_resume.py",  # 26
-    "unit/test_train_property.py",  # 22
-    "integration/test_files_and_links.py",  # 20
-    "unit/test_hybrid_decode.py",  # 19
-    "unit/test_gateway_agent_workers.py",  # 19
-    "integration/test_faults_isolation_run.py",  # 18
-    "unit/test_native_rollout.py",  # 18
-    "unit/test_numbers_and_settings.py",  # 17
-    "integration/test_faults.py",  # 15
+    "integration/test_ray.py",  # 202
+    "integration/test_seed_commands.py",  # 175
+    "integration/test_single_turn_unchanged.py",  # 137
+    "integration/test_gateway_e2e.py",  # 130
+    "integration/test_train_e2e.py",  # 126
+    "integration/test_ray_gateway.py",  # 107
+    "integration/test_first_run_output.py",  # 78
+    "integration/test_mixed_precision.py",  # 77
+    "unit/test_hybrid_decode.py",  # 71
+    "integration/test_agents_e2e.py",  # 68
+    "integration/test_big_vocab.py",  # 64
+    "unit/test_native_rollout.py",  # 59
+    "integration/test_distributed.py",  # 59
+    "integration/test_agent_clients.py",  # 51
+    "integration/test_issue24_runs.py",  # 49
+    "integration/test_code_exec.py",  # 47
+    "unit/test_compiled_block.py",  # 46
+    "integration/test_lora.py",  # 41
+    "unit/test_gateway.py",  # 36
+    "integration/test_rewards_e2e.py",  # 36
+    "unit/test_run_settings.py",  # 30
+    "unit/test_gateway_ahead.py",  # 27
+    "integration/test_fault_injection.py",  # 27
+    "unit/test_gateway_agent_workers.py",  # 26
+    "integration/test_trl_compat.py",  # 22
+    "integration/test_faults_isolation_run.py",  # 22
+    "integration/test_files_and_links.py",  # 21
+    "unit/test_gateway_hostile_http.py",  # 20
+    "unit/test_numbers_and_settings.py",  # 19
+    "integration/test_faults.py",  # 18
+    "integration/test_secrets.py",  # 18
+    "integration/test_python_runs.py",  # 18
+    "unit/test_train_property.py",  # 17
+    "integration/test_trl_oracle.py",  # 17
 )
 
 
