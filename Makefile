@@ -64,7 +64,9 @@ demo: setup
 # held in a file and printed after the main suite's (no interleaving); the target fails if either fails.
 # The vLLM run keeps out of .pytest_cache (two sessions would write it at once); a background job ignores
 # Ctrl-C, hence the trap. --durations=15: the suite's budget is 10 minutes on 2 cores (long checks belong
-# in benchmarks/); each run shows what is eating it.
+# in benchmarks/); each run shows what is eating it. tests/conftest.py sets OMP_WAIT_POLICY=PASSIVE for the
+# suite's processes (idle OpenMP threads of 2-thread runs spun a core; a vLLM training-run test used 44 CPU-s
+# with it against 67 without, medians of 2, 2026-11-27 at load 3-5).
 VLLM_TESTS := tests/integration/test_vllm.py tests/unit/test_vllm_unit.py
 VLLM_LOG := .pytest-vllm.log
 

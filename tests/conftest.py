@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads: GNU OpenMP reads this once, at library load, in this process and in every process the
+# tests start (subprocesses, torchrun, Ray, vLLM inherit the environment). By default an OpenMP thread that
+# finishes its share of an op spins for its next one instead of sleeping; the tiny models' ops are short,
+# so a 2-thread process (the presets, torch's default, vLLM's engine) keeps a core busy spinning between
+# them, taken from the other worker and the vLLM tests. Measured on this 2-core host at load ~4.5
+# (2026-11-27): a 2-step tiny_math preset run used 10.4 and 10.1 CPU-s with PASSIVE against 14.6 and 12.2
+# without; a loop of small matmuls on 2 threads 4.4 CPU-s against 88.8. Results do not change: only how
+# an idle thread waits. A value set outside (CI, a developer) is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 # Tiny matmuls are dominated by thread hand-off on a 2-core machine; one thread is faster and stable.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread_after_each_test():
+    """A run in this process sets torch's threads from its config (the presets say 2) and nothing sets them
+    back: every later test of this worker would then run on 2 threads, beside the other worker and the
+    vLLM tests on a 2-core machine."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 def tiny_llama(vocab_size: int = 48, seed: int = 0) -> LlamaForCausalLM:
@@ -51,43 +73,47 @@ def id_tokenizer() -> IdTokenizer:
     return IdTokenizer()
 
 
-# The test files that take longest (summed --durations=0 of a full `make test`, 2026-11-27 16:10, load ~3.5),
-# longest first: the order of a one-process run (and of xdist with --no-loadscope-reorder). A long file
-# started last keeps one worker busy alone while the other core idles; started first, the short ones fill
-# the gaps at the end. `make test` does not use it: xdist's default hands out files by their number of tests,
-# which measured the same there (the Makefile has the numbers). A file not listed keeps its place after
-# these; the list only orders, it selects nothing.
+# The test files that take longest (summed --durations=0 of a full run of `make test`'s commands, 2026-11-27
+# 22:25, load ~4 with two other sessions' jobs), longest first: the order of a one-process run (and of xdist
+# with --no-loadscope-reorder). A long file started last keeps one worker busy alone while the other core
+# idles; started first, the short ones fill the gaps at the end. `make test` does not use it: xdist's default
+# hands out files by their number of tests, which measured the same there (the Makefile has the numbers). A
+# file not listed keeps its place after these; the list only orders, it selects nothing.
 LONGEST_FIRST = (
-    "integration/test_seed_commands.py",  # 172 s before the Ray-head test's refused join was shortened
-    "integration/test_ray.py",  # 147
-    "integration/test_single_turn_unchanged.py",  # 146
-    "integration/test_train_e2e.py",  # 102
-    "integration/test_ray_gateway.py",  # 90
-    "integration/test_mixed_precision.py",  # 76
-    "integration/test_first_run_output.py",  # 65 before the sweep's runs were made smaller
-    "integration/test_gateway_e2e.py",  # 61
-    "integration/test_distributed.py",  # 61
-    "integration/test_code_exec.py",  # 58
-    "integration/test_issue24_runs.py",  # 57
-    "integration/test_agents_e2e.py",  # 51
-    "integration/test_fault_injection.py",  # 46
-    "integration/test_big_vocab.py",  # 44
-    "integration/test_python_runs.py",  # 43
-    "integration/test_agent_clients.py",  # 41
-    "integration/test_rewards_e2e.py",  # 39
-    "integration/test_trl_compat.py",  # 35
-    "integration/test_lora.py",  # 31
-    "unit/test_gateway.py",  # 30
-    "integration/test_hostile_inputs.py",  # 29
-    "integration/test_reliability_resume.py",  # 26
-    "unit/test_train_property.py",  # 22
-    "integration/test_files_and_links.py",  # 20
-    "unit/test_hybrid_decode.py",  # 19
-    "unit/test_gateway_agent_workers.py",  # 19
-    "integration/test_faults_isolation_run.py",  # 18
-    "unit/test_native_rollout.py",  # 18
-    "unit/test_numbers_and_settings.py",  # 17
-    "integration/test_faults.py",  # 15
+    "integration/test_ray.py",  # 202
+    "integration/test_seed_commands.py",  # 175
+    "integration/test_single_turn_unchanged.py",  # 137
+    "integration/test_gateway_e2e.py",  # 130
+    "integration/test_train_e2e.py",  # 126
+    "integration/test_ray_gateway.py",  # 107
+    "integration/test_first_run_output.py",  # 78
+    "integration/test_mixed_precision.py",  # 77
+    "unit/test_hybrid_decode.py",  # 71
+    "integration/test_agents_e2e.py",  # 68
+    "integration/test_big_vocab.py",  # 64
+    "unit/test_native_rollout.py",  # 59
+    "integration/test_distributed.py",  # 59
+    "integration/test_agent_clients.py",  # 51
+    "integration/test_issue24_runs.py",  # 49
+    "integration/test_code_exec.py",  # 47
+    "unit/test_compiled_block.py",  # 46
+    "integration/test_lora.py",  # 41
+    "unit/test_gateway.py",  # 36
+    "integration/test_rewards_e2e.py",  # 36
+    "unit/test_run_settings.py",  # 30
+    "unit/test_gateway_ahead.py",  # 27
+    "integration/test_fault_injection.py",  # 27
+    "unit/test_gateway_agent_workers.py",  # 26
+    "integration/test_trl_compat.py",  # 22
+    "integration/test_faults_isolation_run.py",  # 22
+    "integration/test_files_and_links.py",  # 21
+    "unit/test_gateway_hostile_http.py",  # 20
+    "unit/test_numbers_and_settings.py",  # 19
+    "integration/test_faults.py",  # 18
+    "integration/test_secrets.py",  # 18
+    "integration/test_python_runs.py",  # 18
+    "unit/test_train_property.py",  # 17
+    "integration/test_trl_oracle.py",  # 17
 )
 
 

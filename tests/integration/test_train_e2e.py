@@ -108,16 +108,17 @@ def test_resume_continues_exactly(four_steps, tmp_path):
     assert straight_lines[3]["reward"] == lines[3]["reward"] and straight_lines[3]["loss"] == lines[3]["loss"]
 
 
-def test_resume_from_a_linked_final_model_continues_exactly(tmp_path):
+def test_resume_from_a_linked_final_model_continues_exactly(four_steps, tmp_path):
     """final_model/ shares the last checkpoint's files (written once); resuming from it is resuming from
-    that checkpoint, and the new run's saves leave the old files as they were."""
-    straight = tmp_path / "straight"
-    run(straight, steps=3, save_steps=2)
+    that checkpoint, and the new run's saves leave the old files as they were. The straight side is the
+    module's 4-step run (its own 3-step run cost more than the split side's fourth step)."""
+    straight = four_steps
     split = tmp_path / "split"
     run(split, steps=2, save_steps=2)
     before = (split / "checkpoint-2" / "model.safetensors").read_bytes()
-    run(split, steps=3, save_steps=2, resume=str(split / "final_model"))
-    assert [json.loads(x)["step"] for x in (split / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    run(split, steps=4, save_steps=2, resume=str(split / "final_model"))
+    steps = [json.loads(x)["step"] for x in (split / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
     a = load_file(str(straight / "final_model" / "model.safetensors"))
     b = load_file(str(split / "final_model" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)

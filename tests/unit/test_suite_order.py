@@ -1,9 +1,14 @@
-"""tests/conftest.py's LONGEST_FIRST orders a one-process run: it only holds if the names in the list are
-still the suite's files."""
+"""tests/conftest.py: its LONGEST_FIRST orders a one-process run (it only holds if the names in the list are
+still the suite's files), and it makes the suite's processes let idle OpenMP threads sleep."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import torch
 
 from tests.conftest import LONGEST_FIRST
 
@@ -15,3 +20,24 @@ def test_every_file_in_the_longest_first_list_exists_once():
     missing = [name for name in LONGEST_FIRST if not (ROOT / "tests" / name).is_file()]
     assert not missing, missing
     assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+
+
+def test_the_suite_and_the_processes_it_starts_let_idle_openmp_threads_sleep():
+    # tests/conftest.py says why (spinning threads of 2-thread subprocesses took CPU from the other worker);
+    # a value set outside the suite is kept, so only its presence is the suite's doing.
+    assert os.environ.get("OMP_WAIT_POLICY")
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ.get('OMP_WAIT_POLICY'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert child.stdout.strip() == os.environ["OMP_WAIT_POLICY"]
+
+
+def test_a_test_that_changes_torchs_threads_leaves_them_changed_only_for_itself_part_1():
+    torch.set_num_threads(2)  # as a run in this process with train.num_threads=2 (a preset) does
+
+
+def test_a_test_that_changes_torchs_threads_leaves_them_changed_only_for_itself_part_2():
+    assert torch.get_num_threads() == 1
