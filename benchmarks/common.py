@@ -278,3 +278,22 @@ def matrix_pair(name: str):
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return cell, tok, prompts, policy, reference
+
+
+def matrix_learner(name: str, **config):
+    """`matrix_pair`'s workload with a `Learner` over its models, as the stage benchmarks build it (the cell's
+    G, completion limit and β, 8 prompts, learning rate 1e-7; `config`: more GRPOConfig arguments): the cell,
+    tokenizer, prompts' ids, policy and learner."""
+    from grpo.config import GRPOConfig
+    from grpo.learner import Learner
+
+    cell, tok, prompts, policy, reference = matrix_pair(name)
+    cfg = GRPOConfig(
+        batch_size=MATRIX_PROMPTS,
+        num_generations=cell["G"],
+        max_new_tokens=cell["completion"],
+        beta=cell["beta"],
+        learning_rate=1e-7,
+        **config,
+    ).validate()
+    return cell, tok, prompts, policy, Learner(policy, reference, cfg, total_optimizer_steps=1000)

@@ -19,10 +19,8 @@ import statistics
 import time
 
 import torch
-from common import MATRIX_PROMPTS, matrix_pair
+from common import matrix_learner
 
-from grpo.config import GRPOConfig
-from grpo.learner import Learner
 from grpo.model import shared_prompt
 from grpo.model.compiled import compile_report
 from grpo.records import TrainBatch
@@ -80,15 +78,7 @@ def main() -> None:
     clock = time.process_time if args.cpu_time else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
-    cell, _tok, prompts, policy, reference = matrix_pair(args.cell)
-    cfg = GRPOConfig(
-        batch_size=MATRIX_PROMPTS,
-        num_generations=cell["G"],
-        max_new_tokens=cell["completion"],
-        beta=cell["beta"],
-        learning_rate=1e-7,
-    ).validate()
-    learner = Learner(policy, reference, cfg, total_optimizer_steps=1000)
+    cell, _tok, prompts, _policy, learner = matrix_learner(args.cell)
     decoders = [learner.policy_forward.decoder, learner.reference_forward.decoder]
 
     grid_route = shared_prompt.attention_route

@@ -18,10 +18,8 @@ import statistics
 import time
 
 import torch
-from common import MATRIX_PROMPTS, matrix_pair
+from common import matrix_learner
 
-from grpo.config import GRPOConfig
-from grpo.learner import Learner
 from grpo.model.replay import ReplayTape
 from grpo.records import PromptBatch, SamplingParams
 from grpo.rollout.native import NativeEngine
@@ -49,16 +47,7 @@ def main() -> None:
     clock = time.process_time if args.cpu_time else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
-    cell, tok, prompts, policy, reference = matrix_pair(args.cell)
-    cfg = GRPOConfig(
-        batch_size=MATRIX_PROMPTS,
-        num_generations=cell["G"],
-        max_new_tokens=cell["completion"],
-        beta=cell["beta"],
-        learning_rate=1e-7,
-        compile_training=args.compile_training,
-    ).validate()
-    learner = Learner(policy, reference, cfg, total_optimizer_steps=1000)
+    cell, tok, prompts, policy, learner = matrix_learner(args.cell, compile_training=args.compile_training)
     engine = NativeEngine(policy, tok, compile_decode=False)
     tape = ReplayTape()
     sampling = SamplingParams(max_new_tokens=cell["completion"], temperature=1.0)
