@@ -107,4 +107,6 @@ def test_the_next_micro_batch_reuses_the_heap_the_last_one_freed():
     first, later = (int(x) for x in out.stdout.split())
     pages = 64 * (1 << 20) // 4096
     assert first > 0.9 * pages, f"the first round faulted {first} pages in, expected ~{pages}"
-    assert later < 0.1 * pages, f"a later round faulted {later} of its {pages} pages in again"
+    # all of them without the trim threshold; ~0-11% with it (the interpreter's and torch's own allocations
+    # between rounds move the heap top a little, more in the full suite's busy worker)
+    assert later < 0.5 * pages, f"a later round faulted {later} of its {pages} pages in again"
