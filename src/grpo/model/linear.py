@@ -114,7 +114,7 @@ class DecodeLinear:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x Wᵀ + b; `out` (replay's recording, model/replay.py): written there, on MKL by the GEMM itself."""
-        if out is not None and self.weight_t is not None:
+        if out is not None and self.weight_t is not None and out.is_contiguous():
             if self.bias is None:
                 return torch.mm(x, self.weight_t, out=out)
             return torch.addmm(self.bias, x, self.weight_t, out=out)
