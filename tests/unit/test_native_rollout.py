@@ -207,6 +207,7 @@ def test_gate_and_up_decode_as_one_product(tiny_model, id_tokenizer, monkeypatch
     def two_products(*args, **kwargs):
         w = fused_weights(*args, **kwargs)
         assert all(layer.gate_up is not None for layer in w.layers)
+        assert all(x.gate.weight_t is None and x.up.weight_t is None for x in w.layers)  # no second copy
         return dataclasses.replace(w, layers=[dataclasses.replace(x, gate_up=None) for x in w.layers])
 
     runs = []

@@ -201,6 +201,8 @@ def decode_weights(dec, fuse: bool, onednn: bool | None = None, copy: bool = Tru
                     None if q_b is None else torch.cat([q_b] + [b for _, b in qkv[1:]]),
                 )
             ]
+        # gate|up stacked where there are no oneDNN epilogues to lose; the two alone then copy nothing
+        (gate, _), (up, _), stack = dec.proj(m.gate_proj), dec.proj(m.up_proj), copy and not onednn
         layers.append(
             LayerWeights(
                 input_norm=w(layer.input_layernorm.weight),
@@ -209,15 +211,11 @@ def decode_weights(dec, fuse: bool, onednn: bool | None = None, copy: bool = Tru
                 k_norm=w(a.k_norm.weight) if dec.qk_norm else None,
                 o_proj=DecodeLinear(*dec.proj(a.o_proj), onednn, copy),
                 post_norm=w(layer.post_attention_layernorm.weight),
-                gate=DecodeLinear(dec.proj(m.gate_proj)[0], None, onednn, copy),
-                up=DecodeLinear(dec.proj(m.up_proj)[0], None, onednn, copy),
+                gate=DecodeLinear(gate, None, onednn, copy and not stack),
+                up=DecodeLinear(up, None, onednn, copy and not stack),
                 down=DecodeLinear(dec.proj(m.down_proj)[0], None, onednn, copy),
                 q_scaled=fold,
-                gate_up=(
-                    DecodeLinear(torch.cat([dec.proj(m.gate_proj)[0], dec.proj(m.up_proj)[0]]), None, False)
-                    if copy and not onednn
-                    else None
-                ),
+                gate_up=DecodeLinear(torch.cat([gate, up]), None, False) if stack else None,
             )
         )
     return DecodeWeights(

@@ -111,6 +111,8 @@ class DecodeLinear:
         # and `addmm` then folds a residual add into the product. copy=False: F.linear on the live weight.
         cpu_copy = copy and not self.onednn and weight.device.type == "cpu"
         self.weight_t = weight.t().contiguous() if cpu_copy else None
+        if cpu_copy:  # only the copy is read: holding `weight` too would keep a concatenation made for it
+            self.weight = None
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x Wᵀ + b; `out` (replay's recording, model/replay.py): written there, on MKL by the GEMM itself."""
