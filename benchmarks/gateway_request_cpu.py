@@ -84,12 +84,14 @@ def measure(episodes: int, repeats: int) -> list[dict]:
     gateway = Gateway(tok, parser, Limits(160, 48, 4096), Canned(), SamplingParams(max_new_tokens=48),
                       window_s=0.0)  # fmt: skip
     server = GatewayServer(gateway)
-    http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None))  # as an agent worker's
     rows = [{"prompt": f"What is {a} * {a + 7}?", "answer": str(a * (a + 7))} for a in range(episodes)]
     out = []
     try:
         for rep in range(repeats + 1):  # the first round warms up
             sessions = [Session(k, k, row) for k, row in enumerate(rows)]
+            # as an agent worker's pool; closed at the round's end, so the server's connection threads (kept
+            # alive between calls) end and their CPU is counted
+            http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None))
             with _lock:
                 _THREAD_CPU["server"] = 0.0
             client_cpu = 0.0
@@ -103,6 +105,7 @@ def measure(episodes: int, repeats: int) -> list[dict]:
                 client_cpu += time.thread_time() - start
                 s.end("answer")
                 gateway.sessions.remove([s])
+            http.close()
             time.sleep(0.05)  # the last request thread's CPU is counted as it exits
             calls = sum(s.calls for s in sessions)
             with _lock:

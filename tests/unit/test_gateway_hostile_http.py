@@ -126,6 +126,10 @@ def raw_request(server, text: str) -> tuple[bytes, bytes]:
         answer = b""
         while chunk := sock.recv(4096):
             answer += chunk
+            head, _, payload = answer.partition(b"\r\n\r\n")
+            length = [ln for ln in head.lower().split(b"\r\n") if ln.startswith(b"content-length:")]
+            if length and len(payload) >= int(length[0].split(b":")[1]):
+                break  # the whole reply: a kept-alive connection stays open after it
     head, _, payload = answer.partition(b"\r\n\r\n")
     return head, payload
 

@@ -11,8 +11,11 @@ malformed request line, is an error object). A session's malformed request (400/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import socket
 import sys
 import threading
 import uuid
@@ -34,6 +37,12 @@ from grpo.gateway.wire import (
 log = logging.getLogger("grpo")
 
 MAX_BODY = 8 * 2**20  # bytes of a request body
+# JSON replies leave the connection open for the client's next call (_Handler._json): off unless
+# GRPO_GATEWAY_KEEP_ALIVE=1 (read when a server starts). Sequential calls pay ~0.5 ms less CPU a call
+# (server and client); whether a step of 64 concurrent agents gains is not settled (an agent worker's pool
+# then holds dozens of idle connections, which httpcore checks on every request), so it stays opt-in until
+# a quiet machine says.
+KEEP_ALIVE = False
 MAX_LINE, MAX_HEADERS = 65536, 100  # a header line's bytes and the headers of a request (the stdlib's limits)
 
 
@@ -87,6 +96,30 @@ class _HTTPServer(ThreadingHTTPServer):
     # The listen backlog: a step's episodes connect at once, and the default (5) resets connections.
     request_queue_size = 1024
 
+    def __init__(self, *args, **kwargs) -> None:
+        self.connections: set = set()  # open client connections (kept alive between calls), closed at close()
+        self._connections_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        with self._connections_lock:
+            self.connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request):
+        with self._connections_lock:
+            self.connections.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        """End every open connection (its thread's read returns, the thread ends): no socket outlives the
+        server."""
+        with self._connections_lock:
+            open_now = list(self.connections)
+        for sock in open_now:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def handle_error(self, request, client_address):  # noqa: ARG002 - socketserver's signature
         """A client that hangs up is the client's business: one debug line, not a traceback on the console."""
         err = sys.exc_info()[1]
@@ -101,7 +134,9 @@ class GatewayServer:
 
     def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, max_body: int = MAX_BODY):
         self.gateway = gateway
-        handler = type("Handler", (_Handler,), {"gateway": gateway, "max_body": max_body})
+        keep_alive = KEEP_ALIVE or os.environ.get("GRPO_GATEWAY_KEEP_ALIVE", "") == "1"
+        attrs = {"gateway": gateway, "max_body": max_body, "keep_alive": keep_alive}
+        handler = type("Handler", (_Handler,), attrs)
         self.httpd = _HTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
         self.host, self.port = self.httpd.server_address[:2]
@@ -115,6 +150,7 @@ class GatewayServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.httpd.close_connections()
         self._thread.join(timeout=10)
 
 
@@ -277,11 +313,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        # One request per connection: a pooled keep-alive connection that a client reuses just as the other
-        # side gives up on it left requests unanswered (eval of 500 episodes, 2026-11-27); a localhost
-        # connect costs ~0.1 ms, and no thread sits on an idle connection.
-        self.send_header("Connection", "close")
-        self.close_connection = True
+        # Keep-alive: an agent's pooled client sends its next call on this connection instead of connecting
+        # anew (a connect, a server thread started and ended, the client's connection setup: ~1 ms of CPU a
+        # call on the two sides). The server never ends a kept connection on its own while serving it: when
+        # it must (an unread body, an error, HTTP/1.0), the reply says `Connection: close` so no client
+        # reuses it (a silent close is what left requests unanswered before); GatewayServer.close() ends the
+        # idle ones. Off (KEEP_ALIVE, GRPO_GATEWAY_KEEP_ALIVE): one request per connection.
+        if self.close_connection or not self.keep_alive:
+            self.send_header("Connection", "close")
+            self.close_connection = True
         if getattr(self, "_headers_buffer", None) is not None:  # headers and body in one send, not two
             self._headers_buffer.append(b"\r\n" + data)
             self.flush_headers()
