@@ -66,3 +66,22 @@ def test_a_copied_run_keeps_its_hard_links_and_leaves_the_original_alone(tmp_pat
     assert (copy / "metrics.jsonl").read_text() == "{}\n"
     (copy / "checkpoint-2" / "model.safetensors").write_bytes(b"changed")
     assert (run / "final_model" / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_each_test_phase_s_cpu_seconds_are_logged_when_asked(tmp_path):
+    # GRPO_TEST_CPU (tests/conftest.py): what a test costs in CPU, beside --durations' wall time.
+    log = tmp_path / "cpu.tsv"
+    node = (
+        "tests/unit/test_suite_order.py::"
+        + test_a_test_that_changes_torchs_threads_leaves_them_changed_only_for_itself_part_1.__name__
+    )
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
+        cwd=ROOT,
+        env={**os.environ, "GRPO_TEST_CPU": str(log)},
+        capture_output=True,
+        check=True,
+    )
+    rows = [line.split("\t") for line in log.read_text().splitlines()]
+    assert [(r[0], r[1]) for r in rows] == [(node, "setup"), (node, "call"), (node, "teardown")]
+    assert all(float(r[2]) >= 0 and float(r[3]) >= 0 for r in rows)
