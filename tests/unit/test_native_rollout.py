@@ -190,6 +190,49 @@ def test_low_memory_host_decodes_on_the_live_weights(tiny_model, id_tokenizer, m
     assert NativeEngine(tiny_model, id_tokenizer)._copy_fits()
 
 
+def test_gate_and_up_decode_as_one_product(tiny_model, id_tokenizer, monkeypatch):
+    """On MKL's path (copied weights, no oneDNN epilogues) gate and up run as one GEMM of [W_g; W_u]: the
+    same tokens, log-probs and recorded products as the two projections (recording on and off)."""
+    import dataclasses
+
+    from grpo.model import decode
+    from grpo.model import linear as native_linear
+    from grpo.model.replay import ReplayTape
+
+    monkeypatch.setattr(native_linear, "ONEDNN", False)
+    prompts = [[2, 9, 4], [2, 3], [2, 5, 6, 7]]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    fused_weights = decode.decode_weights
+
+    def two_products(*args, **kwargs):
+        w = fused_weights(*args, **kwargs)
+        assert all(layer.gate_up is not None for layer in w.layers)
+        assert all(x.gate.weight_t is None and x.up.weight_t is None for x in w.layers)  # no second copy
+        return dataclasses.replace(w, layers=[dataclasses.replace(x, gate_up=None) for x in w.layers])
+
+    runs = []
+    for weights in (fused_weights, two_products):
+        monkeypatch.setattr(decode, "decode_weights", weights)
+        for record in (False, True):
+            engine = NativeEngine(tiny_model, id_tokenizer)
+            engine.tape = ReplayTape(budget_bytes=2**30) if record else None
+            if record:
+                engine.tape.arm()
+            torch.manual_seed(5)
+            out = engine.generate(prompts, 3, params)
+            rec = engine.tape.take() if record else None
+            runs.append((out, rec))
+    base = runs[0][0]
+    for out, _ in runs[1:]:
+        assert torch.equal(out.completion_ids, base.completion_ids)
+        torch.testing.assert_close(out.sampling_logprobs, base.sampling_logprobs, rtol=1e-6, atol=1e-6)
+    (_, fused), (_, two) = runs[1], runs[3]
+    recorded = fused.ids >= 0  # the slots a token was recorded at
+    assert torch.equal(two.ids, fused.ids) and recorded.sum() > 3 * 8
+    for a, b in zip(fused.buffers, two.buffers, strict=True):
+        torch.testing.assert_close(a["gu"][recorded], b["gu"][recorded], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.slow  # ~1 min of compilation
 def test_compiled_decode_step_on_cpu_matches_eager(tiny_model, id_tokenizer):
     """compile_decode on a CPU: the compiled step runs on plain weights and gives the eager output."""

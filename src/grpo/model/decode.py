@@ -41,6 +41,9 @@ class LayerWeights:
     up: DecodeLinear
     down: DecodeLinear
     q_scaled: bool = False  # the attention scale is folded into the q projection
+    # gate|up as one projection [W_g; W_u] (MKL's path, which has no fused epilogues to lose): one GEMM of
+    # twice the width instead of two, the same numbers (each output is the same dot product)
+    gate_up: DecodeLinear | None = None
 
 
 @dataclass
@@ -85,6 +88,21 @@ class GroupLayout:
         return x if self.dense else x.index_select(0, self.slot)
 
 
+def _causal_attention_with_lse(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention q [B, H, L, D] over k, v [B, Hkv, L, D]: the output and each query's log-sum-exp of
+    its scaled scores [B, H, L]. On a CPU the fused kernel SDPA runs there (it returns both); elsewhere (a
+    recording on a GPU, asked for explicitly) the plain formula."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)[:2]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    length = q.shape[2]
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return scores.softmax(-1).to(q.dtype) @ v, scores.logsumexp(-1)
+
+
 # -- rollout ------------------------------------------------------------------------------------
 def prefill(dec, prompts: list[list[int]], pad_id: int, record=None) -> tuple[PromptCache, torch.Tensor]:
     """Run each prompt once (right-padded, causal). Returns its KV and last-token logits [P, V].
@@ -108,8 +126,14 @@ def prefill(dec, prompts: list[list[int]], pad_id: int, record=None) -> tuple[Pr
         )
         q, k, v = (t.view(p, width, -1, dec.head_dim).transpose(1, 2) for t in (q, k, v))  # [P, H, Lp, D]
         # Right padding: a real query never sees a pad key under the causal mask.
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=dec.scale)
+        if record is None:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=dec.scale)
+        else:  # the log-sum-exps are kept too (the update's attention backward takes them)
+            attn, lse = _causal_attention_with_lse(q, k, v, dec.scale)  # [P, H, Lp, D], [P, H, Lp]
+            record.put(i, "lse", lse.transpose(1, 2).reshape(p * width, -1))
         attn = attn.transpose(1, 2).reshape(p * width, -1)
+        if record is not None:
+            record.put(i, "attn", attn)
         h = (
             dec.block_tail(layer, h, attn)
             if record is None
@@ -143,11 +167,9 @@ def _recorded_tail(dec, layer, h, attn, record, i):
     """`dec.block_tail` without a gradient (the same ops), keeping its products."""
     m = layer.mlp
     h = h + linear(attn, *dec.proj(layer.self_attn.o_proj))
-    record.put(i, "mid", h)
     x = rms_norm(h, dec.w(layer.post_attention_layernorm.weight), dec.eps)
     gate, up = linear(x, dec.proj(m.gate_proj)[0]), linear(x, dec.proj(m.up_proj)[0])
-    record.put(i, "gate", gate)
-    record.put(i, "up", up)
+    record.put(i, "gu", torch.cat([gate, up], dim=-1))
     h = h + linear(F.silu(gate) * up, dec.proj(m.down_proj)[0])
     record.put(i, "out", h)
     return h
@@ -179,6 +201,8 @@ def decode_weights(dec, fuse: bool, onednn: bool | None = None, copy: bool = Tru
                     None if q_b is None else torch.cat([q_b] + [b for _, b in qkv[1:]]),
                 )
             ]
+        # gate|up stacked where there are no oneDNN epilogues to lose; the two alone then copy nothing
+        (gate, _), (up, _), stack = dec.proj(m.gate_proj), dec.proj(m.up_proj), copy and not onednn
         layers.append(
             LayerWeights(
                 input_norm=w(layer.input_layernorm.weight),
@@ -187,10 +211,11 @@ def decode_weights(dec, fuse: bool, onednn: bool | None = None, copy: bool = Tru
                 k_norm=w(a.k_norm.weight) if dec.qk_norm else None,
                 o_proj=DecodeLinear(*dec.proj(a.o_proj), onednn, copy),
                 post_norm=w(layer.post_attention_layernorm.weight),
-                gate=DecodeLinear(dec.proj(m.gate_proj)[0], None, onednn, copy),
-                up=DecodeLinear(dec.proj(m.up_proj)[0], None, onednn, copy),
+                gate=DecodeLinear(gate, None, onednn, copy and not stack),
+                up=DecodeLinear(up, None, onednn, copy and not stack),
                 down=DecodeLinear(dec.proj(m.down_proj)[0], None, onednn, copy),
                 q_scaled=fold,
+                gate_up=DecodeLinear(torch.cat([gate, up]), None, False) if stack else None,
             )
         )
     return DecodeWeights(
@@ -246,7 +271,7 @@ def decode_step(
         else:
             cache_k.index_copy_(2, position, k[:, :, None])
             cache_v.index_copy_(2, position, v[:, :, None])
-        attn = _decode_attention(
+        attn, lse = _decode_attention(
             dec,
             q,
             cache_k,
@@ -257,26 +282,45 @@ def decode_step(
             layout,
             scaled=w.q_scaled,
             cache_bias=cache_bias,
+            with_lse=record is not None,
         )
+        if record is not None:  # the update's attention backward takes these instead of a forward
+            record.put(i, "attn", attn)
+            record.put(i, "lse", lse)
         if record is None:
             h = w.o_proj.plus(attn, h)
             x = rms_norm(h, w.post_norm, dec.eps)
-            h = w.down.plus(w.up.times(x, w.gate.silu(x)), h)
+            if w.gate_up is None:
+                h = w.down.plus(w.up.times(x, w.gate.silu(x)), h)
+            else:
+                gate, up = w.gate_up(x).chunk(2, dim=-1)
+                h = w.down.plus(F.silu(gate).mul_(up), h)
             continue
         # Recording: each product goes straight into the recording (on MKL the GEMM writes it there); the
         # MLP unfused (oneDNN would fuse SiLU and the product), since gate and up are both kept.
         # `kept` tells a recording without blocks (the compiled step's) the value.
-        h = record.kept(i, "mid", w.o_proj.plus(attn, h, out=record.block(i, "mid")))
+        h = w.o_proj.plus(attn, h)
         x = rms_norm(h, w.post_norm, dec.eps)
-        gate = record.kept(i, "gate", w.gate(x, out=record.block(i, "gate")))
-        up = record.kept(i, "up", w.up(x, out=record.block(i, "up")))
+        block = record.block(i, "gu")
+        if w.gate_up is not None:
+            gu = w.gate_up(x, out=block)
+        elif block is None:
+            gu = torch.cat([w.gate(x), w.up(x)], dim=-1)
+        else:  # each half written in place (oneDNN, or decoding on the live weights)
+            f = block.shape[1] // 2
+            w.gate(x, out=block[:, :f])
+            w.up(x, out=block[:, f:])
+            gu = block
+        gate, up = record.kept(i, "gu", gu).chunk(2, dim=-1)
         h = record.kept(i, "out", w.down.plus(F.silu(gate) * up, h, out=record.block(i, "out")))
     return weights.lm_head(rms_norm(h, weights.final_norm, dec.eps))
 
 
 def _decode_attention(
-    dec, q, kc, vc, kp, vp, bias, layout: GroupLayout, scaled: bool, cache_bias=None
-) -> torch.Tensor:
+    dec, q, kc, vc, kp, vp, bias, layout: GroupLayout, scaled: bool, cache_bias=None, with_lse=False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention output [n, H·D] and, with_lse, each query's log-sum-exp of its scaled scores [n, H]
+    (what the fused attention kernels keep for backward)."""
     # q [n, H, D]; kc, vc [n, Hkv, t, D]; kp, vp [P, Hkv, Lp, D] (prompt KV, shared by a group).
     n, hkv, d = q.shape[0], dec.num_kv_heads, dec.head_dim
     rep, lp = dec.num_heads // hkv, kp.shape[2]
@@ -292,4 +336,5 @@ def _decode_attention(
     probs = scores.float().softmax(-1).to(q.dtype)  # float32 softmax also under bf16, as SDPA does
     out = probs[..., lp:] @ vc  # [n, Hkv, rep, D]
     out_p = layout.to_groups(probs[..., :lp]) @ vp  # [P, Hkv, Gm·rep, D]
-    return (out + layout.to_rows(out_p, rep)).reshape(n, -1)  # [n, H·D]
+    lse = scores.float().logsumexp(-1).view(n, -1) if with_lse else None  # [n, H]
+    return (out + layout.to_rows(out_p, rep)).reshape(n, -1), lse  # [n, H·D]

@@ -111,10 +111,12 @@ class DecodeLinear:
         # and `addmm` then folds a residual add into the product. copy=False: F.linear on the live weight.
         cpu_copy = copy and not self.onednn and weight.device.type == "cpu"
         self.weight_t = weight.t().contiguous() if cpu_copy else None
+        if cpu_copy:  # only the copy is read: holding `weight` too would keep a concatenation made for it
+            self.weight = None
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x Wᵀ + b; `out` (replay's recording, model/replay.py): written there, on MKL by the GEMM itself."""
-        if out is not None and self.weight_t is not None:
+        if out is not None and self.weight_t is not None and out.is_contiguous():
             if self.bias is None:
                 return torch.mm(x, self.weight_t, out=out)
             return torch.addmm(self.bias, x, self.weight_t, out=out)

@@ -139,6 +139,28 @@ class PackedSharedPromptAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+class _ReplayedAttention(PackedSharedPromptAttention):
+    """PackedSharedPromptAttention whose forward returns an output computed before (replay: the rollout's
+    decode computed it, with each query's log-sum-exp); backward as the kernel's, from those two."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: PackedLayout, scale: float, out, lse):
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.scale = layout, scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return *PackedSharedPromptAttention.backward(ctx, grad_out), None, None
+
+
+def replayed_attention(q, k, v, layout: PackedLayout, scale: float, out, lse) -> torch.Tensor:
+    """q [S, H, D], k, v [S, Hkv, D]; out [S, H·D] and lse [S, H] recorded: out, with the attention's
+    backward (q, k, v's gradients as `packed_attention`'s)."""
+    s, h, d = q.shape
+    return _ReplayedAttention.apply(q, k, v, layout, scale, out.view(s, h, d), lse).flatten(1)
+
+
 def packed_attention(q, k, v, layout: PackedLayout, scale: float) -> torch.Tensor:
     """q [S, H, D], k, v [S, Hkv, D] → [S, H·D]: see the module docstring."""
     return PackedSharedPromptAttention.apply(q, k, v, layout, scale).flatten(1)

@@ -6,18 +6,22 @@ of the update's forward already. During a recorded rollout the decode keeps, for
 prefill, once per group) and every completion input token, each layer's
 
     qkv   the q|k|v projection's output (before q/k norms and RoPE; q unscaled) [H·D + 2·Hkv·D]
-    mid   h + o_proj(attention), the residual stream after attention          [d]
-    gate  gate_proj(x), up  up_proj(x)                                         [ffn] each
-    out   mid + down_proj(silu(gate) · up), the block's output                 [d]
+    attn  the attention's output                                               [H·D]
+    lse   each head's log-sum-exp of the query's scaled scores                 [H]
+    gu    gate_proj(x) | up_proj(x), side by side (decode runs them as one GEMM)  [2·ffn]
+    out   mid + down_proj(silu(gate) · up), the block's output (mid = h + o_proj(attn)) [d]
 
 (`Recording`). The update's forward then runs the same packed micro-batch graph with each linear layer an
 autograd function whose forward returns the recorded output and whose backward is the linear's (grad x =
-g W, grad W = gᵀ x with x recomputed); norms, RoPE, attention, SiLU·up and the LM head run as in the
-normal forward, and make the graph. The loss is the same function at the same point up to the float
-rounding of differently shaped GEMMs (decode's few rows against training's packed thousands), so the
-replayed log-probs equal the sampling log-probs to ~1e-6, and gradients equal the normal forward's to
-float32 rounding (tests/unit/test_replay.py). What it removes: every linear layer's forward product, about a
-third of the update's arithmetic.
+g W, grad W = gᵀ x with x recomputed); the attention likewise returns the recorded output, and its backward
+(the fused kernel's) takes the recorded log-sum-exps, which is all a fused attention keeps from its forward.
+o_proj runs forward (a [S, H·D] × [H·D, d] GEMM costs a fifth of the attention forward it replaces, and
+keeping `mid` too would cost as much memory as the attention's output); norms, RoPE, SiLU·up and the LM
+head run as in the normal forward, and make the graph. The loss is the same function at the same point up
+to the float rounding of differently shaped GEMMs (decode's few rows against training's packed thousands),
+so the replayed log-probs equal the sampling log-probs to ~1e-6, and gradients equal the normal forward's
+to float32 rounding (tests/unit/test_replay.py). What it removes: every linear layer's forward product but
+o_proj's, about a third of the update's arithmetic, and the attention's forward.
 
 A `ReplayTape` is shared by the native engine (which records into it while armed) and the learner (which
 takes the recording of the step's one generate call and checks, token for token, that the micro-batch is
@@ -35,7 +39,7 @@ from grpo.model import shared_prompt
 from grpo.model.arch import rms_norm, rotate
 from grpo.model.linear import linear
 from grpo.model.memory import available_bytes
-from grpo.model.packed_attention import packed_attention
+from grpo.model.packed_attention import replayed_attention
 
 log = logging.getLogger("grpo")
 
@@ -49,7 +53,7 @@ def recording_bytes(hf_config, prompt_slots: int, completion_slots: int) -> int:
     d, heads = c.hidden_size, c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or d // heads
     kv = c.num_key_value_heads or heads
-    per_layer = (heads + 2 * kv) * head_dim + 2 * d + 2 * c.intermediate_size
+    per_layer = (2 * heads + 2 * kv) * head_dim + heads + d + 2 * c.intermediate_size
     return 4 * (prompt_slots + completion_slots) * c.num_hidden_layers * per_layer
 
 
@@ -78,9 +82,9 @@ class Recording:
         d, hd = dec.hf.config.hidden_size, dec.head_dim
         widths = {
             "qkv": (dec.num_heads + 2 * dec.num_kv_heads) * hd,
-            "mid": d,
-            "gate": dec.hf.config.intermediate_size,
-            "up": dec.hf.config.intermediate_size,
+            "attn": dec.num_heads * hd,
+            "lse": dec.num_heads,
+            "gu": 2 * dec.hf.config.intermediate_size,
             "out": d,
         }
         kw = {"device": dec.device, "dtype": dec.dtype}
@@ -383,25 +387,26 @@ class _ReplayedMLP(torch.autograd.Function):
     fresh, each would be a mapping of its own (model/memory.py), paged in again for every layer."""
 
     @staticmethod
-    def forward(ctx, recorded, gate, up, x, w_gate, w_up, w_down, residual, scratch):  # noqa: ARG004
-        ctx.save_for_backward(gate, up, x, w_gate, w_up, w_down)
+    def forward(ctx, recorded, gu, x, w_gate, w_up, w_down, residual, scratch):  # noqa: ARG004
+        ctx.save_for_backward(gu, x, w_gate, w_up, w_down)
         ctx.scratch = scratch
         return recorded.view_as(recorded)
 
     @staticmethod
     def backward(ctx, grad):
-        gate, up, x, w_gate, w_up, w_down = ctx.saved_tensors
+        gu_in, x, w_gate, w_up, w_down = ctx.saved_tensors
+        gate, up = gu_in.chunk(2, dim=-1)
         s, f = gate.shape
         a, b, gu = ctx.scratch(s, f, gate)
         silu = torch.ops.aten.silu.out(gate, out=a)
-        grad_w_down = grad.t() @ torch.mul(silu, up, out=b) if ctx.needs_input_grad[6] else None  # Gᵀ P
+        grad_w_down = grad.t() @ torch.mul(silu, up, out=b) if ctx.needs_input_grad[5] else None  # Gᵀ P
         grad_p = torch.mm(grad, w_down, out=b)  # G W_down
         torch.mul(grad_p, silu, out=gu[:, f:])  # up's gradient
         torch.ops.aten.silu_backward.grad_input(torch.mul(grad_p, up, out=a), gate, grad_input=gu[:, :f])
-        need_w = ctx.needs_input_grad[4] or ctx.needs_input_grad[5]
+        need_w = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
         grad_w_gate, grad_w_up = (gu.t() @ x).split(f) if need_w else (None, None)
-        grad_x = linear(gu, torch.cat([w_gate, w_up]).t()) if ctx.needs_input_grad[3] else None
-        return None, None, None, grad_x, grad_w_gate, grad_w_up, grad_w_down, grad, None
+        grad_x = linear(gu, torch.cat([w_gate, w_up]).t()) if ctx.needs_input_grad[2] else None
+        return None, None, grad_x, grad_w_gate, grad_w_up, grad_w_down, grad, None
 
 
 def replayed_hidden(dec, packed, recording: Recording, index: torch.Tensor) -> torch.Tensor:
@@ -424,11 +429,11 @@ def replayed_hidden(dec, packed, recording: Recording, index: torch.Tensor) -> t
             k = rms_norm(k, w(a.k_norm.weight), dec.eps)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if packed_route:
-            attn = packed_attention(q, k, v, packed.layout, dec.scale)  # [S, H·D]
+            attn = replayed_attention(q, k, v, packed.layout, dec.scale, rec["attn"], rec["lse"])  # [S, H·D]
         else:
             attn = shared_prompt._grid_attention(dec, q, k, v, packed)
-        mid = _ReplayedLinear.apply(rec["mid"], attn, h, *dec.proj(a.o_proj))
+        mid = h + linear(attn, *dec.proj(a.o_proj))
         x = rms_norm(mid, w(layer.post_attention_layernorm.weight), dec.eps)
         weights = (dec.proj(p)[0] for p in (m.gate_proj, m.up_proj, m.down_proj))
-        h = _ReplayedMLP.apply(rec["out"], rec["gate"], rec["up"], x, *weights, mid, recording.scratch)
+        h = _ReplayedMLP.apply(rec["out"], rec["gu"], x, *weights, mid, recording.scratch)
     return dec.final_norm(h.index_select(0, packed.predictor_index))  # [M, d]
