@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 
 # Before torch loads: GNU OpenMP reads this once, at library load, in this process and in every process the
 # tests start (subprocesses, torchrun, Ray, vLLM inherit the environment). By default an OpenMP thread that
@@ -30,6 +31,49 @@ def one_torch_thread_after_each_test():
     yield
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+
+
+# GRPO_TEST_CPU=FILE: each test phase's CPU seconds (this process plus the children it waited for: `grpo`
+# subprocesses, torchrun jobs) appended to FILE as "nodeid<TAB>phase<TAB>seconds<TAB>wall" lines, from every
+# xdist worker. --durations gives wall time only, which on a shared 2-core host measures the load as much as
+# the test; CPU seconds say what a test costs. Processes the test did not wait for (Ray's daemons and
+# actors, a vLLM engine's core) are not counted.
+CPU_LOG = os.environ.get("GRPO_TEST_CPU")
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+if CPU_LOG:
+    import time
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        item.stash[_cpu_key] = []
+        yield
+        with open(CPU_LOG, "a", encoding="utf-8") as out:  # one short write per test: lines stay whole
+            out.write("".join(f"{item.nodeid}\t{p}\t{c:.2f}\t{w:.2f}\n" for p, c, w in item.stash[_cpu_key]))
+
+    def _phase(item, phase):
+        cpu, wall = _cpu_seconds(), time.monotonic()
+        yield
+        item.stash[_cpu_key].append((phase, _cpu_seconds() - cpu, time.monotonic() - wall))
+
+    _cpu_key = pytest.StashKey[list]()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(item):
+        yield from _phase(item, "setup")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(item):
+        yield from _phase(item, "call")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(item, nextitem):
+        yield from _phase(item, "teardown")
 
 
 def tiny_llama(vocab_size: int = 48, seed: int = 0) -> LlamaForCausalLM:

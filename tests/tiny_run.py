@@ -5,6 +5,7 @@ fault-injection driver (which imports it in a fresh process)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -101,3 +102,24 @@ def weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def same_weights(a: Path, b: Path) -> bool:
     wa, wb = weights(a), weights(b)
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    """A copy of run directory `src` at `dst` in which files hard-linked to each other in `src` (final_model/
+    and the last checkpoint share theirs) are linked to each other again, not two copies: a test that resumes
+    a copy sees the files as the run left them."""
+    copied: dict[tuple[int, int], Path] = {}
+    for path in sorted(Path(src).rglob("*")):
+        target = dst / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        stat = path.stat()
+        key = (stat.st_dev, stat.st_ino)
+        if stat.st_nlink > 1 and key in copied:
+            os.link(copied[key], target)
+        else:
+            shutil.copy2(path, target)
+            copied[key] = target
+    return dst

@@ -78,9 +78,11 @@ def test_lora_trains_adapters_over_one_copy_of_the_base(tmp_path):
 
 
 def test_lora_resume_continues_exactly(tmp_path):
-    trainer(tmp_path / "straight", steps=3, save_steps=2).train()
-    trainer(tmp_path / "split", steps=2, save_steps=2).train()
-    trainer(tmp_path / "split", steps=3, save_steps=2, resume="latest").train()
+    # Split after step 1: the checkpoint then holds AdamW moments, the scheduler and the data position after
+    # a real update, as after step 2 (which the split sides took before: 6 steps in all, now 4).
+    trainer(tmp_path / "straight", steps=2, save_steps=1).train()
+    trainer(tmp_path / "split", steps=1, save_steps=1).train()
+    trainer(tmp_path / "split", steps=2, save_steps=1, resume="latest").train()
     a = load_file(str(tmp_path / "straight" / "final_model" / "model.safetensors"))
     b = load_file(str(tmp_path / "split" / "final_model" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -51,31 +51,55 @@ def assert_same_training(start: dict, before: dict, now: dict) -> None:
         assert diff.max() <= 2 * moved.max() + 1e-9, (name, diff.max(), moved.max())
 
 
+PRESETS = ("tiny_math", "tiny_tools")
+
+
+def preset_argv(preset: str, run: Path) -> list[str]:
+    # A quarter of the preset's prompts per step and half its group size, on one thread (the other xdist
+    # worker has the other core), no report (its plots cost ~2 s of CPU a run; tests/unit/test_report.py
+    # covers it): the same training path for less; both sides get the same overrides, and config.yaml still
+    # carries every other setting of the preset.
+    argv = ["train", "--config", preset, "--output-dir", str(run), "train.steps=2"]
+    argv += ["train.prompts_per_step=4", "generation.num_generations=4"]
+    argv += ["train.num_threads=1", "train.report=false"]
+    return [*argv, "train.eval_before=false", "train.eval_after=false"]
+
+
+@pytest.fixture(scope="module")
+def before_issue_30_and_now(tmp_path_factory):
+    """Each side's dry runs (DRY_RUNS) and preset runs (PRESETS), one after another in one process per side
+    (reference.cli_outputs): each process start costs ~6 CPU-s of imports, and the file used six. For each
+    side: the dry runs' (exit code, stdout), and each preset's (config.yaml, final weights). One run path per
+    preset for both sides: config.yaml records it."""
+    runs = {preset: tmp_path_factory.mktemp(preset) / "run" for preset in PRESETS}
+    argvs = [["train", *argv, "--dry-run"] for argv in DRY_RUNS.values()]
+    argvs += [preset_argv(preset, runs[preset]) for preset in PRESETS]
+    seen = {}
+    for side, src in (("before", reference.source_at(BEFORE_ISSUE_30)), ("now", None)):
+        shown = reference.cli_outputs(argvs, src)
+        trained = {}
+        for preset, (code, _) in zip(PRESETS, shown[len(DRY_RUNS) :], strict=True):
+            assert code == 0, f"grpo train --config {preset} at {src or 'HEAD'} exited {code}"
+            run = runs[preset]
+            trained[preset] = (run / "config.yaml").read_bytes(), tiny_run.weights(run / "final_model")
+            shutil.rmtree(run)
+        seen[side] = shown[: len(DRY_RUNS)], trained
+    return seen
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny_math", "tiny_tools"])
-def test_preset_runs_are_what_they_were(preset, tmp_path):
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_runs_are_what_they_were(preset, before_issue_30_and_now):
     """config.yaml byte for byte; the weights within float32 tolerance since issue 34's packed attention
     (see test_single_turn_training_is_what_it_was)."""
     from grpo.model.loading import bundled_model_path
 
-    seen = {}
-    for side, src in (("before", reference.source_at(BEFORE_ISSUE_30)), ("now", None)):
-        run = tmp_path / "run"  # one path for both sides: config.yaml records it
-        # A quarter of the preset's prompts per step and half its group size, on one thread (the other
-        # xdist worker has the other core), no report (its plots cost ~2 s of CPU a run;
-        # tests/unit/test_report.py covers it): the same training path for less; both sides get the same
-        # overrides, and config.yaml still carries every other setting of the preset.
-        argv = ["train", "--config", preset, "--output-dir", str(run), "train.steps=2"]
-        argv += ["train.prompts_per_step=4", "generation.num_generations=4"]
-        argv += ["train.num_threads=1", "train.report=false"]
-        reference.run_cli([*argv, "train.eval_before=false", "train.eval_after=false"], src)
-        seen[side] = (run / "config.yaml").read_bytes(), tiny_run.weights(run / "final_model")
-        shutil.rmtree(run)
-    before_yaml, now_yaml = seen["before"][0].decode(), seen["now"][0].decode()
+    before, now = before_issue_30_and_now["before"][1][preset], before_issue_30_and_now["now"][1][preset]
+    before_yaml, now_yaml = before[0].decode(), now[0].decode()
     # config.yaml byte for byte, less the settings added since (their defaults change nothing run before)
     assert reference.without_new_settings(now_yaml, before_yaml) == before_yaml
     start = tiny_run.weights(bundled_model_path(f"{preset.replace('_', '-')}-lm"))
-    assert_same_training(start, seen["before"][1], seen["now"][1])
+    assert_same_training(start, before[1], now[1])
 
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -95,11 +119,9 @@ DRY_RUNS = {
 }
 
 
-def test_preset_configs_are_what_they_were():
+def test_preset_configs_are_what_they_were(before_issue_30_and_now):
     """`grpo train --dry-run` prints the config.yaml a run writes (and the plan) from the data alone."""
-    argvs = [["train", *argv, "--dry-run"] for argv in DRY_RUNS.values()]
-    before = reference.cli_outputs(argvs, reference.source_at(BEFORE_ISSUE_30))
-    now = reference.cli_outputs(argvs)
+    before, now = before_issue_30_and_now["before"][0], before_issue_30_and_now["now"][0]
     for name, shown_before, shown_now in zip(DRY_RUNS, before, now, strict=True):
         assert shown_before[0] == 0 and "plan:" in shown_before[1], name
         assert shown_now[0] == 0, name

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo import GRPOConfig, GRPOTrainer, SimplePromptDataset
 from grpo.cli import main as cli
 from grpo.model.loading import bundled_model_path
+from tests import tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,16 @@ def four_steps(tmp_path_factory):
     that each of them would otherwise train for itself."""
     out = tmp_path_factory.mktemp("four") / "run"
     run(out, steps=4, save_steps=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A 2-step run (its end saved as checkpoint-2 and final_model), the first half of both resume tests
+    below; each resumes its own copy (tiny_run.copy_run keeps final_model's files linked to checkpoint-2's,
+    as the run wrote them)."""
+    out = tmp_path_factory.mktemp("two") / "run"
+    run(out, steps=2, save_steps=2)
     return out
 
 
@@ -94,10 +105,9 @@ def test_short_run_trains_saves_and_reloads(four_steps):
         assert os.path.samefile(out / "final_model" / name, out / "checkpoint-4" / name)
 
 
-def test_resume_continues_exactly(four_steps, tmp_path):
+def test_resume_continues_exactly(four_steps, two_steps, tmp_path):
     straight = four_steps
-    split = tmp_path / "split"
-    run(split, steps=2, save_steps=2)
+    split = tiny_run.copy_run(two_steps, tmp_path / "split")
     run(split, steps=4, save_steps=2, resume="latest")
     lines = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]  # appended, not overwritten
@@ -108,13 +118,15 @@ def test_resume_continues_exactly(four_steps, tmp_path):
     assert straight_lines[3]["reward"] == lines[3]["reward"] and straight_lines[3]["loss"] == lines[3]["loss"]
 
 
-def test_resume_from_a_linked_final_model_continues_exactly(four_steps, tmp_path):
+def test_resume_from_a_linked_final_model_continues_exactly(four_steps, two_steps, tmp_path):
     """final_model/ shares the last checkpoint's files (written once); resuming from it is resuming from
     that checkpoint, and the new run's saves leave the old files as they were. The straight side is the
     module's 4-step run (its own 3-step run cost more than the split side's fourth step)."""
     straight = four_steps
-    split = tmp_path / "split"
-    run(split, steps=2, save_steps=2)
+    split = tiny_run.copy_run(two_steps, tmp_path / "split")
+    assert os.path.samefile(
+        split / "final_model" / "model.safetensors", split / "checkpoint-2" / "model.safetensors"
+    )
     before = (split / "checkpoint-2" / "model.safetensors").read_bytes()
     run(split, steps=4, save_steps=2, resume=str(split / "final_model"))
     steps = [json.loads(x)["step"] for x in (split / "metrics.jsonl").read_text().splitlines()]

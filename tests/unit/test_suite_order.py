@@ -41,3 +41,47 @@ def test_a_test_that_changes_torchs_threads_leaves_them_changed_only_for_itself_
 
 def test_a_test_that_changes_torchs_threads_leaves_them_changed_only_for_itself_part_2():
     assert torch.get_num_threads() == 1
+
+
+def test_a_copied_run_keeps_its_hard_links_and_leaves_the_original_alone(tmp_path):
+    # tests/integration/test_train_e2e.py resumes copies of one shared run: final_model/ must stay linked to
+    # the checkpoint's files in the copy (as the run wrote them), and writes to the copy must not reach the
+    # original through a link.
+    from tests.tiny_run import copy_run
+
+    run = tmp_path / "run"
+    (run / "checkpoint-2").mkdir(parents=True)
+    (run / "final_model").mkdir()
+    (run / "checkpoint-2" / "model.safetensors").write_bytes(b"weights")
+    os.link(run / "checkpoint-2" / "model.safetensors", run / "final_model" / "model.safetensors")
+    (run / "metrics.jsonl").write_text("{}\n")
+    copy = copy_run(run, tmp_path / "copy")
+    assert copy == tmp_path / "copy"
+    assert os.path.samefile(
+        copy / "final_model" / "model.safetensors", copy / "checkpoint-2" / "model.safetensors"
+    )
+    assert not os.path.samefile(
+        copy / "final_model" / "model.safetensors", run / "final_model" / "model.safetensors"
+    )
+    assert (copy / "metrics.jsonl").read_text() == "{}\n"
+    (copy / "checkpoint-2" / "model.safetensors").write_bytes(b"changed")
+    assert (run / "final_model" / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_each_test_phase_s_cpu_seconds_are_logged_when_asked(tmp_path):
+    # GRPO_TEST_CPU (tests/conftest.py): what a test costs in CPU, beside --durations' wall time.
+    log = tmp_path / "cpu.tsv"
+    node = (
+        "tests/unit/test_suite_order.py::"
+        + test_a_test_that_changes_torchs_threads_leaves_them_changed_only_for_itself_part_1.__name__
+    )
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
+        cwd=ROOT,
+        env={**os.environ, "GRPO_TEST_CPU": str(log)},
+        capture_output=True,
+        check=True,
+    )
+    rows = [line.split("\t") for line in log.read_text().splitlines()]
+    assert [(r[0], r[1]) for r in rows] == [(node, "setup"), (node, "call"), (node, "teardown")]
+    assert all(float(r[2]) >= 0 and float(r[3]) >= 0 for r in rows)
