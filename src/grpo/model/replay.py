@@ -347,14 +347,13 @@ class Replay:
 
 # -- the replayed forward --------------------------------------------------------------------------
 class _ReplayedLinear(torch.autograd.Function):
-    """out = [x W₁ᵀ + b₁ | x W₂ᵀ + b₂ | …] (+ residual): forward returns the recorded `out`; backward as the
-    linear layers' (and the identity to the residual)."""
+    """out = [x W₁ᵀ + b₁ | x W₂ᵀ + b₂ | …] (q|k|v): forward returns the recorded `out`; backward as the
+    linear layers'."""
 
     @staticmethod
-    def forward(ctx, recorded, x, residual, *params):
+    def forward(ctx, recorded, x, *params):
         ctx.save_for_backward(x, *params[0::2])
         ctx.has_bias = [b is not None for b in params[1::2]]
-        ctx.has_residual = residual is not None
         return recorded.view_as(recorded)
 
     @staticmethod
@@ -368,15 +367,15 @@ class _ReplayedLinear(torch.autograd.Function):
             grad_x = None
         else:
             grad_x = linear(grad, w.t()) if grad.is_contiguous() else grad @ w
-        need_w = any(ctx.needs_input_grad[3 + 2 * i] for i in range(len(weights)))
+        need_w = any(ctx.needs_input_grad[2 + 2 * i] for i in range(len(weights)))
         grad_w = (grad.t() @ x).split([w.shape[0] for w in weights]) if need_w else [None] * len(weights)
         grads, start = [], 0
         for i, w in enumerate(weights):
-            grads.append(grad_w[i] if ctx.needs_input_grad[3 + 2 * i] else None)
-            need_b = ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i]
+            grads.append(grad_w[i] if ctx.needs_input_grad[2 + 2 * i] else None)
+            need_b = ctx.has_bias[i] and ctx.needs_input_grad[3 + 2 * i]
             grads.append(grad[:, start : start + w.shape[0]].sum(0) if need_b else None)
             start += w.shape[0]
-        return None, grad_x, grad if ctx.has_residual else None, *grads
+        return None, grad_x, *grads
 
 
 class _ReplayedMLP(torch.autograd.Function):
@@ -421,7 +420,7 @@ def replayed_hidden(dec, packed, recording: Recording, index: torch.Tensor) -> t
         a, m, w = layer.self_attn, layer.mlp, dec.w
         x = rms_norm(h, w(layer.input_layernorm.weight), dec.eps)
         qkv = _ReplayedLinear.apply(
-            rec["qkv"], x, None, *dec.proj(a.q_proj), *dec.proj(a.k_proj), *dec.proj(a.v_proj)
+            rec["qkv"], x, *dec.proj(a.q_proj), *dec.proj(a.k_proj), *dec.proj(a.v_proj)
         )  # [S, (H + 2Hkv)·D]
         q, k, v = qkv.view(s, hq + 2 * hkv, hd).split([hq, hkv, hkv], dim=1)
         if dec.qk_norm:
