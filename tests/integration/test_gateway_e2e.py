@@ -172,14 +172,14 @@ def test_grpo_train_through_the_agent_on_the_transformers_engine(tmp_path):
     assert not [t for t in threading.enumerate() if t.name.startswith(("grpo-gateway", "grpo-agent"))]
 
 
-def test_a_checkpoint_after_a_pre_started_step_resumes_with_its_prompts(tmp_path, monkeypatch):
+def test_a_checkpoint_after_a_pre_started_step_resumes_with_its_prompts(tmp_path):
     """Step 2's agents start while step 1 updates; checkpoint-1 still holds the stream after step 1 only, so
     a run resumed from it samples step 2's prompts as the straight run did (the pre-started episodes were
     discarded with the run that started them, never counted)."""
     from grpo.checkpoint.store import load_training_state
 
-    monkeypatch.setenv("GRPO_GATEWAY_AHEAD", "1")  # whatever this host's cores
-    base = [a for a in SMALL if not a.startswith(("steps=", "save_steps="))]
+    # env.agent_start_ahead=true: whatever this host's cores
+    base = [a for a in SMALL if not a.startswith(("steps=", "save_steps="))] + ["env.agent_start_ahead=true"]
     agent = ["--agent", f"{AGENTS}:calculator_agent"]
     straight, first = tmp_path / "straight", tmp_path / "first"
     for out, steps in ((straight, 3), (first, 2)):

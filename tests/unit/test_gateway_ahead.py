@@ -210,8 +210,6 @@ def test_by_default_the_agents_start_ahead_only_where_the_update_leaves_a_core_i
     assert not run._ahead_pays()
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert run._ahead_pays()
-    monkeypatch.setenv("GRPO_GATEWAY_AHEAD", "0")
-    assert not run._ahead_pays()
     assert not runner(qwen, agents.calculator_agent, workers=0, ahead=False)._ahead_pays()
 
 

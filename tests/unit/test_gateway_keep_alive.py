@@ -1,8 +1,8 @@
 """Keep-alive between an agent's calls: the server leaves a JSON reply's connection open, so a pooled client
 (an agent worker's httpx pool, the openai client's own) sends its next call on it instead of connecting anew;
 a reply after which the server cannot go on reading the connection says `Connection: close`, so no client
-reuses it; GatewayServer.close() ends the connections kept open. Opt-in (GRPO_GATEWAY_KEEP_ALIVE=1); off,
-every reply closes its connection."""
+reuses it; GatewayServer.close() ends the connections kept open. Set by env.agent_keep_alive (the
+runner's server); off, every reply closes its connection."""
 
 from __future__ import annotations
 
@@ -14,17 +14,24 @@ import httpx
 import openai
 import pytest
 
+from grpo.agents import HermesParser
+from grpo.gateway.server import GatewayServer
+from grpo.gateway.service import Gateway
 from grpo.gateway.sessions import Session
 from tests import gateway_agents as agents
-from tests.unit.test_gateway import qwen  # noqa: F401 - the fixture
+from tests.unit.test_episodes import ScriptedEngine, calls_then_answers
+from tests.unit.test_gateway import LIMITS, SAMPLING, qwen  # noqa: F401 - the fixture
 from tests.unit.test_gateway import served as served_plain  # noqa: F401 - the fixture
 
 
 @pytest.fixture
-def served(monkeypatch, request):
-    """The gateway with keep-alive on (GRPO_GATEWAY_KEEP_ALIVE=1, read as the server starts)."""
-    monkeypatch.setenv("GRPO_GATEWAY_KEEP_ALIVE", "1")
-    return request.getfixturevalue("served_plain")
+def served(qwen):  # noqa: F811 - the fixture
+    """The gateway with keep-alive on, as test_gateway's `served` otherwise."""
+    gateway = Gateway(qwen, HermesParser(), LIMITS, ScriptedEngine(qwen, calls_then_answers), SAMPLING)
+    server = GatewayServer(gateway, max_body=10_000, keep_alive=True)
+    yield gateway, server
+    server.close()
+    gateway.batcher.close()
 
 
 GOOD = {"model": "m", "messages": [{"role": "user", "content": "What is 12 * 34?"}]}

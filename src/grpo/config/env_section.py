@@ -63,6 +63,17 @@ class EnvConfig:
         "agents' openai-client work runs beside the trainer's instead of under its GIL; unset: one per "
         "core, at most 8; 0: threads in the trainer's process (always so for env.agent_command).",
     )
+    agent_start_ahead: bool | None = _f(
+        None,
+        "Start the next step's agent episodes while the learner updates (their first requests wait for the "
+        "new weights; an evaluation, a stop or the run's end discards them unsampled); unset: only where the "
+        "update leaves a core idle (more agent workers than torch threads).",
+    )
+    agent_keep_alive: bool = _f(
+        False,
+        "Keep an agent's HTTP connection to the gateway open between its calls instead of connecting anew "
+        "for each (the server still closes a connection it cannot go on reading, saying so).",
+    )
     episode_timeout_s: float = _f(300.0, "Seconds an agent's episode may run; past it the episode fails.")
     failed_episode: str = _f(
         "zero",

@@ -27,7 +27,6 @@ import dataclasses
 import inspect
 import logging
 import math
-import os
 import threading
 import time
 from pathlib import Path
@@ -138,6 +137,7 @@ class AgentRunner:
         window_s: float = 0.2,
         workers: int | None = 0,
         ahead: bool | None = None,
+        keep_alive: bool = False,
     ):
         self.agent = load_agent(agent)
         from grpo.gateway.agent_command import AgentCommand
@@ -168,11 +168,12 @@ class AgentRunner:
         self.workers = workers
         self._pool = None
         self._ahead: _Ahead | None = None
-        # start_ahead: True / False, or None: where a core is left idle by the update's torch threads
-        # (GRPO_GATEWAY_AHEAD=1/0 overrides, for benchmarks). On 2 cores at 2 threads the agents' first
-        # requests only move into the update and slow it as much as they save (12 interleaved pairs,
-        # 2026-11-27: 1.07x the step without); with a spare core their CPU is free.
+        # start_ahead (env.agent_start_ahead): True / False, or None: where a core is left idle by the
+        # update's torch threads. On 2 cores at 2 threads the agents' first requests only move into the
+        # update and slow it as much as they save (12 interleaved pairs, 2026-11-27: 1.07x the step
+        # without); with a spare core their CPU is free.
         self.ahead = ahead
+        self.keep_alive = keep_alive  # env.agent_keep_alive: the server leaves an agent's connection open
 
     def __getstate__(self) -> dict:
         """What travels to a Ray rollout actor: the settings, not the live server, threads or sessions (the
@@ -202,7 +203,7 @@ class AgentRunner:
             self.gateway = Gateway(
                 self.tokenizer, self.parser, self.limits, engine, sampling, **self.gateway_args
             )
-            self.server = GatewayServer(self.gateway)
+            self.server = GatewayServer(self.gateway, keep_alive=self.keep_alive)
             log.info("Agent gateway: %s (one key per episode).", self.server.base_url)
         self.gateway.batcher.use(engine, sampling)
         return self.gateway
@@ -323,8 +324,6 @@ class AgentRunner:
     def _ahead_pays(self) -> bool:
         if self.ahead is not None:
             return self.ahead
-        if (forced := os.environ.get("GRPO_GATEWAY_AHEAD")) in ("0", "1"):
-            return forced == "1"
         from grpo.gateway.agent_pool import default_size
 
         return default_size() > torch.get_num_threads()
@@ -574,6 +573,8 @@ def build_agent_runner(cfg, formatter, agent=None, **objects) -> AgentRunner:
         template_kwargs=dict(cfg.data.chat_template_kwargs or {}),
         model_name=str(cfg.model.name_or_path),
         workers=cfg.env.agent_workers,
+        ahead=cfg.env.agent_start_ahead,
+        keep_alive=cfg.env.agent_keep_alive,
     )
     log.info(
         "Episodes: your agent %s through the gateway; up to %d tokens each; %s.",

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import socket
 import sys
 import threading
@@ -37,12 +36,6 @@ from grpo.gateway.wire import (
 log = logging.getLogger("grpo")
 
 MAX_BODY = 8 * 2**20  # bytes of a request body
-# JSON replies leave the connection open for the client's next call (_Handler._json): off unless
-# GRPO_GATEWAY_KEEP_ALIVE=1 (read when a server starts). Sequential calls pay ~0.5 ms less CPU a call
-# (server and client); whether a step of 64 concurrent agents gains is not settled (an agent worker's pool
-# then holds dozens of idle connections, which httpcore checks on every request), so it stays opt-in until
-# a quiet machine says.
-KEEP_ALIVE = False
 MAX_LINE, MAX_HEADERS = 65536, 100  # a header line's bytes and the headers of a request (the stdlib's limits)
 
 
@@ -132,9 +125,15 @@ class _HTTPServer(ThreadingHTTPServer):
 class GatewayServer:
     """Serves `gateway` on host:port (port 0: a free one) from a daemon thread until close()."""
 
-    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, max_body: int = MAX_BODY):
+    def __init__(
+        self,
+        gateway: Gateway,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_body: int = MAX_BODY,
+        keep_alive: bool = False,  # env.agent_keep_alive: a JSON reply leaves its connection open
+    ):
         self.gateway = gateway
-        keep_alive = KEEP_ALIVE or os.environ.get("GRPO_GATEWAY_KEEP_ALIVE", "") == "1"
         attrs = {"gateway": gateway, "max_body": max_body, "keep_alive": keep_alive}
         handler = type("Handler", (_Handler,), attrs)
         self.httpd = _HTTPServer((host, port), handler)
@@ -318,7 +317,7 @@ class _Handler(BaseHTTPRequestHandler):
         # call on the two sides). The server never ends a kept connection on its own while serving it: when
         # it must (an unread body, an error, HTTP/1.0), the reply says `Connection: close` so no client
         # reuses it (a silent close is what left requests unanswered before); GatewayServer.close() ends the
-        # idle ones. Off (KEEP_ALIVE, GRPO_GATEWAY_KEEP_ALIVE): one request per connection.
+        # idle ones. Off (env.agent_keep_alive=false): one request per connection.
         if self.close_connection or not self.keep_alive:
             self.send_header("Connection", "close")
             self.close_connection = True
