@@ -79,11 +79,12 @@ class _Host:
                 daemon=True,
             ).start()
             return
-        import httpx
         import openai
 
-        if self._http is None:  # one connection pool for the worker's episodes, kept across steps
-            self._http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None))
+        from grpo.gateway.agent_http import agent_http_client
+
+        if self._http is None:  # one connection stack for the worker's episodes, kept across steps
+            self._http = agent_http_client()
         for k, key, row in episodes:
             client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, http_client=self._http)
             threading.Thread(

@@ -388,14 +388,15 @@ class AgentRunner:
         return results
 
     def _drive(self, sessions: list[Session], cut: threading.Event | None = None) -> list[tuple]:
-        import httpx
         import openai
 
+        from grpo.gateway.agent_http import agent_http_client
+
         results: list[tuple] = [(None, "timeout")] * len(sessions)
-        if self._http is None:  # one connection pool for every episode's client: a client each costs ~0.1 s
+        if self._http is None:  # one connection stack for every episode's client: a client each costs ~0.1 s
             # No client-side timeout: a request may wait in a paused batcher for a whole update (start_ahead);
             # the episode's time limit is the runner's (gateway/clock.py).
-            self._http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None))
+            self._http = agent_http_client()
         clients = [
             openai.OpenAI(base_url=self.server.base_url, api_key=s.key, max_retries=0, http_client=self._http)
             for s in sessions
