@@ -37,6 +37,9 @@ SIDES = {
     # trainer's process (env.agent_workers=0: how the gateway ran before the workers)
     "gateway": ["--config", "tiny_tools_agent"],
     "gateway-threads": ["--config", "tiny_tools_agent", "env.agent_workers=0"],
+    # the gateway with each keep-alive setting named (env.agent_keep_alive), whatever the default
+    "gateway-keep-alive": ["--config", "tiny_tools_agent", "env.agent_keep_alive=true"],
+    "gateway-close": ["--config", "tiny_tools_agent", "env.agent_keep_alive=false"],
 }
 COMMON = [
     "train.prompts_per_step=8",

@@ -10,7 +10,11 @@ Python around the engine: the server's request threads (HTTP parsing, JSON, the 
 the reply) and the agent's thread (examples/tiny_tools_agent.py's `run`: the `openai` client, httpx), each by
 its own thread CPU time (time.thread_time), one episode at a time, at one torch thread. `--before DIR` runs
 the same measurement with DIR's src/ in a child process, alternating with this checkout's, so both sides see
-the same machine; the medians per call are printed side by side. `--continuations` measures, in one process,
+the same machine; the medians per call are printed side by side. `--concurrent N` runs N episodes at once, on
+threads sharing one HTTP client as in an agent worker (the gateway's `agent_http_client` where the checkout
+has it, else httpx's pool as before it), the batcher serving them together; `--keep-alive` serves with
+env.agent_keep_alive on (a checkout from before the key: GRPO_GATEWAY_KEEP_ALIVE=1). `--continuations`
+measures, in one process,
 interleaved, the server's ids of a continued row both ways: the delta rule (two renderings) and the gateway's
 one rendering (gateway/service.py, _Renderer.continued_ids), checked equal.
 """
@@ -18,6 +22,7 @@ one rendering (gateway/service.py, _Renderer.continued_ids), checked equal.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -33,16 +38,51 @@ from gateway_rollout import _THREAD_CPU, _counted_run, _lock
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(episodes: int, repeats: int) -> list[dict]:
-    """In this process: `repeats` rounds of `episodes` sequential episodes (2 calls each); CPU per call."""
+def _http_client():
+    try:
+        from grpo.gateway.agent_http import agent_http_client
+    except ImportError:  # a checkout from before it: httpx's pool, as its agent workers had
+        import httpx
+
+        return httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None))
+    return agent_http_client()
+
+
+def _episodes(gateway, server, http, sessions: list, concurrent: int) -> float:
+    """Run the sessions' episodes, `concurrent` live at a time (served together); the agents' CPU seconds."""
+    import openai
+    from tiny_tools_agent import run as agent
+
+    cpu: list[float] = []
+
+    def one(s) -> None:
+        client = openai.OpenAI(base_url=server.base_url, api_key=s.key, max_retries=0, http_client=http)
+        start = time.thread_time()
+        agent(client, s.row)
+        cpu.append(time.thread_time() - start)
+
+    for at in range(0, len(sessions), concurrent):
+        wave = sessions[at : at + concurrent]
+        for s in wave:
+            gateway.sessions.add(s)
+        threads = [threading.Thread(target=one, args=(s,)) for s in wave]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for s in wave:
+            s.end("answer")
+        gateway.sessions.remove(wave)
+    return sum(cpu)
+
+
+def measure(episodes: int, repeats: int, concurrent: int = 1, keep_alive: bool = False) -> list[dict]:
+    """In this process: `repeats` rounds of `episodes` episodes, `concurrent` at a time; CPU per call."""
     import torch
 
     torch.set_num_threads(1)
     threading.Thread.run = _counted_run
     sys.path.insert(0, str(ROOT / "examples"))
-    import httpx
-    import openai
-    from tiny_tools_agent import run as agent
     from transformers import AutoTokenizer
 
     from grpo.agents.parsing import detect_parser
@@ -83,28 +123,22 @@ def measure(episodes: int, repeats: int) -> list[dict]:
 
     gateway = Gateway(tok, parser, Limits(160, 48, 4096), Canned(), SamplingParams(max_new_tokens=48),
                       window_s=0.0)  # fmt: skip
-    server = GatewayServer(gateway)
+    if "keep_alive" in inspect.signature(GatewayServer).parameters:
+        server = GatewayServer(gateway, keep_alive=keep_alive)
+    else:  # before env.agent_keep_alive
+        os.environ["GRPO_GATEWAY_KEEP_ALIVE"] = "1" if keep_alive else "0"
+        server = GatewayServer(gateway)
     rows = [{"prompt": f"What is {a} * {a + 7}?", "answer": str(a * (a + 7))} for a in range(episodes)]
     out = []
     try:
         for rep in range(repeats + 1):  # the first round warms up
             sessions = [Session(k, k, row) for k, row in enumerate(rows)]
-            # as an agent worker's pool; closed at the round's end, so the server's connection threads (kept
+            # as an agent worker's client; closed at the round's end, so the server's connection threads (kept
             # alive between calls) end and their CPU is counted
-            http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None))
+            http = _http_client()
             with _lock:
                 _THREAD_CPU["server"] = 0.0
-            client_cpu = 0.0
-            for s in sessions:  # one live at a time: the batcher waits for no other session's call
-                gateway.sessions.add(s)
-                client = openai.OpenAI(
-                    base_url=server.base_url, api_key=s.key, max_retries=0, http_client=http
-                )
-                start = time.thread_time()
-                agent(client, s.row)
-                client_cpu += time.thread_time() - start
-                s.end("answer")
-                gateway.sessions.remove([s])
+            client_cpu = _episodes(gateway, server, http, sessions, concurrent)
             http.close()
             time.sleep(0.05)  # the last request thread's CPU is counted as it exits
             calls = sum(s.calls for s in sessions)
@@ -170,6 +204,8 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=200, help="episodes per round (2 model calls each)")
     ap.add_argument("--repeats", type=int, default=5, help="rounds (per side, alternating with --before)")
     ap.add_argument("--before", type=Path, help="another checkout (e.g. main) to measure the same way")
+    ap.add_argument("--concurrent", type=int, default=1, help="episodes at once (threads sharing one client)")
+    ap.add_argument("--keep-alive", action="store_true", help="serve with env.agent_keep_alive on")
     ap.add_argument("--json", action="store_true", help="(internal) measure one round here, print JSON")
     ap.add_argument("--continuations", action="store_true", help="the continued row's ids both ways (above)")
     args = ap.parse_args()
@@ -177,7 +213,7 @@ def main() -> None:
         continuations()
         return
     if args.json:
-        print(json.dumps(measure(args.episodes, args.repeats)))
+        print(json.dumps(measure(args.episodes, args.repeats, args.concurrent, args.keep_alive)))
         return
     sides = {"this": ROOT, **({"before": args.before.resolve()} if args.before else {})}
     results: dict[str, list[dict]] = {side: [] for side in sides}
@@ -185,7 +221,8 @@ def main() -> None:
         for side in sides if rep % 2 == 0 else list(sides)[::-1]:
             root = sides[side]
             cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--episodes", str(args.episodes),
-                   "--repeats", "1"]  # fmt: skip
+                   "--repeats", "1", "--concurrent", str(args.concurrent)]  # fmt: skip
+            cmd += ["--keep-alive"] if args.keep_alive else []
             env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1",
                    "GRPO_BENCH_ROOT": str(root)}  # fmt: skip
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
