@@ -128,3 +128,18 @@ def test_no_cookie_is_kept_between_episodes():
         reply = httpx.Response(200, headers={"Set-Cookie": "episode=1; Path=/"}, request=request)
         http.cookies.extract_cookies(reply)
         assert not list(http.cookies.jar)
+
+
+def test_streamed_and_whole_replies_alternate_on_one_client(served):  # noqa: F811
+    """A streamed reply ends its connection (`Connection: close`: none is kept after it); whole replies keep
+    theirs; an agent mixing them on one shared client gets every reply."""
+    gateway, server = served
+    with agent_http_client() as http:
+        for agent in (agents.streaming_agent, agents.calculator_agent, agents.streaming_agent):
+            s = gateway.sessions.add(Session(0, 0, {"prompt": "What is 12 * 34?"}))
+            client = openai.OpenAI(base_url=server.base_url, api_key=s.key, max_retries=0, http_client=http)
+            agent(client, s.row)
+            assert s.calls == 2  # the call, then the answer after the calculator's result
+            s.end("answer")
+            gateway.sessions.remove([s])
+        assert len(http._transport._pool._idle) <= 1
