@@ -1,8 +1,8 @@
 """Keep-alive between an agent's calls: the server leaves a JSON reply's connection open, so a pooled client
 (an agent worker's httpx pool, the openai client's own) sends its next call on it instead of connecting anew;
 a reply after which the server cannot go on reading the connection says `Connection: close`, so no client
-reuses it; GatewayServer.close() ends the connections kept open. Set by env.agent_keep_alive (the
-runner's server); off, every reply closes its connection."""
+reuses it; GatewayServer.close() ends the connections kept open. Set by env.agent_keep_alive (on by default;
+the runner's server; GatewayServer alone defaults to off); off, every reply closes its connection."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ def _closes_after_a_reply(run, tokenizer) -> bool:
 
 
 def test_keep_alive_is_a_config_key_that_the_runners_server_follows(qwen):  # noqa: F811
-    for overrides, closes in (({}, True), ({"env.agent_keep_alive": "true"}, False)):
+    for overrides, closes in (({}, False), ({"env.agent_keep_alive": "false"}, True)):
         run = built(qwen, **overrides)
         try:
             assert _closes_after_a_reply(run, qwen) is closes

@@ -70,9 +70,9 @@ class EnvConfig:
         "update leaves a core idle (more agent workers than torch threads).",
     )
     agent_keep_alive: bool = _f(
-        False,
-        "Keep an agent's HTTP connection to the gateway open between its calls instead of connecting anew "
-        "for each (the server still closes a connection it cannot go on reading, saying so).",
+        True,
+        "Keep an agent's HTTP connection to the gateway open between its calls (the server closes one it "
+        "cannot go on reading, saying so); false: every call connects anew and its reply closes it.",
     )
     episode_timeout_s: float = _f(300.0, "Seconds an agent's episode may run; past it the episode fails.")
     failed_episode: str = _f(

@@ -137,7 +137,7 @@ class AgentRunner:
         window_s: float = 0.2,
         workers: int | None = 0,
         ahead: bool | None = None,
-        keep_alive: bool = False,
+        keep_alive: bool = True,
     ):
         self.agent = load_agent(agent)
         from grpo.gateway.agent_command import AgentCommand
