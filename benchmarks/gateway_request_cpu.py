@@ -140,7 +140,12 @@ def measure(episodes: int, repeats: int, concurrent: int = 1, keep_alive: bool =
                 _THREAD_CPU["server"] = 0.0
             client_cpu = _episodes(gateway, server, http, sessions, concurrent)
             http.close()
-            time.sleep(0.05)  # the last request thread's CPU is counted as it exits
+            # each request thread's CPU is counted as it exits: with keep-alive, dozens end at the close above
+            deadline = time.monotonic() + 5
+            serving = [t for t in threading.enumerate() if "process_request" in t.name]
+            while time.monotonic() < deadline and any(t.is_alive() for t in serving):
+                time.sleep(0.01)
+            time.sleep(0.05)
             calls = sum(s.calls for s in sessions)
             with _lock:
                 server_cpu = _THREAD_CPU["server"]
