@@ -34,10 +34,12 @@ def one_torch_thread_after_each_test():
 
 
 # GRPO_TEST_CPU=FILE: each test phase's CPU seconds (this process plus the children it waited for: `grpo`
-# subprocesses, torchrun jobs) appended to FILE as "nodeid<TAB>phase<TAB>seconds<TAB>wall" lines, from every
-# xdist worker. --durations gives wall time only, which on a shared 2-core host measures the load as much as
-# the test; CPU seconds say what a test costs. Processes the test did not wait for (Ray's daemons and
-# actors, a vLLM engine's core) are not counted.
+# subprocesses, torchrun jobs) appended to FILE as "nodeid, phase, seconds, wall, worker, start" lines
+# (tab-separated), from every xdist worker. worker: xdist's id ("main" without xdist); start: the phase's
+# epoch seconds, so a run's schedule can be drawn (which worker ran what when, whether one sat idle at the
+# end). --durations gives wall time only, which on a shared 2-core host measures the load as much as the
+# test; CPU seconds say what a test costs. Processes the test did not wait for (Ray's daemons and actors, a
+# vLLM engine's core) are not counted.
 CPU_LOG = os.environ.get("GRPO_TEST_CPU")
 
 
@@ -54,12 +56,19 @@ if CPU_LOG:
         item.stash[_cpu_key] = []
         yield
         with open(CPU_LOG, "a", encoding="utf-8") as out:  # one short write per test: lines stay whole
-            out.write("".join(f"{item.nodeid}\t{p}\t{c:.2f}\t{w:.2f}\n" for p, c, w in item.stash[_cpu_key]))
+            out.write(
+                "".join(
+                    f"{item.nodeid}\t{p}\t{c:.2f}\t{w:.2f}\t{_WORKER}\t{t:.2f}\n"
+                    for p, c, w, t in item.stash[_cpu_key]
+                )
+            )
+
+    _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 
     def _phase(item, phase):
-        cpu, wall = _cpu_seconds(), time.monotonic()
+        cpu, wall, start = _cpu_seconds(), time.monotonic(), time.time()
         yield
-        item.stash[_cpu_key].append((phase, _cpu_seconds() - cpu, time.monotonic() - wall))
+        item.stash[_cpu_key].append((phase, _cpu_seconds() - cpu, time.monotonic() - wall, start))
 
     _cpu_key = pytest.StashKey[list]()
 

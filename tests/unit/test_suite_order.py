@@ -85,3 +85,7 @@ def test_each_test_phase_s_cpu_seconds_are_logged_when_asked(tmp_path):
     rows = [line.split("\t") for line in log.read_text().splitlines()]
     assert [(r[0], r[1]) for r in rows] == [(node, "setup"), (node, "call"), (node, "teardown")]
     assert all(float(r[2]) >= 0 and float(r[3]) >= 0 for r in rows)
+    # worker and start time: the schedule of a run (no xdist here: "main"; phases in order)
+    assert all(r[4] == "main" for r in rows)
+    starts = [float(r[5]) for r in rows]
+    assert starts == sorted(starts) and starts[0] > 1.7e9
