@@ -75,10 +75,12 @@ def test_each_test_phase_s_cpu_seconds_are_logged_when_asked(tmp_path):
         "tests/unit/test_suite_order.py::"
         + test_a_test_that_changes_torchs_threads_leaves_them_changed_only_for_itself_part_1.__name__
     )
+    # the child is no xdist worker (its worker id is "main"), even when this test runs in one
+    outside_xdist = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
         cwd=ROOT,
-        env={**os.environ, "GRPO_TEST_CPU": str(log)},
+        env={**outside_xdist, "GRPO_TEST_CPU": str(log)},
         capture_output=True,
         check=True,
     )
