@@ -15,9 +15,14 @@ import resource
 # an idle thread waits. A value set outside (CI, a developer) is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+if TYPE_CHECKING:  # imported where a model is built: a pytest process that builds none (test_suite_order.py's
+    # child run) skips transformers' ~3 CPU-s of imports
+    from transformers import LlamaForCausalLM
 
 # Tiny matmuls are dominated by thread hand-off on a 2-core machine; one thread is faster and stable.
 torch.set_num_threads(1)
@@ -86,6 +91,8 @@ if CPU_LOG:
 
 
 def tiny_llama(vocab_size: int = 48, seed: int = 0) -> LlamaForCausalLM:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,

@@ -78,7 +78,8 @@ def test_each_test_phase_s_cpu_seconds_are_logged_when_asked(tmp_path):
     # the child is no xdist worker (its worker id is "main"), even when this test runs in one
     outside_xdist = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
     subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
+        # without the plugins this run has no use for (hypothesis' costs ~2 CPU-s to load)
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", node],
         cwd=ROOT,
         env={**outside_xdist, "GRPO_TEST_CPU": str(log)},
         capture_output=True,
