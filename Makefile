@@ -64,10 +64,9 @@ demo: setup
 	exit $$status
 
 # The vLLM tests run beside the main suite, not after it: the main suite's subprocess waits and its tail
-# leave a core idle often enough that the two together take less than one after the other. They run at a
-# lower priority (nice -n 5): the main suite is the longer of the two (617 s against 308 s in session 9's
-# run), so every CPU-second the vLLM tests take from it lengthens `make test`, while the vLLM tests have
-# time to spare; niced, they take the cores when the main suite's workers wait (Ray actors, subprocesses).
+# leave a core idle often enough that the two together take less than one after the other. Not at a lower
+# priority: tried (nice -n 5, 2026-11-28 04:21, others' benchmarks at load 6-7), the vLLM tests, starved,
+# ended after the main suite (main 1376 s, vLLM 1494 s; not niced, at load 5-6 earlier: 1008 s and 482 s).
 # Their output is held in a file and printed after the main suite's (no interleaving); the target fails if
 # either fails.
 # The vLLM run keeps out of .pytest_cache (two sessions would write it at once); a background job ignores
@@ -82,7 +81,7 @@ test: setup-dev setup-vllm
 	$(BIN)/ruff check src tests scripts benchmarks examples
 	$(BIN)/ruff format --check src tests scripts benchmarks examples
 	@echo "vLLM tests ($(VLLM_VENV)) running in the background; their output follows the main suite's."
-	@nice -n 5 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS) > $(VLLM_LOG) 2>&1 & vllm=$$!; \
+	@$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS) > $(VLLM_LOG) 2>&1 & vllm=$$!; \
 	trap 'kill $$vllm 2>/dev/null' INT TERM; \
 	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_PARALLEL); main=$$?; \
 	wait $$vllm; v=$$?; \
