@@ -15,7 +15,9 @@ TORCH := torch==2.13.0
 # test_ray_gateway.py's 3, 63 and 121 s, were the last files of their workers, one worker running them alone
 # at the end; test_ray.py's 168 s, mostly waits on Ray actors, started after the vLLM tests had ended, where
 # nothing filled its waits). Longest first puts the Ray files' waits beside the vLLM tests and leaves the
-# short files for the end, where they even out the two workers.
+# short files for the end, where they even out the two workers (session 10's second run: the Ray files ran
+# beside the vLLM tests, the workers ended 6 s apart). Not yet shown faster on a quiet host: 2026-11-27
+# measured the two orders the same within noise (729 and 829 s by count, 756 and 812 s longest first).
 # Three workers (-n 3) measured no better (2026-11-27 19:02-19:44, same host, others' jobs running:
 # 1387 s at load 5-9, its own included, against 1067 s with two at load 3-4; the three workers' process
 # trees used 1250 CPU-s against 1056): each worker also collects the whole suite (~25 CPU-s of imports:
