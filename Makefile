@@ -9,15 +9,21 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 # The main suite runs on two pytest-xdist workers: most tests run torch on one thread, so one process leaves a
 # core of a 2-core machine idle. Whole files per worker (loadfile), so module-scoped fixtures (a trained demo
-# run, a loaded model) are built once. xdist hands out files by their number of tests, not in
-# tests/conftest.py's longest-first order. Kept, the simpler of two that measured the same here (2026-11-27,
-# quiet 2-core AVX2 EPYC: 729 and 829 s this way, 756 and 812 s with --no-loadscope-reorder, which puts the
-# Ray and two-process files beside the vLLM tests). `make test PYTEST_PARALLEL=` runs it in one process.
+# run, a loaded model) are built once. Files are handed out in tests/conftest.py's LONGEST_FIRST order
+# (--no-loadscope-reorder), not by their number of tests (xdist's default): that default started the files
+# with few long tests last (2026-11-28, session 10's baseline: test_distributed.py's 2 tests and
+# test_ray_gateway.py's 3, 63 and 121 s, were the last files of their workers, one worker running them alone
+# at the end; test_ray.py's 168 s, mostly waits on Ray actors, started after the vLLM tests had ended, where
+# nothing filled its waits). Longest first puts the Ray files' waits beside the vLLM tests and leaves the
+# short files for the end, where they even out the two workers (session 10's second run: the Ray files ran
+# beside the vLLM tests, the workers ended 6 s apart). Not yet shown faster on a quiet host: 2026-11-27
+# measured the two orders the same within noise (729 and 829 s by count, 756 and 812 s longest first).
 # Three workers (-n 3) measured no better (2026-11-27 19:02-19:44, same host, others' jobs running:
 # 1387 s at load 5-9, its own included, against 1067 s with two at load 3-4; the three workers' process
 # trees used 1250 CPU-s against 1056): each worker also collects the whole suite (~25 CPU-s of imports:
 # torch, transformers, hypothesis, openai, datasets), and the long files still end on one worker.
-PYTEST_PARALLEL ?= -n 2 --dist loadfile
+# `make test PYTEST_PARALLEL=` runs it in one process.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 $(BIN)/grpo: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -60,8 +66,11 @@ demo: setup
 	exit $$status
 
 # The vLLM tests run beside the main suite, not after it: the main suite's subprocess waits and its tail
-# leave a core idle often enough that the two together take less than one after the other. Their output is
-# held in a file and printed after the main suite's (no interleaving); the target fails if either fails.
+# leave a core idle often enough that the two together take less than one after the other. Not at a lower
+# priority: tried (nice -n 5, 2026-11-28 04:21, others' benchmarks at load 6-7), the vLLM tests, starved,
+# ended after the main suite (main 1376 s, vLLM 1494 s; not niced, at load 5-6 earlier: 1008 s and 482 s).
+# Their output is held in a file and printed after the main suite's (no interleaving); the target fails if
+# either fails.
 # The vLLM run keeps out of .pytest_cache (two sessions would write it at once); a background job ignores
 # Ctrl-C, hence the trap. --durations=15: the suite's budget is 10 minutes on 2 cores (long checks belong
 # in benchmarks/); each run shows what is eating it. tests/conftest.py sets OMP_WAIT_POLICY=PASSIVE for the

@@ -15,9 +15,14 @@ import resource
 # an idle thread waits. A value set outside (CI, a developer) is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+if TYPE_CHECKING:  # imported where a model is built: a pytest process that builds none (test_suite_order.py's
+    # child run) skips transformers' ~3 CPU-s of imports
+    from transformers import LlamaForCausalLM
 
 # Tiny matmuls are dominated by thread hand-off on a 2-core machine; one thread is faster and stable.
 torch.set_num_threads(1)
@@ -34,10 +39,12 @@ def one_torch_thread_after_each_test():
 
 
 # GRPO_TEST_CPU=FILE: each test phase's CPU seconds (this process plus the children it waited for: `grpo`
-# subprocesses, torchrun jobs) appended to FILE as "nodeid<TAB>phase<TAB>seconds<TAB>wall" lines, from every
-# xdist worker. --durations gives wall time only, which on a shared 2-core host measures the load as much as
-# the test; CPU seconds say what a test costs. Processes the test did not wait for (Ray's daemons and
-# actors, a vLLM engine's core) are not counted.
+# subprocesses, torchrun jobs) appended to FILE as "nodeid, phase, seconds, wall, worker, start" lines
+# (tab-separated), from every xdist worker. worker: xdist's id ("main" without xdist); start: the phase's
+# epoch seconds, so a run's schedule can be drawn (which worker ran what when, whether one sat idle at the
+# end). --durations gives wall time only, which on a shared 2-core host measures the load as much as the
+# test; CPU seconds say what a test costs. Processes the test did not wait for (Ray's daemons and actors, a
+# vLLM engine's core) are not counted.
 CPU_LOG = os.environ.get("GRPO_TEST_CPU")
 
 
@@ -54,12 +61,19 @@ if CPU_LOG:
         item.stash[_cpu_key] = []
         yield
         with open(CPU_LOG, "a", encoding="utf-8") as out:  # one short write per test: lines stay whole
-            out.write("".join(f"{item.nodeid}\t{p}\t{c:.2f}\t{w:.2f}\n" for p, c, w in item.stash[_cpu_key]))
+            out.write(
+                "".join(
+                    f"{item.nodeid}\t{p}\t{c:.2f}\t{w:.2f}\t{_WORKER}\t{t:.2f}\n"
+                    for p, c, w, t in item.stash[_cpu_key]
+                )
+            )
+
+    _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 
     def _phase(item, phase):
-        cpu, wall = _cpu_seconds(), time.monotonic()
+        cpu, wall, start = _cpu_seconds(), time.monotonic(), time.time()
         yield
-        item.stash[_cpu_key].append((phase, _cpu_seconds() - cpu, time.monotonic() - wall))
+        item.stash[_cpu_key].append((phase, _cpu_seconds() - cpu, time.monotonic() - wall, start))
 
     _cpu_key = pytest.StashKey[list]()
 
@@ -77,6 +91,8 @@ if CPU_LOG:
 
 
 def tiny_llama(vocab_size: int = 48, seed: int = 0) -> LlamaForCausalLM:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -117,47 +133,58 @@ def id_tokenizer() -> IdTokenizer:
     return IdTokenizer()
 
 
-# The test files that take longest (summed --durations=0 of a full run of `make test`'s commands, 2026-11-27
-# 22:25, load ~4 with two other sessions' jobs), longest first: the order of a one-process run (and of xdist
-# with --no-loadscope-reorder). A long file started last keeps one worker busy alone while the other core
-# idles; started first, the short ones fill the gaps at the end. `make test` does not use it: xdist's default
-# hands out files by their number of tests, which measured the same there (the Makefile has the numbers). A
-# file not listed keeps its place after these; the list only orders, it selects nothing.
+# The test files that take longest, longest first: the order `make test` hands files to its two xdist workers
+# (--no-loadscope-reorder; the Makefile says why) and of a one-process run. Wall seconds of each file in a
+# full `make test` (GRPO_TEST_CPU log, 2026-11-28 03:59, c1af4f4, load 2.5-6 with others' jobs; CPU-s beside):
+# a worker is held for the wall time, waits included, so the files that wait most on Ray actors and
+# subprocesses (test_ray.py: 168 s for 27 CPU-s) start first, beside the vLLM tests, and the short files come
+# last, where they even out the two workers. A file not listed keeps its place after these; the list only
+# orders, it selects nothing.
 LONGEST_FIRST = (
-    "integration/test_ray.py",  # 202
-    "integration/test_seed_commands.py",  # 175
-    "integration/test_single_turn_unchanged.py",  # 137
-    "integration/test_gateway_e2e.py",  # 130
-    "integration/test_train_e2e.py",  # 126
-    "integration/test_ray_gateway.py",  # 107
-    "integration/test_first_run_output.py",  # 78
-    "integration/test_mixed_precision.py",  # 77
-    "unit/test_hybrid_decode.py",  # 71
-    "integration/test_agents_e2e.py",  # 68
-    "integration/test_big_vocab.py",  # 64
-    "unit/test_native_rollout.py",  # 59
-    "integration/test_distributed.py",  # 59
-    "integration/test_agent_clients.py",  # 51
-    "integration/test_issue24_runs.py",  # 49
-    "integration/test_code_exec.py",  # 47
-    "unit/test_compiled_block.py",  # 46
-    "integration/test_lora.py",  # 41
-    "unit/test_gateway.py",  # 36
-    "integration/test_rewards_e2e.py",  # 36
-    "unit/test_run_settings.py",  # 30
-    "unit/test_gateway_ahead.py",  # 27
-    "integration/test_fault_injection.py",  # 27
-    "unit/test_gateway_agent_workers.py",  # 26
-    "integration/test_trl_compat.py",  # 22
-    "integration/test_faults_isolation_run.py",  # 22
-    "integration/test_files_and_links.py",  # 21
-    "unit/test_gateway_hostile_http.py",  # 20
-    "unit/test_numbers_and_settings.py",  # 19
-    "integration/test_faults.py",  # 18
-    "integration/test_secrets.py",  # 18
-    "integration/test_python_runs.py",  # 18
-    "unit/test_train_property.py",  # 17
-    "integration/test_trl_oracle.py",  # 17
+    "integration/test_ray.py",  # 168 s wall, 27 CPU-s
+    "integration/test_seed_commands.py",  # 131, 49
+    "integration/test_gateway_e2e.py",  # 129, 47
+    "integration/test_ray_gateway.py",  # 121, 28
+    # torch.compile's files at their cold-cache cost (a clean machine's, as CI's: 147 s wall, 54 CPU-s on
+    # 2026-11-28 01:40; 11 s when inductor's cache in /tmp has the graphs): listed by the cold cost, else,
+    # cold, they start last and hold one worker alone at the end (62 s in session 10's second run)
+    "unit/test_hybrid_decode.py",
+    "integration/test_train_e2e.py",  # 95, 43
+    "integration/test_single_turn_unchanged.py",  # 90, 46
+    "integration/test_first_run_output.py",  # 74, 38
+    "integration/test_distributed.py",  # 63, 65 (a torchrun job: two processes)
+    "unit/test_native_rollout.py",  # cold cache: 61, 25 (warm: 16, 6)
+    "integration/test_big_vocab.py",  # 59, 22
+    "integration/test_lora.py",  # 54, 22
+    "unit/test_compiled_block.py",  # cold cache: 49, 38 (warm: 13, 5)
+    "integration/test_fault_injection.py",  # 53, 21
+    "unit/test_train_property.py",  # 49, 19
+    "integration/test_agents_e2e.py",  # 45, 21
+    "integration/test_code_exec.py",  # 42, 15
+    "integration/test_issue24_runs.py",  # 39, 16
+    "integration/test_rewards_e2e.py",  # 36, 19
+    "integration/test_mixed_precision.py",  # 36, 18
+    "integration/test_agent_clients.py",  # 36, 19
+    "unit/test_gateway.py",  # 31, 5
+    "integration/test_trl_compat.py",  # 29, 13
+    "integration/test_secrets.py",  # 27, 12
+    "unit/test_gateway_ahead.py",  # 26, 5
+    "unit/test_gateway_agent_workers.py",  # 25, 6
+    "unit/test_run_settings.py",  # 24, 12
+    "integration/test_faults_isolation_run.py",  # 23, 11
+    "unit/test_suite_order.py",  # 22, 13
+    "unit/test_cpu_decode_attention.py",  # 19, 9 (alone, 04:49, load 5: new since the run above)
+    "integration/test_faults.py",  # 18, 8
+    "unit/test_gateway_hostile_http.py",  # 17, 2
+    "integration/test_files_and_links.py",  # 16, 5
+    "integration/test_hostile_inputs.py",  # 14, 4
+    "unit/test_memory.py",  # 14, 6
+    "integration/test_trl_oracle.py",  # 14, 5
+    "unit/test_turn_kv.py",  # 13, 4
+    "integration/test_reliability_resume.py",  # 13, 4
+    "integration/test_python_runs.py",  # 13, 6
+    "unit/test_numbers_and_settings.py",  # 13, 4
+    "integration/test_turn_credit_run.py",  # 12, 9
 )
 
 

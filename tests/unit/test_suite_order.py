@@ -75,13 +75,20 @@ def test_each_test_phase_s_cpu_seconds_are_logged_when_asked(tmp_path):
         "tests/unit/test_suite_order.py::"
         + test_a_test_that_changes_torchs_threads_leaves_them_changed_only_for_itself_part_1.__name__
     )
+    # the child is no xdist worker (its worker id is "main"), even when this test runs in one
+    outside_xdist = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
     subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
+        # without the plugins this run has no use for (hypothesis' costs ~2 CPU-s to load)
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", node],
         cwd=ROOT,
-        env={**os.environ, "GRPO_TEST_CPU": str(log)},
+        env={**outside_xdist, "GRPO_TEST_CPU": str(log)},
         capture_output=True,
         check=True,
     )
     rows = [line.split("\t") for line in log.read_text().splitlines()]
     assert [(r[0], r[1]) for r in rows] == [(node, "setup"), (node, "call"), (node, "teardown")]
     assert all(float(r[2]) >= 0 and float(r[3]) >= 0 for r in rows)
+    # worker and start time: the schedule of a run (no xdist here: "main"; phases in order)
+    assert all(r[4] == "main" for r in rows)
+    starts = [float(r[5]) for r in rows]
+    assert starts == sorted(starts) and starts[0] > 1.7e9
