@@ -7,9 +7,7 @@ interleaved.
 Workload: one rollout of a matrix cell (8 prompts × G rows, the cell's prompt length and completion
 limit and eos rate), the matrix's random model, temperature 1. `--variants` picks what runs: `eager`,
 `hybrid` (the default compiled graph; on a CPU with inductor's cpp_wrapper: its kernels called from
-generated C++), `hybrid-py` (the same graph called from inductor's Python wrapper), `eager-ops` (the eager
-step with PyTorch's ops for the attention instead of the fused CPU kernel, model/cpu_decode_attention.py,
-which `eager` uses once loaded: the A/B of that kernel). A `+record` suffix
+generated C++), `hybrid-py` (the same graph called from inductor's Python wrapper). A `+record` suffix
 (`eager+record`, `hybrid+record`) arms replay's tape before each generate call, as a training step does
 (`train.replay_rollout_forward`), so the rollout records each layer's products; its storage is kept from
 call to call, as the trainer keeps it.
@@ -25,7 +23,6 @@ import torch
 from common import MATRIX_PROMPTS, make_matrix_model, make_prompts, matrix_cell, matrix_tokenizer
 from transformers import AutoModelForCausalLM
 
-from grpo.model import cpu_decode_attention
 from grpo.model.compiled import compile_report
 from grpo.model.replay import ReplayTape
 from grpo.records import SamplingParams
@@ -38,15 +35,13 @@ def engine(variant: str, model, tok) -> NativeEngine:
         built = engine(variant.removesuffix("+record"), model, tok)
         built.tape = ReplayTape()
         return built
-    if variant in ("eager", "eager-ops"):
+    if variant == "eager":
         return NativeEngine(model, tok)
     built = NativeEngine(model, tok, compile_decode=True)
     if variant == "hybrid-py":
         built._full_step = torch.compile(native._full_batch_step, options=native._INDUCTOR)
     elif variant != "hybrid":
-        raise SystemExit(
-            f"--variants: unknown {variant!r} (eager, eager-ops, hybrid, hybrid-py, each +record)"
-        )
+        raise SystemExit(f"--variants: unknown {variant!r} (eager, hybrid, hybrid-py, each +record)")
     return built
 
 
@@ -55,9 +50,7 @@ def main() -> None:
     ap.add_argument("--cell", default="eos-off")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument(
-        "--variants", default="eager,hybrid", help="eager, eager-ops, hybrid, hybrid-py (+record)"
-    )
+    ap.add_argument("--variants", default="eager,hybrid", help="eager, hybrid, hybrid-py (+record)")
     ap.add_argument("--cpu-time", action="store_true", help="the process's CPU time (use with --threads 1)")
     args = ap.parse_args()
     if args.threads:
@@ -80,16 +73,10 @@ def main() -> None:
     def generate(variant: str, seed: int) -> float:
         torch.manual_seed(seed)
         tape = engines[variant].tape
-        loaded = cpu_decode_attention._kernel
-        if variant.startswith("eager-ops"):
-            cpu_decode_attention._kernel = False  # PyTorch's ops for this call
         start = clock()
         if tape is not None:
             tape.arm()
         out = engines[variant].generate(prompts, cell["G"], sampling)
-        cpu_decode_attention._kernel = (
-            loaded if variant.startswith("eager-ops") else cpu_decode_attention._kernel
-        )
         if tape is not None:
             assert tape.take() is not None, "the recording did not fit its budget"
         tokens[variant].append(int(out.completion_mask.sum()))
