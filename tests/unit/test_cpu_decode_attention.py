@@ -48,7 +48,7 @@ def _both(monkeypatch, dec, args, scaled):
     for on in ("0", "1"):
         monkeypatch.setenv("GRPO_CPU_DECODE_KERNEL", on)
         monkeypatch.setattr(fused, "_kernel", None)
-        assert fused.prepare(fused.MIN_WORK) == fused.applies(q, kc) == (on == "1")
+        assert fused.applies(q, kc) == (on == "1")
         outs.append(
             decode._decode_attention(dec, q, kc, vc, kp, vp, bias, layout, scaled=scaled, with_lse=True)
         )
@@ -83,15 +83,11 @@ def test_the_kernel_gives_pytorchs_attention_and_log_sum_exp(
         torch.set_num_threads(before)
 
 
-def test_the_kernel_serves_only_float32_cpu_slices_of_the_cache_buffer_once_loaded(monkeypatch):
+def test_the_kernel_serves_only_float32_cpu_slices_of_the_cache_buffer(monkeypatch):
     monkeypatch.setenv("GRPO_CPU_DECODE_KERNEL", "1")
     monkeypatch.setattr(fused, "_kernel", None)
     q, kc, *_ = _step([4, 4], [2, 2], 4, 2, 3)
-    assert not fused.prepare(fused.MIN_WORK - 1) and not fused.applies(q, kc)  # too small a call to load it
-    assert fused.prepare(fused.MIN_WORK) and fused.applies(q, kc)
-    assert fused.prepare(1)  # loaded: it serves small calls too
-    assert not fused.prepare(fused.MIN_WORK, torch.device("cpu"), torch.bfloat16)
-    assert not fused.prepare(fused.MIN_WORK, torch.device("meta"))
+    assert fused.applies(q, kc)
     assert not fused.applies(q.bfloat16(), kc.bfloat16())
     assert not fused.applies(q, kc.transpose(2, 3))  # not the [rows, Hkv, T, D] buffer's layout
     buffer = torch.randn(4, 2, 8, 16)
@@ -101,7 +97,7 @@ def test_the_kernel_serves_only_float32_cpu_slices_of_the_cache_buffer_once_load
     assert fused.applies(q, buffer[:2, :, 4:]) and not fused.applies(q, buffer[2:, :, 4:])
     monkeypatch.setenv("GRPO_CPU_DECODE_KERNEL", "0")
     monkeypatch.setattr(fused, "_kernel", None)
-    assert not fused.prepare(fused.MIN_WORK) and not fused.applies(q, kc)
+    assert not fused.applies(q, kc)
 
 
 def test_generate_samples_the_same_tokens_with_and_without_the_kernel(tiny_model, id_tokenizer, monkeypatch):
@@ -109,16 +105,12 @@ def test_generate_samples_the_same_tokens_with_and_without_the_kernel(tiny_model
     for one seed, log-probs within float32 rounding."""
     prompts = [[2, 9, 4], [2, 3], [2, 5, 6, 7, 8]]
     params = SamplingParams(max_new_tokens=12, temperature=1.0)
-    runs, calls = [], []
-    real = fused.decode_attention
-    monkeypatch.setattr(fused, "decode_attention", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(fused, "MIN_WORK", 1)  # the tiny call loads it
+    runs = []
     for on in ("0", "1"):
         monkeypatch.setenv("GRPO_CPU_DECODE_KERNEL", on)
         monkeypatch.setattr(fused, "_kernel", None)
         torch.manual_seed(3)
         runs.append(NativeEngine(tiny_model, id_tokenizer, compile_decode=False).generate(prompts, 4, params))
-        assert bool(calls) == (on == "1")
     off, on = runs
     assert torch.equal(on.completion_ids, off.completion_ids)
     torch.testing.assert_close(on.sampling_logprobs, off.sampling_logprobs, rtol=1e-5, atol=1e-5)
@@ -140,7 +132,7 @@ def test_a_forked_child_gets_its_own_worker_threads(monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert fused.prepare(fused.MIN_WORK) and fused.applies(q, kc)
+        assert fused.applies(q, kc)
         want = fused.decode_attention(q, kc, vc, kp, vp, bias, layout.row_group, 0.25)[0].sum().item()
         assert fused._pool is not None and fused._pool[0] == os.getpid()
     finally:

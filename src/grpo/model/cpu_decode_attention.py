@@ -14,10 +14,7 @@ are split over torch's intra-op thread count, the first share on the calling thr
 threads (the kernel releases the GIL); numba's own parallel layers are not used, so there is no second
 OpenMP runtime beside torch's and nothing that breaks across a fork.
 Used where it applies (`applies`): float32 on a CPU, eager decode (the compiled static-shape step keeps
-PyTorch's ops, which inductor fuses itself), numba importable, and loaded: a process loads it (`prepare`) at
-the first generate call big enough to pay for that (numba's import and the kernel's load from numba's disk
-cache cost ~0.5-1 s a process; its first compile on a machine a few seconds), so a small run such as most
-of the test suite's keeps PyTorch's ops and pays nothing. Once loaded it serves every call.
+PyTorch's ops, which inductor fuses itself), numba importable; otherwise PyTorch's ops run as before.
 `GRPO_CPU_DECODE_KERNEL=0` turns it off (for A/B measurements).
 """
 
@@ -31,10 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-_kernel = None  # None: not loaded; False: unavailable or turned off; else numba's dispatcher
-# A generate call of at least this many rows × layers × new tokens loads the kernel. The eos-off matrix cell's
-# rollout is 64 × 5 × 128 = 40,960; the test suite's tiny runs are ~10-500.
-MIN_WORK = 1 << 14
+_kernel = None
 _pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool): rebuilt after a fork
 _lock = threading.Lock()
 
@@ -56,16 +50,12 @@ def applies(q: torch.Tensor, cache: torch.Tensor) -> bool:
         return False
     # The whole [n, Hkv, T, D] region the kernel is handed lies in the storage (a leading slice does).
     end = cache.storage_offset() + n * s[0]
-    return end * cache.element_size() <= cache.untyped_storage().nbytes() and bool(_kernel)
+    return end * cache.element_size() <= cache.untyped_storage().nbytes() and _ready()
 
 
-def prepare(work: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> bool:
-    """Load the kernel for a generate call of `work` = rows × layers × new tokens on `device` (a CPU by
-    default) in `dtype`, if it is worth loading (or already loaded); True when it will serve the call."""
+def _ready() -> bool:
     global _kernel
-    if (device is not None and device.type != "cpu") or dtype != torch.float32:
-        return False
-    if _kernel is None and work >= MIN_WORK:
+    if _kernel is None:
         with _lock:
             if _kernel is None:
                 _kernel = _compile() if enabled() else False

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
-from grpo.model import cpu_decode_attention, linear
+from grpo.model import linear
 from grpo.model.compiled import cpp_compiler
 from grpo.model.decoder import GroupLayout, NativeDecoder, unsupported_reason
 from grpo.model.memory import available_bytes
@@ -187,8 +187,6 @@ class NativeEngine:
         copy = self._copy_fits()
         onednn = copy and device.type == "cpu" and not self.compiled and linear.decode_onednn(width, rows)
         weights = dec.decode_weights(fuse=device.type == "cpu", onednn=onednn, copy=copy)
-        # The eager step's fused attention on a CPU, loaded once a call is big enough to pay for it.
-        cpu_decode_attention.prepare(rows * len(dec.layers) * t_max, device, dec.dtype)
         shape = (rows, dec.num_kv_heads, t_max, dec.head_dim)
         # The full-batch graph reads the unwritten columns too (masked): they must hold numbers, not NaN.
         # every row still in the batch: the compiled static-shape step serves it
