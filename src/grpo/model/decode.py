@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo.model import cpu_decode_attention
 from grpo.model.arch import rms_norm, rotate
 from grpo.model.linear import DecodeLinear, decode_onednn, linear
 
@@ -323,10 +322,6 @@ def _decode_attention(
     """The attention output [n, H·D] and, with_lse, each query's log-sum-exp of its scaled scores [n, H]
     (what the fused attention kernels keep for backward)."""
     # q [n, H, D]; kc, vc [n, Hkv, t, D]; kp, vp [P, Hkv, Lp, D] (prompt KV, shared by a group).
-    if cache_bias is None and cpu_decode_attention.applies(q, kc):  # one fused kernel, not ~50 small ops
-        scale = 1.0 if scaled else dec.scale
-        out, lse = cpu_decode_attention.decode_attention(q, kc, vc, kp, vp, bias, layout.row_group, scale)
-        return out, (lse if with_lse else None)
     n, hkv, d = q.shape[0], dec.num_kv_heads, dec.head_dim
     rep, lp = dec.num_heads // hkv, kp.shape[2]
     qr = q.view(n, hkv, rep, d)
