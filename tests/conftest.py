@@ -173,7 +173,6 @@ LONGEST_FIRST = (
     "unit/test_run_settings.py",  # 24, 12
     "integration/test_faults_isolation_run.py",  # 23, 11
     "unit/test_suite_order.py",  # 22, 13
-    "unit/test_cpu_decode_attention.py",  # 19, 9 (alone, 04:49, load 5: new since the run above)
     "integration/test_faults.py",  # 18, 8
     "unit/test_gateway_hostile_http.py",  # 17, 2
     "integration/test_files_and_links.py",  # 16, 5
