@@ -9,21 +9,21 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 # The main suite runs on two pytest-xdist workers: most tests run torch on one thread, so one process leaves a
 # core of a 2-core machine idle. Whole files per worker (loadfile), so module-scoped fixtures (a trained demo
-# run, a loaded model) are built once. Files are handed out in tests/conftest.py's LONGEST_FIRST order
-# (--no-loadscope-reorder), not by their number of tests (xdist's default): that default started the files
-# with few long tests last (2026-11-28, session 10's baseline: test_distributed.py's 2 tests and
-# test_ray_gateway.py's 3, 63 and 121 s, were the last files of their workers, one worker running them alone
-# at the end; test_ray.py's 168 s, mostly waits on Ray actors, started after the vLLM tests had ended, where
-# nothing filled its waits). Longest first puts the Ray files' waits beside the vLLM tests and leaves the
-# short files for the end, where they even out the two workers (session 10's second run: the Ray files ran
-# beside the vLLM tests, the workers ended 6 s apart). Not yet shown faster on a quiet host: 2026-11-27
-# measured the two orders the same within noise (729 and 829 s by count, 756 and 812 s longest first).
+# run, a loaded model) are built once. xdist hands out files by their number of tests (its default), not in
+# tests/conftest.py's LONGEST_FIRST order (--no-loadscope-reorder). By count, the files with few long tests
+# can start last (session 10's baseline, 2026-11-28: test_distributed.py's 2 tests and test_ray_gateway.py's
+# 3, 63 and 121 s, ended their workers; test_ray.py's 168 s of mostly Ray waits started after the vLLM tests
+# had ended). Longest first puts those waits beside the vLLM tests, but it has not measured faster on this
+# 2-core AVX2 EPYC: 2026-11-27, 729 and 829 s by count against 756 and 812 s longest first; 2026-11-28, the
+# clean-clone CI's main suite 695 s by count (session 9) against 735 s longest first (session 10). So the
+# simpler default is kept; `make test PYTEST_PARALLEL="-n 2 --dist loadfile --no-loadscope-reorder"` runs the
+# other order.
 # Three workers (-n 3) measured no better (2026-11-27 19:02-19:44, same host, others' jobs running:
 # 1387 s at load 5-9, its own included, against 1067 s with two at load 3-4; the three workers' process
 # trees used 1250 CPU-s against 1056): each worker also collects the whole suite (~25 CPU-s of imports:
 # torch, transformers, hypothesis, openai, datasets), and the long files still end on one worker.
 # `make test PYTEST_PARALLEL=` runs it in one process.
-PYTEST_PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 $(BIN)/grpo: pyproject.toml
 	$(PY) -m venv $(VENV)

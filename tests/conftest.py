@@ -133,8 +133,8 @@ def id_tokenizer() -> IdTokenizer:
     return IdTokenizer()
 
 
-# The test files that take longest, longest first: the order `make test` hands files to its two xdist workers
-# (--no-loadscope-reorder; the Makefile says why) and of a one-process run. Wall seconds of each file in a
+# The test files that take longest, longest first: the order of a one-process run, and of xdist's workers with
+# --no-loadscope-reorder (not `make test`'s default: the Makefile says why). Wall seconds of each file in a
 # full `make test` (GRPO_TEST_CPU log, 2026-11-28 03:59, c1af4f4, load 2.5-6 with others' jobs; CPU-s beside):
 # a worker is held for the wall time, waits included, so the files that wait most on Ray actors and
 # subprocesses (test_ray.py: 168 s for 27 CPU-s) start first, beside the vLLM tests, and the short files come
