@@ -99,12 +99,17 @@ def test_a_call_checks_one_kept_connection_not_all_of_them(served, monkeypatch):
             assert checks[0] > 4 * AGENTS
 
 
+def _episode_client(gateway, server, http) -> openai.OpenAI:
+    """An episode's openai client on the shared `http`, with its own session key."""
+    s = gateway.sessions.add(Session(0, 0, {}))
+    return openai.OpenAI(base_url=server.base_url, api_key=s.key, max_retries=0, http_client=http)
+
+
 def test_a_connection_the_server_closed_is_replaced_without_an_error(served):  # noqa: F811
     gateway, server = served
     opened = _connections_opened(server)
     with agent_http_client() as http:
-        s = gateway.sessions.add(Session(0, 0, {}))
-        client = openai.OpenAI(base_url=server.base_url, api_key=s.key, max_retries=0, http_client=http)
+        client = _episode_client(gateway, server, http)
         client.chat.completions.create(**GOOD)
         server.httpd.close_connections()  # every kept connection ended by the server
         client.chat.completions.create(**GOOD, tools=agents.TOOLS)
@@ -115,8 +120,7 @@ def test_without_keep_alive_each_call_connects_and_nothing_is_kept(served_plain)
     gateway, server = served_plain
     opened = _connections_opened(server)
     with agent_http_client() as http:
-        s = gateway.sessions.add(Session(0, 0, {}))
-        client = openai.OpenAI(base_url=server.base_url, api_key=s.key, max_retries=0, http_client=http)
+        client = _episode_client(gateway, server, http)
         for _ in range(3):
             client.chat.completions.create(**GOOD, tools=agents.TOOLS)
         assert opened[0] == 3 and not http._transport._pool._idle
