@@ -253,3 +253,35 @@ def test_a_batchs_rows_go_to_the_engine_in_episode_order_not_arrival_order():
     finally:
         b.close()
     assert seen == [[10, 11, 12, 13], [20, 99]]
+
+
+def test_each_engine_call_runs_on_a_thread_that_ends_with_it():
+    """The batcher's engine calls run on a thread of their own that has exited once the call returned (a
+    thread's OpenMP team lives as long as the thread: gateway/batching.on_a_thread_of_its_own says why), under
+    no_grad, and an engine's error still reaches the waiting requests."""
+    live = Live(2)
+    b, _ = batcher(live, window_s=5.0)
+    threads: list[threading.Thread] = []
+    original = b.engine.continue_rows
+
+    def recording(rows, sampling):
+        threads.append(threading.current_thread())
+        assert not torch.is_grad_enabled()
+        if rows[0][0] == 66:
+            raise RuntimeError("the engine broke")
+        return original(rows, sampling)
+
+    b.engine.continue_rows = recording
+    try:
+        for first in (10, 30):
+            jobs = [b.submit(Job([first + k], 4, order=k)) for k in range(2)]
+            assert [arrival(job)[0] for job in jobs] == ["done", "done"]
+        broken = [b.submit(Job([66 + k], 4, order=k)) for k in range(2)]
+        assert [job.events.get(timeout=10)[0] for job in broken] == ["error", "error"]
+    finally:
+        b.close()
+    assert len(threads) == 3 and len({id(t) for t in threads}) == 3
+    assert b._thread not in threads and threading.main_thread() not in threads
+    for t in threads:
+        t.join(5)
+        assert not t.is_alive()
