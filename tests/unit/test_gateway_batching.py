@@ -285,3 +285,47 @@ def test_each_engine_call_runs_on_a_thread_that_ends_with_it():
     for t in threads:
         t.join(5)
         assert not t.is_alive()
+
+
+def test_engine_calls_run_on_the_thread_that_hosts_the_step():
+    """While a thread hosts (`Batcher.host(work)`: the step's thread, waiting for its episodes), every engine
+    call runs on it, under no_grad even where its grad mode is on, and work's result or error comes back;
+    after it, calls go to threads of their own again. An engine error on the host reaches the requests and
+    leaves the host serving. Why: one OpenMP team per process (Batcher.host says why)."""
+    live = Live(2)
+    b, _ = batcher(live, window_s=5.0)
+    threads: list[threading.Thread] = []
+    original = b.engine.continue_rows
+
+    def recording(rows, sampling):
+        threads.append(threading.current_thread())
+        assert not torch.is_grad_enabled()
+        if rows[0][0] == 66:
+            raise RuntimeError("the engine broke")
+        return original(rows, sampling)
+
+    b.engine.continue_rows = recording
+
+    def episodes() -> list[str]:
+        assert threading.current_thread() is not threading.main_thread()
+        events = []
+        for first in (10, 66, 30):
+            jobs = [b.submit(Job([first + k], 4, order=k)) for k in range(2)]
+            events += [job.events.get(timeout=10)[0] for job in jobs]
+        return events
+
+    def broken_agents():
+        raise ValueError("an agent driver failed")
+
+    try:
+        with torch.enable_grad():
+            assert b.host(episodes) == ["done", "done", "error", "error", "done", "done"]
+        assert threads == [threading.main_thread()] * 3
+        with pytest.raises(ValueError, match="an agent driver failed"):
+            b.host(broken_agents)
+        assert b._host is None
+        jobs = [b.submit(Job([50 + k], 4, order=k)) for k in range(2)]  # nobody hosts: a thread of its own
+        assert [arrival(job)[0] for job in jobs] == ["done", "done"]
+        assert threads[-1] not in (threading.main_thread(), b._thread)
+    finally:
+        b.close()

@@ -86,6 +86,7 @@ class Batcher:
         self._in_flight: dict[int, Callable] = {}  # id → fail(error) of each job a continuous engine samples
         self._cond = threading.Condition()
         self._closed = False
+        self._host: queue.SimpleQueue | None = None  # the engine calls' thread while one lends itself (host)
         self._paused = False  # requests queue, no engine call starts (the weights are being updated)
         self.batches: list[int] = []  # rows per engine call, since the last metrics()
         self.engine_s = 0.0  # seconds in engine calls, since the last metrics()
@@ -218,8 +219,7 @@ class Batcher:
             return True
         started = time.perf_counter()
         try:
-            with torch.no_grad():
-                rows = engine.step_rows()
+            rows = self._call(engine.step_rows, own_thread=False)
         except Exception as err:  # noqa: BLE001 - every row in flight gets the error; the server stays up
             log.warning("The gateway's engine step failed: %s: %s", type(err).__name__, err)
             for fail in list(self._in_flight.values()):
@@ -282,7 +282,7 @@ class Batcher:
             kw = {"on_step": on_step} if streamed and takes_on_step(call) else {}
             if cache is not None:  # result row r is job order[r]'s; a row without a session keeps nothing
                 kw["kv"] = cache.bind(jobs[k].key if jobs[k].key is not None else object() for k in order)
-            out = on_a_thread_of_its_own(call, *args, **kw)
+            out = self._call(call, *args, **kw)
         except Exception as err:  # noqa: BLE001 - every waiting request gets the error; the server stays up
             log.warning("The gateway's engine call failed: %s: %s", type(err).__name__, err)
             for job in jobs:
@@ -313,6 +313,74 @@ class Batcher:
                 # does), short enough that a slow tool does not keep the answers from their agents.
                 self._held_until = time.monotonic() + max(self.window_s, self._last_call_s)
 
+    # -- where the engine calls run --------------------------------------------------------------------------
+    def host(self, work: Callable[[], object]):
+        """Run `work()` on a new thread while this thread runs the engine calls it causes; work's result.
+
+        Why: the engine's OpenMP team is its calling thread's (GNU OpenMP keeps one per thread that starts a
+        parallel region), and the step's thread already has one, the learner's. A decode on any other thread
+        makes two teams on the same cores, and with more OpenMP threads than CPUs GNU OpenMP lets an idle
+        worker spin only ~100 times before it sleeps: every parallel op of the decode then waits for its
+        worker to wake (docs/agents.md, "One OpenMP team"). On the step's thread, which only waited for its
+        episodes, the decode has the same single team as the in-process runners' decode and the update."""
+        calls: queue.SimpleQueue = queue.SimpleQueue()
+        with self._cond:
+            if self._host is not None:  # a thread hosts already (nested): it keeps hosting
+                return work()
+            self._host = calls
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["out"] = work()
+            except BaseException as err:  # noqa: BLE001 - raised again on the hosting thread
+                box["err"] = err
+            finally:
+                calls.put(None)
+
+        thread = threading.Thread(target=run, name="grpo-gateway-episodes", daemon=True)
+        thread.start()
+        stopped = True  # left by an exception (Ctrl-C): the calls still queued fail instead of running
+        try:
+            while True:
+                try:
+                    call = calls.get(timeout=0.25)  # a timeout: Ctrl-C reaches the main thread while it waits
+                except queue.Empty:
+                    continue
+                if call is None:
+                    break
+                call()
+            stopped = False
+        finally:
+            with self._cond:
+                self._host = None
+            while True:  # a call queued before the hosting ended runs here; later ones go elsewhere
+                try:
+                    call = calls.get_nowait()
+                except queue.Empty:
+                    break
+                if call is not None:
+                    call.refuse() if stopped else call()
+        thread.join()
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    def _call(self, call, *args, own_thread: bool = True, **kwargs):
+        """`call(*args, **kwargs)` under no_grad on the hosting thread (`host`) while one hosts; else on a
+        thread that ends with it (`own_thread`), or on this one."""
+        with self._cond:
+            host = self._host
+            if host is not None:
+                hosted = _Hosted(call, args, kwargs)
+                host.put(hosted)
+        if host is not None:
+            return hosted.result()
+        if own_thread:
+            return on_a_thread_of_its_own(call, *args, **kwargs)
+        with torch.no_grad():
+            return call(*args, **kwargs)
+
     def metrics(self) -> dict[str, float]:
         batches, self.batches = self.batches, []
         seconds, self.engine_s = self.engine_s, 0.0
@@ -323,6 +391,38 @@ class Batcher:
             "gateway/engine_calls": float(len(batches)),
             "gateway/batch_rows": sum(batches) / len(batches),
         }
+
+
+class _Hosted:
+    """One engine call handed to the hosting thread; the batcher waits for `result()`."""
+
+    def __init__(self, call, args, kwargs):
+        self.call, self.args, self.kwargs = call, args, kwargs
+        self.done = threading.Event()
+        self.out = self.err = None
+
+    def __call__(self) -> None:
+        try:
+            with torch.no_grad():  # grad mode is per thread: the hosting thread's may be on
+                self.out = self.call(*self.args, **self.kwargs)
+        except BaseException as err:  # handed to the batcher, which tells the requests
+            self.err = err
+            if not isinstance(err, Exception):  # Ctrl-C, SystemExit: the hosting thread stops too
+                raise
+        finally:
+            self.done.set()
+
+    def refuse(self) -> None:
+        self.err = RuntimeError("the engine call was not run: the step is stopping")
+        self.done.set()
+
+    def result(self):
+        self.done.wait()
+        if isinstance(self.err, Exception):
+            raise self.err
+        if self.err is not None:  # the hosting thread was interrupted; the batcher goes on
+            raise RuntimeError("the engine call was interrupted (the step is stopping)") from self.err
+        return self.out
 
 
 def on_a_thread_of_its_own(call, *args, **kwargs):

@@ -254,14 +254,18 @@ class AgentRunner:
         gateway.sessions.remove(self._previous)  # a late call of the step before this one is now a 401
         if ahead is not None:  # started while the learner updated: the weights are the new ones now
             sessions = ahead.sessions
-            gateway.batcher.resume()
-            ahead.thread.join()
+
+            def collect() -> None:  # the batcher's calls run on this thread (host) from its first one on
+                gateway.batcher.resume()
+                ahead.thread.join()
+
+            gateway.batcher.host(collect)
             if ahead.error is not None:
                 raise ahead.error
             results = ahead.results
         else:
             sessions = self._sessions(gateway, prompts, n)
-            results = self._drive_any(sessions)
+            results = gateway.batcher.host(lambda: self._drive_any(sessions))
         episodes = [
             self._episode(s, value, failure) for s, (value, failure) in zip(sessions, results, strict=True)
         ]
