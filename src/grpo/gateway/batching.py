@@ -23,6 +23,9 @@ ends. An engine with its own continuous batching (`add_row` / `step_rows`: vLLM 
 by step instead: a request joins the running batch at the next engine step, with no window, and its tokens
 stream after every step.
 
+The batcher's thread forms the batches; the engine calls run on the step's thread while it waits for its
+episodes (`host`), so the decode shares the learner's OpenMP team instead of starting a second one.
+
 `pause()` holds every request until `resume()`: the runner starts the next step's agents while the learner
 updates (gateway/runner.py, `start_ahead`), and their first requests, rendered and queued meanwhile, must be
 sampled with the new weights, not the ones being changed.
@@ -427,6 +430,7 @@ class _Hosted:
 
 def on_a_thread_of_its_own(call, *args, **kwargs):
     """`call(*args, **kwargs)` under no_grad on a new thread that ends when it returns: its result or error.
+    Where an engine call runs when no thread hosts them (`Batcher.host`, the step's thread, is better still).
 
     Why: GNU OpenMP (torch's CPU threads) gives every thread that starts a parallel region a team of workers
     of its own, kept until that thread exits. Run on the batcher's long-lived thread, the engine's decode kept
