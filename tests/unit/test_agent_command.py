@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -184,3 +185,24 @@ def test_the_runner_gives_an_agent_command_its_paused_batcher_and_leaves_other_a
     AgentRunner(agent, qwen, HermesParser(), limits).close()
     assert agent.paused == "the user's own attribute"
     run.close()
+
+
+def test_the_row_arrives_when_the_first_wait_times_out_before_anything_is_written(monkeypatch):
+    """Under load (500 episodes starting at once), an episode's thread may not run within the poll interval,
+    so its first wait times out before writing anything. The row must still arrive whole: before, it went
+    through communicate(input, timeout), whose later calls never write it, and the command waited on its
+    stdin until its time limit. Here every process's first wait gets a 1 ns timeout."""
+    communicate, first = subprocess.Popen.communicate, set()
+
+    def hurried(self, input=None, timeout=None):
+        if id(self) not in first:
+            first.add(id(self))
+            timeout = 1e-9
+        return communicate(self, input, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "communicate", hurried)
+    code = "import json, sys; row = json.load(sys.stdin); print(len(row['prompt']) / 1000)"
+    started = time.monotonic()
+    reward = AgentCommand(python(code), timeout_s=20)(CLIENT, {"prompt": "x" * 250_000, "answer": "#### 6"})
+    assert first and reward == 250.0
+    assert time.monotonic() - started < 10  # not the time limit

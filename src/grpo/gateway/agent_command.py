@@ -28,6 +28,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -79,35 +80,41 @@ class AgentCommand:
             "OPENAI_API_KEY": str(client.api_key),
             "GRPO_REWARD_URL": f"{base_url}/reward",
         }
-        try:
-            process = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-                cwd=self.cwd,
-                text=True,
-                start_new_session=True,  # its own process group: killed whole, children included
-            )
-        except OSError as err:
-            raise AgentCommandError(
-                f"cannot start the agent command {shlex.join(self.argv)!r}: {err}"
-            ) from None
+        # The row reaches its stdin from an unlinked file, whole and ended before the command starts. Not a
+        # pipe written by communicate(input, timeout): a call that timed out before writing (its thread not
+        # run within _POLL_S, as with hundreds of episodes starting at once) never wrote it on the calls
+        # after (CPython registers stdin for writing only in a call given the input, and refuses the input
+        # once started), and the command waited on its stdin until its time limit.
+        with tempfile.TemporaryFile() as row_file:
+            row_file.write(json.dumps(row, default=str).encode())
+            row_file.seek(0)
+            try:
+                process = subprocess.Popen(
+                    self.argv,
+                    stdin=row_file,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env=env,
+                    cwd=self.cwd,
+                    text=True,
+                    start_new_session=True,  # its own process group: killed whole, children included
+                )
+            except OSError as err:
+                raise AgentCommandError(
+                    f"cannot start the agent command {shlex.join(self.argv)!r}: {err}"
+                ) from None
         with self._lock:
             self._live.add(process)
         # Its limit runs from when the step's requests can be served: a command started while the learner
         # updates (the runner's start_ahead) waits on a paused batcher, and that wait is not its time.
         deadline = step_deadline(self.timeout_s, self.paused)
-        text = json.dumps(row, default=str)
         try:
             while True:
                 left = max(min(deadline() - time.monotonic(), _POLL_S), 0.0)
-                try:  # communicate may be called again after a timeout, without the input (sent once)
-                    stdout, stderr = process.communicate(text, timeout=left)
+                try:  # called again after a timeout, it goes on collecting the output
+                    stdout, stderr = process.communicate(timeout=left)
                     break
                 except subprocess.TimeoutExpired:
-                    text = None
                     if time.monotonic() >= deadline():
                         raise
         except subprocess.TimeoutExpired:
