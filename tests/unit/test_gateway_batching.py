@@ -255,12 +255,10 @@ def test_a_batchs_rows_go_to_the_engine_in_episode_order_not_arrival_order():
     assert seen == [[10, 11, 12, 13], [20, 99]]
 
 
-def test_each_engine_call_runs_on_a_thread_that_ends_with_it():
-    """The batcher's engine calls run on a thread of their own that has exited once the call returned (a
-    thread's OpenMP team lives as long as the thread: gateway/batching.on_a_thread_of_its_own says why), under
-    no_grad, and an engine's error still reaches the waiting requests."""
-    live = Live(2)
-    b, _ = batcher(live, window_s=5.0)
+def recording_batcher() -> tuple[Batcher, list[threading.Thread]]:
+    """A batcher (2 live sessions) whose engine records the thread of each call, checks it runs under
+    no_grad, and fails a batch whose first row starts with 66."""
+    b, _ = batcher(Live(2), window_s=5.0)
     threads: list[threading.Thread] = []
     original = b.engine.continue_rows
 
@@ -272,6 +270,14 @@ def test_each_engine_call_runs_on_a_thread_that_ends_with_it():
         return original(rows, sampling)
 
     b.engine.continue_rows = recording
+    return b, threads
+
+
+def test_each_engine_call_runs_on_a_thread_that_ends_with_it():
+    """The batcher's engine calls run on a thread of their own that has exited once the call returned (a
+    thread's OpenMP team lives as long as the thread: gateway/batching.on_a_thread_of_its_own says why), under
+    no_grad, and an engine's error still reaches the waiting requests."""
+    b, threads = recording_batcher()
     try:
         for first in (10, 30):
             jobs = [b.submit(Job([first + k], 4, order=k)) for k in range(2)]
@@ -292,19 +298,7 @@ def test_engine_calls_run_on_the_thread_that_hosts_the_step():
     call runs on it, under no_grad even where its grad mode is on, and work's result or error comes back;
     after it, calls go to threads of their own again. An engine error on the host reaches the requests and
     leaves the host serving. Why: one OpenMP team per process (Batcher.host says why)."""
-    live = Live(2)
-    b, _ = batcher(live, window_s=5.0)
-    threads: list[threading.Thread] = []
-    original = b.engine.continue_rows
-
-    def recording(rows, sampling):
-        threads.append(threading.current_thread())
-        assert not torch.is_grad_enabled()
-        if rows[0][0] == 66:
-            raise RuntimeError("the engine broke")
-        return original(rows, sampling)
-
-    b.engine.continue_rows = recording
+    b, threads = recording_batcher()
 
     def episodes() -> list[str]:
         assert threading.current_thread() is not threading.main_thread()
