@@ -31,6 +31,8 @@ $(BIN)/grpo: pyproject.toml
 	# torch first and pinned: an unpinned resolve would pull the multi-GB CUDA build.
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e .
+	# grpo's CPU decode ops, compiled once per machine (~10-40 s) here rather than in the first rollout
+	$(BIN)/python -m grpo.kernels
 	touch $(BIN)/grpo
 
 # The test suite's extras, on top of the core install (a stamp file: pip's own check would take seconds).

@@ -87,3 +87,23 @@ def test_decode_library_follows_model_width(monkeypatch):
     monkeypatch.setattr(native_linear, "DECODE_ONEDNN_MIN_WIDTH", 32)
     weights = dec.decode_weights(fuse=True)  # as wide as the threshold: oneDNN streams the weights
     assert weights.layers[0].down.onednn and weights.lm_head.onednn
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_inference_epilogues_equal_the_separate_ops(bias, onednn_on):
+    """Without a gradient (the reference pass, a prefill) the residual adds, SiLU and the gate product are
+    oneDNN epilogues: the same values as the separate ops; with a gradient the separate ops run."""
+    torch.manual_seed(0)
+    x, h = torch.randn(37, 24), torch.randn(37, 24)
+    w_o, b_o = torch.randn(24, 24), (torch.randn(24) if bias else None)
+    w_g, w_u, w_d = torch.randn(40, 24), torch.randn(40, 24), torch.randn(24, 40)
+    want_plus = h + F.linear(x, w_o, b_o)
+    want_mlp = h + F.linear(F.silu(F.linear(x, w_g)) * F.linear(x, w_u), w_d)
+    with torch.no_grad():
+        _close(native_linear.linear_plus(x, w_o, b_o, h), want_plus)
+        _close(native_linear.swiglu(x, w_g, w_u, w_d, h), want_mlp)
+    w_d.requires_grad_(True)
+    out = native_linear.swiglu(x, w_g, w_u, w_d, h)
+    assert out.grad_fn is not None
+    _close(out, want_mlp)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpo import kernels
 from grpo.model.arch import rms_norm, rotate
 from grpo.model.linear import DecodeLinear, decode_onednn, linear
 
@@ -250,10 +251,14 @@ def decode_step(
     same with or without it.
     """
     n, h_q, h_kv, d = tokens.shape[0], dec.num_heads, dec.num_kv_heads, dec.head_dim
-    cos, sin = cos[:, None], sin[:, None]
+    cos2, sin2, cos, sin = cos, sin, cos[:, None], sin[:, None]
     h = dec.embed(tokens)  # [n, d_model]
+    # grpo's CPU ops (grpo/kernels): ~25 of PyTorch's small ops a layer fewer, where they are built; the
+    # static-shape step (compiled) keeps PyTorch's ops, which inductor fuses itself
+    ops = _cpu_ops(h) if position is None else None
+    norm = ops.rms_norm if ops is not None else rms_norm
     for i, w in enumerate(weights.layers):
-        x = rms_norm(h, w.input_norm, dec.eps)
+        x = norm(h, w.input_norm, dec.eps)
         qkv = torch.cat([p(x) for p in w.qkv], dim=-1) if len(w.qkv) > 1 else w.qkv[0](x)
         if record is not None:
             record.put(i, "qkv", qkv, scaled_q=w.q_scaled)
@@ -263,33 +268,39 @@ def decode_step(
             qk = torch.cat([rms_norm(q, w.q_norm, dec.eps), rms_norm(k, w.k_norm, dec.eps)], dim=1)
         else:
             qk, v = qkv[:, : h_q + h_kv], qkv[:, h_q + h_kv :]
-        q, k = rotate(qk, cos, sin).split([h_q, h_kv], dim=1)  # one RoPE for q and k together
         cache_k, cache_v = caches[i]
-        if position is None:
-            cache_k[:, :, -1] = k
-            cache_v[:, :, -1] = v
+        if ops is not None:  # RoPE, the cache write and the attention as one op
+            attn, lse = ops.decode_attention(
+                qk, v, cos2, sin2, cache_k, cache_v, prompts.keys[i], prompts.values[i], prompts.bias,
+                layout.row_group, 1.0 if w.q_scaled else dec.scale, record is not None,
+            )  # fmt: skip
         else:
-            cache_k.index_copy_(2, position, k[:, :, None])
-            cache_v.index_copy_(2, position, v[:, :, None])
-        attn, lse = _decode_attention(
-            dec,
-            q,
-            cache_k,
-            cache_v,
-            prompts.keys[i],
-            prompts.values[i],
-            prompts.bias,
-            layout,
-            scaled=w.q_scaled,
-            cache_bias=cache_bias,
-            with_lse=record is not None,
-        )
+            q, k = rotate(qk, cos, sin).split([h_q, h_kv], dim=1)  # one RoPE for q and k together
+            if position is None:
+                cache_k[:, :, -1] = k
+                cache_v[:, :, -1] = v
+            else:
+                cache_k.index_copy_(2, position, k[:, :, None])
+                cache_v.index_copy_(2, position, v[:, :, None])
+            attn, lse = _decode_attention(
+                dec,
+                q,
+                cache_k,
+                cache_v,
+                prompts.keys[i],
+                prompts.values[i],
+                prompts.bias,
+                layout,
+                scaled=w.q_scaled,
+                cache_bias=cache_bias,
+                with_lse=record is not None,
+            )
         if record is not None:  # the update's attention backward takes these instead of a forward
             record.put(i, "attn", attn)
             record.put(i, "lse", lse)
         if record is None:
             h = w.o_proj.plus(attn, h)
-            x = rms_norm(h, w.post_norm, dec.eps)
+            x = norm(h, w.post_norm, dec.eps)
             if w.gate_up is None:
                 h = w.down.plus(w.up.times(x, w.gate.silu(x)), h)
             else:
@@ -300,7 +311,7 @@ def decode_step(
         # MLP unfused (oneDNN would fuse SiLU and the product), since gate and up are both kept.
         # `kept` tells a recording without blocks (the compiled step's) the value.
         h = w.o_proj.plus(attn, h)
-        x = rms_norm(h, w.post_norm, dec.eps)
+        x = norm(h, w.post_norm, dec.eps)
         block = record.block(i, "gu")
         if w.gate_up is not None:
             gu = w.gate_up(x, out=block)
@@ -313,7 +324,14 @@ def decode_step(
             gu = block
         gate, up = record.kept(i, "gu", gu).chunk(2, dim=-1)
         h = record.kept(i, "out", w.down.plus(F.silu(gate) * up, h, out=record.block(i, "out")))
-    return weights.lm_head(rms_norm(h, weights.final_norm, dec.eps))
+    return weights.lm_head(norm(h, weights.final_norm, dec.eps))
+
+
+def _cpu_ops(x: torch.Tensor):
+    """`torch.ops.grpo_cpu` for a float32 CPU decode where grpo's ops are built (grpo/kernels), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return kernels.cpu_ops()
 
 
 def _decode_attention(

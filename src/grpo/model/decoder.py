@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from grpo.model import decode, shared_prompt
 from grpo.model.arch import ARCHITECTURES, STATIC_ROPE, rms_norm, rotate, unsupported_reason
 from grpo.model.decode import DecodeWeights, GroupLayout, LayerWeights, PromptCache
-from grpo.model.linear import linear, swiglu_down
+from grpo.model.linear import linear, linear_plus, swiglu
 from grpo.model.lora import adapted_linear, lora_base
 from grpo.model.shared_prompt import QUERY_CHUNK, SharedPromptPack, pack_shared_prompts
 
@@ -155,16 +155,12 @@ class NativeDecoder:
             k = rms_norm(k, w(a.k_norm.weight), self.eps)
         return rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None]), v
 
-    def mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
-        (gate, _), (up, _), (down, _) = (
-            self.proj(p) for p in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
-        )
-        return swiglu_down(linear(x, gate), linear(x, up), down)
-
     def block_tail(self, layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection + residual + MLP; h, attn [S, d]."""
-        h = h + linear(attn, *self.proj(layer.self_attn.o_proj))
-        return h + self.mlp(layer, rms_norm(h, self.w(layer.post_attention_layernorm.weight), self.eps))
+        """Output projection + residual + MLP + residual; h, attn [S, d]."""
+        h = linear_plus(attn, *self.proj(layer.self_attn.o_proj), h)
+        x = rms_norm(h, self.w(layer.post_attention_layernorm.weight), self.eps)
+        m = layer.mlp
+        return swiglu(x, *(self.proj(p)[0] for p in (m.gate_proj, m.up_proj, m.down_proj)), h)
 
     # -- the passes: rollout in model/decode.py, training in model/shared_prompt.py ----------------
     def prefill(self, prompts: list[list[int]], pad_id: int, record=None) -> tuple[PromptCache, torch.Tensor]:

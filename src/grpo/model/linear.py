@@ -178,6 +178,38 @@ class _SwiGLUDown(torch.autograd.Function):
         return grad_gate, grad_up, grad_w
 
 
+def _inference_onednn(x: torch.Tensor, *weights: torch.Tensor | None) -> bool:
+    """A product no gradient flows through (the reference pass, a prefill), on oneDNN's path."""
+    if not uses_onednn(x):
+        return False
+    params = [w for w in weights if w is not None]
+    if any(w.dtype != torch.float32 for w in params):
+        return False
+    return not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in params))
+
+
+def linear_plus(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, other: torch.Tensor):
+    """other + x Wᵀ + b; without a gradient on oneDNN the add is the product's epilogue (no second pass
+    over the activations; the same sum)."""
+    if _inference_onednn(x, weight, bias, other):
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, weight, bias, "add")
+    return other + linear(x, weight, bias)
+
+
+def swiglu(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor
+) -> torch.Tensor:
+    """residual + down(silu(x W_gᵀ) · x W_uᵀ). Without a gradient on oneDNN, SiLU is the gate product's
+    epilogue, the product with it the up product's and the residual add the down product's, as in the
+    decode (`DecodeLinear`): three passes over the activations fewer (oneDNN's SiLU rounds within an ulp
+    of PyTorch's; the products and sums are the same)."""
+    if _inference_onednn(x, w_gate, w_up, w_down, residual):
+        gate = _onednn(x, w_gate, None, "swish")
+        product = torch.ops.mkldnn._linear_pointwise.binary(x, gate, w_up, None, "mul")
+        return torch.ops.mkldnn._linear_pointwise.binary(product, residual, w_down, None, "add")
+    return residual + swiglu_down(linear(x, w_gate), linear(x, w_up), w_down)
+
+
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(silu(gate) · up, W): gate, up [S, ffn] → [S, out]; recomputes its intermediates in backward."""
     needs_grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad or weight.requires_grad)
