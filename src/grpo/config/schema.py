@@ -153,9 +153,10 @@ class GenerationConfig:
         None,
         "torch.compile the native engine's decode step (hybrid: one static-shape graph, sampler included, "
         "while every row is in the batch; the eager step once finished rows are dropped). true: from the "
-        "first rollout (compiles ~30-50 s on a 2-core CPU); false: never. Default: on a CPU in float32 "
-        "with a C++ compiler, from the rollout where the eager full-batch steps have cost what compiling "
-        "would have saved by then (rows that run to max_new_tokens; docs/performance.md), else off.",
+        "first rollout (compiles ~15-50 s on a 2-core CPU); false: never. Default: off where grpo's own CPU "
+        "decode ops run the eager step (grpo/kernels: faster than the compiled step); elsewhere on a CPU in "
+        "float32 with a C++ compiler, from the rollout where the eager full-batch steps have cost what "
+        "compiling would have saved by then (rows that run to max_new_tokens; docs/performance.md).",
     )
     batch_size: int | None = _f(None, "Completions generated per generate() call; default: all at once.")
     min_p: float = _f(

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
+from grpo import kernels
 from grpo.model import linear
 from grpo.model.compiled import cpp_compiler
 from grpo.model.decoder import GroupLayout, NativeDecoder, unsupported_reason
@@ -68,9 +69,12 @@ class NativeEngine:
         # over the written columns only. So rows that run to the limit get the fused graph all the way, and
         # eos-ended rows lose nothing to finished rows kept in a static batch (docs/performance.md).
         # None (auto): eager until the eager full-batch steps have paid for a compile (_COMPILE_SAVES), on
-        # a CPU in float32 with a C++ compiler for inductor (where it was measured).
+        # a CPU in float32 with a C++ compiler for inductor (where it was measured), unless grpo's own CPU
+        # decode ops (grpo/kernels) run the eager step: with them the eager step is the faster one (the
+        # eos-off rollout 1.11 s eager against 1.25 s compiled, docs/performance.md), so auto never compiles.
         self.auto = compile_decode is None and self.decoder.dtype == torch.float32
         self.auto = self.auto and self.decoder.device.type == "cpu" and cpp_compiler() is not None
+        self.auto = self.auto and kernels.cpu_ops() is None
         self._rent_s = 0.0  # auto: eager full-batch decode seconds so far × _COMPILE_SAVES
         self.compiled = bool(compile_decode)
         self._full_step = _compile_full_step(self.decoder.device) if compile_decode else None
