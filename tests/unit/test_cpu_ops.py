@@ -146,3 +146,55 @@ def test_the_library_name_changes_with_the_source_and_the_torch_build(monkeypatc
     first = kernels.library_path()
     monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
     assert kernels.library_path() != first and kernels.library_path().parent == tmp_path
+
+
+@needs_ops
+@pytest.mark.parametrize("shape", [(1080, 256), (5, 40)])
+def test_rms_norm_gradients_equal_pytorchs(shape, monkeypatch):
+    """The training passes' RMSNorm (model/arch.rms_norm) on grpo's ops: forward and both gradients as
+    autograd's through PyTorch's ops, to float32 rounding, and the same bits when run again."""
+    g = torch.Generator().manual_seed(2)
+    x0, w0, up = (
+        torch.randn(*shape, generator=g),
+        torch.randn(shape[1], generator=g),
+        torch.randn(*shape, generator=g),
+    )
+
+    def run():
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = rms_norm(x, w, 1e-6)
+        y.backward(up)
+        return y.detach(), x.grad, w.grad, y.grad_fn
+
+    y, dx, dw, fn = run()
+    assert type(fn).__name__ == "_RMSNormBackward"  # really grpo's op
+    assert all(torch.equal(a, b) for a, b in zip((y, dx, dw), run()[:3], strict=True))
+    monkeypatch.setenv("GRPO_CPU_KERNELS", "0")
+    y_ref, dx_ref, dw_ref, fn_ref = run()
+    assert type(fn_ref).__name__ != "_RMSNormBackward"
+    torch.testing.assert_close(y, y_ref, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_ops
+def test_rope_and_its_gradient_equal_pytorchs(monkeypatch):
+    """model/arch.rotate on packed tokens [S, H, D] (a strided view, as q and k are) with grpo's op."""
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(50, 4 + 2 * 2, 64, generator=g)
+    angle = torch.rand(50, 32, generator=g) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, -1)[:, None], torch.cat([angle.sin()] * 2, -1)[:, None]
+    up = torch.randn(50, 4, 64, generator=g)
+
+    def run():
+        x = qkv.clone().requires_grad_()
+        y = rotate(x[:, :4], cos, sin)
+        y.backward(up)
+        return y.detach(), x.grad, y.grad_fn
+
+    y, dx, fn = run()
+    assert type(fn).__name__ == "_RopeBackward"
+    monkeypatch.setenv("GRPO_CPU_KERNELS", "0")
+    y_ref, dx_ref, _ = run()
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-6, atol=1e-6)

@@ -198,8 +198,10 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& qk, const 
   return {out, lse};
 }
 
-// weight · x / sqrt(mean(x²) + eps) over the last dimension of x [n, d], in float32.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// RMSNorm over the last dimension of x [n, d], in float32: y = weight · x · inv, inv = 1 / sqrt(mean(x²) + eps).
+// Forward returns y and inv [n] (what backward needs). Rows are split over the pool in fixed chunks, so a
+// run on the same machine and thread count gets the same bits every time (resumes depend on it).
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.dim() == 2 &&
                   weight.dim() == 1 && weight.size(0) == x.size(1) && x.device().is_cpu(),
               "grpo_cpu::rms_norm: float32 CPU x [n, d] and weight [d]");
@@ -207,8 +209,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const auto wc = weight.contiguous();
   auto out = at::empty_like(xc);
   const int64_t n = xc.size(0), d = xc.size(1);
+  auto inv = at::empty({n}, xc.options());
   const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *ip = inv.data_ptr<float>();
   const float e = static_cast<float>(eps);
   // A row is a few hundred to a few thousand floats: one thread takes ~64K of them before a second joins.
   at::parallel_for(0, n, std::max<int64_t>(1, 65536 / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
@@ -218,9 +221,84 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t c = 0; c < d; ++c) squares += xr[c] * xr[c];
-      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d) + e);
+      const float k = 1.0f / std::sqrt(squares / static_cast<float>(d) + e);
+      ip[r] = k;
 #pragma omp simd
-      for (int64_t c = 0; c < d; ++c) orow[c] = wp[c] * (xr[c] * inv);
+      for (int64_t c = 0; c < d; ++c) orow[c] = wp[c] * (xr[c] * k);
+    }
+  });
+  return {out, inv};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(rms_norm_forward(x, weight, eps));
+}
+
+// The gradients of rms_norm_forward: with u = grad · weight, dx = inv · u − x · inv³ · (u · x) / d and
+// dweight = Σ_rows grad · x · inv. dweight's sum runs in per-thread partial sums added in thread order.
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tensor& x,
+                                                     const at::Tensor& weight, const at::Tensor& inv) {
+  const auto gc = grad.contiguous();
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  const int64_t n = xc.size(0), d = xc.size(1);
+  TORCH_CHECK(gc.sizes() == xc.sizes() && inv.size(0) == n && gc.scalar_type() == at::kFloat,
+              "grpo_cpu::rms_norm_backward: shapes");
+  auto dx = at::empty_like(xc);
+  const int64_t threads = at::get_num_threads();
+  auto partial = at::zeros({threads, d}, xc.options());
+  const float *gp = gc.data_ptr<float>(), *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  const float* ip = inv.data_ptr<float>();
+  float *dp = dx.data_ptr<float>(), *pp = partial.data_ptr<float>();
+  const float inv_d = 1.0f / static_cast<float>(d);
+  at::parallel_for(0, n, std::max<int64_t>(1, 65536 / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
+    float* acc = pp + at::get_thread_num() * d;
+    for (int64_t r = begin; r < end; ++r) {
+      const float *gr = gp + r * d, *xr = xp + r * d;
+      const float k = ip[r];
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t c = 0; c < d; ++c) dot += gr[c] * wp[c] * xr[c];
+      const float coef = k * k * k * dot * inv_d;
+      float* dr = dp + r * d;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) {
+        dr[c] = k * (gr[c] * wp[c]) - xr[c] * coef;
+        acc[c] += gr[c] * (xr[c] * k);
+      }
+    }
+  });
+  return {dx, partial.sum(0)};
+}
+
+// RoPE in the rotate-half convention over x [S, H, D] (any strides, D contiguous) with cos, sin [S, D]
+// (the same for every head): out = x·cos + (−x₂, x₁)·sin, contiguous. backward = true applies the transpose
+// (the input gradient of that map for an output gradient x): x·cos + (x₂·sin₂, −x₁·sin₁).
+at::Tensor rope_map(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  x.dim() == 3 && cos.dim() == 2 && sin.dim() == 2 && x.stride(2) == 1 && cos.stride(1) == 1 &&
+                  sin.stride(1) == 1 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && x.size(2) % 2 == 0,
+              "grpo_cpu::rope: float32 x [S, H, D] and cos, sin [S, D], D even and contiguous");
+  const int64_t s = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  auto out = at::empty({s, heads, d}, x.options());
+  const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t x0 = x.stride(0), x1 = x.stride(1), c0 = cos.stride(0), s0 = sin.stride(0);
+  const float sign = backward ? -1.0f : 1.0f;
+  at::parallel_for(0, s * heads, std::max<int64_t>(1, 32768 / d), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / heads, h = i % heads;
+      const float* xr = xp + t * x0 + h * x1;
+      const float *c = cp + t * c0, *sn = sp + t * s0;
+      float* o = op + i * d;
+      if (!backward) {
+        rope(xr, c, sn, d, o);
+        continue;
+      }
+#pragma omp simd
+      for (int64_t k = 0; k < half; ++k) o[k] = xr[k] * c[k] + xr[k + half] * sn[k + half];
+#pragma omp simd
+      for (int64_t k = half; k < d; ++k) o[k] = xr[k] * c[k] + sign * xr[k - half] * sn[k - half];
     }
   });
   return out;
@@ -233,9 +311,15 @@ TORCH_LIBRARY(grpo_cpu, m) {
       "decode_attention(Tensor qk, Tensor v, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, Tensor kp, "
       "Tensor vp, Tensor bias, Tensor row_group, float scale, bool with_lse) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool backward) -> Tensor");
+  m.def("rms_norm_forward(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, Tensor inv) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(grpo_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm_forward", &rms_norm_forward);
+  m.impl("rope", &rope_map);
+  m.impl("rms_norm_backward", &rms_norm_backward);
 }
