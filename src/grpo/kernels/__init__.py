@@ -102,7 +102,9 @@ def build(path: Path) -> None:
     try:
         done = subprocess.run(_build_command(Path(tmp)), capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"the C++ compiler failed:\n{(done.stderr or done.stdout)[-3000:]}")
+            output = done.stderr or done.stdout or ""
+            first = next((line for line in output.splitlines() if "error" in line.lower()), "")
+            raise RuntimeError(f"the C++ compiler failed: {first.strip()}\n{output[-3000:]}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -150,3 +152,13 @@ def cpu_ops():
 def why_unavailable() -> str | None:
     """After `cpu_ops()` returned None: why."""
     return _state.get("why")  # type: ignore[return-value]
+
+
+def cpu_ops_for(*tensors: torch.Tensor):
+    """`cpu_ops()` where every tensor is float32 on a CPU and torch.compile is not tracing (inductor fuses
+    these ops' formulas itself there); else None: the caller runs PyTorch's ops."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    return cpu_ops()

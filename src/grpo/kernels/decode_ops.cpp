@@ -304,6 +304,66 @@ at::Tensor rope_map(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
   return out;
 }
 
+// SwiGLU's elementwise work, one pass each way over [S, f] (gate and up may be strided views, e.g. the two
+// halves of one [S, 2f] product). Forward: silu = gate · σ(gate), product = silu · up. Backward, for the
+// product's gradient gp: d_up = gp · silu, d_gate = gp · up · σ(gate) · (1 + gate · (1 − σ(gate))).
+inline float sigmoid(float x) {
+  // e^−x for any x: e^x = 1 / e^−x keeps exp_nonpositive's argument ≤ 0 (where its polynomial is accurate)
+  const float e = exp_nonpositive(-std::fabs(x));  // e^−|x| in (0, 1]
+  return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
+void check_rows(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.stride(1) == 1 && t.sizes() == like.sizes() &&
+                  t.device().is_cpu(),
+              "grpo_cpu::swiglu: ", name, " must be float32 [S, f] with contiguous rows");
+}
+
+void swiglu_forward(const at::Tensor& gate, const at::Tensor& up, at::Tensor& silu, at::Tensor& product) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&up, &silu, &product}) check_rows(*t, gate, "every tensor");
+  check_rows(gate, gate, "gate");
+  const int64_t s = gate.size(0), f = gate.size(1);
+  const float *gp = gate.data_ptr<float>(), *up_ = up.data_ptr<float>();
+  float *sp = silu.data_ptr<float>(), *pp = product.data_ptr<float>();
+  const int64_t g0 = gate.stride(0), u0 = up.stride(0), s0 = silu.stride(0), p0 = product.stride(0);
+  at::parallel_for(0, s, std::max<int64_t>(1, 32768 / std::max<int64_t>(f, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *g = gp + r * g0, *u = up_ + r * u0;
+      float *so = sp + r * s0, *po = pp + r * p0;
+#pragma omp simd
+      for (int64_t c = 0; c < f; ++c) {
+        const float v = g[c] * sigmoid(g[c]);
+        so[c] = v;
+        po[c] = v * u[c];
+      }
+    }
+  });
+}
+
+void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& silu,
+                     at::Tensor& d_gate, at::Tensor& d_up) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&grad, &up, &silu, &d_gate, &d_up}) check_rows(*t, gate, "every tensor");
+  check_rows(gate, gate, "gate");
+  const int64_t s = gate.size(0), f = gate.size(1);
+  const float *gr = grad.data_ptr<float>(), *gp = gate.data_ptr<float>(), *up_ = up.data_ptr<float>();
+  const float* sp = silu.data_ptr<float>();
+  float *dg = d_gate.data_ptr<float>(), *du = d_up.data_ptr<float>();
+  const int64_t r0 = grad.stride(0), g0 = gate.stride(0), u0 = up.stride(0), s0 = silu.stride(0);
+  const int64_t dg0 = d_gate.stride(0), du0 = d_up.stride(0);
+  at::parallel_for(0, s, std::max<int64_t>(1, 32768 / std::max<int64_t>(f, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *a = gr + r * r0, *g = gp + r * g0, *u = up_ + r * u0, *sl = sp + r * s0;
+      float *og = dg + r * dg0, *ou = du + r * du0;
+#pragma omp simd
+      for (int64_t c = 0; c < f; ++c) {
+        const float sg = sigmoid(g[c]);
+        ou[c] = a[c] * sl[c];
+        og[c] = (a[c] * u[c]) * (sg * (1.0f + g[c] * (1.0f - sg)));
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(grpo_cpu, m) {
@@ -311,6 +371,9 @@ TORCH_LIBRARY(grpo_cpu, m) {
       "decode_attention(Tensor qk, Tensor v, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, Tensor kp, "
       "Tensor vp, Tensor bias, Tensor row_group, float scale, bool with_lse) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("swiglu_forward(Tensor gate, Tensor up, Tensor(a!) silu, Tensor(b!) product) -> ()");
+  m.def(
+      "swiglu_backward(Tensor grad, Tensor gate, Tensor up, Tensor silu, Tensor(a!) d_gate, Tensor(b!) d_up) -> ()");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool backward) -> Tensor");
   m.def("rms_norm_forward(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, Tensor inv) -> (Tensor, Tensor)");
@@ -321,5 +384,7 @@ TORCH_LIBRARY_IMPL(grpo_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rms_norm_forward", &rms_norm_forward);
   m.impl("rope", &rope_map);
+  m.impl("swiglu_forward", &swiglu_forward);
+  m.impl("swiglu_backward", &swiglu_backward);
   m.impl("rms_norm_backward", &rms_norm_backward);
 }

@@ -39,26 +39,14 @@ def unsupported_reason(model) -> str | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dim() == 2 and _cpu_op_applies(x, weight):  # one op each way, for ~6 and ~10 ops below
+    if x.dim() == 2 and (ops := kernels.cpu_ops_for(x, weight)) is not None:  # one op each way for ~6 and ~10
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return _RMSNorm.apply(x, weight, eps)
-        return kernels.cpu_ops().rms_norm(x, weight, eps)
+        return ops.rms_norm(x, weight, eps)
     # As transformers: normalise in float32, cast back, then scale (bit-compatible in bf16 too).
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def _cpu_op_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """grpo's CPU ops (grpo/kernels) serve float32 on a CPU, outside torch.compile's tracing (inductor
-    fuses the formulas itself there)."""
-    return (
-        x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and kernels.cpu_ops() is not None
-    )
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -93,12 +81,12 @@ class _Rope(torch.autograd.Function):
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in the rotate-half convention; x [..., S, D], cos/sin broadcastable to it."""
-    if x.dim() == 3 and cos.dim() == 3 and cos.shape[1] == 1 and _cpu_op_applies(x, cos):
-        # packed tokens [S, H, D] with one cos/sin row a token: one op each way for ~5 and ~6 ops below
+    ops = kernels.cpu_ops_for(x, cos, sin) if x.dim() == 3 and cos.dim() == 3 and cos.shape[1] == 1 else None
+    if ops is not None:  # packed tokens [S, H, D], one cos/sin row a token: one op each way for ~5 and ~6
         cos, sin = cos[:, 0], sin[:, 0]
         if torch.is_grad_enabled() and x.requires_grad:
             return _Rope.apply(x, cos, sin)
-        return kernels.cpu_ops().rope(x, cos, sin, False)
+        return ops.rope(x, cos, sin, False)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -329,9 +329,7 @@ def decode_step(
 
 def _cpu_ops(x: torch.Tensor):
     """`torch.ops.grpo_cpu` for a float32 CPU decode where grpo's ops are built (grpo/kernels), else None."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        return None
-    return kernels.cpu_ops()
+    return kernels.cpu_ops_for(x)
 
 
 def _decode_attention(

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo import kernels
 from grpo.model import shared_prompt
 from grpo.model.arch import rms_norm, rotate
 from grpo.model.linear import linear
@@ -397,11 +398,20 @@ class _ReplayedMLP(torch.autograd.Function):
         gate, up = gu_in.chunk(2, dim=-1)
         s, f = gate.shape
         a, b, gu = ctx.scratch(s, f, gate)
-        silu = torch.ops.aten.silu.out(gate, out=a)
-        grad_w_down = grad.t() @ torch.mul(silu, up, out=b) if ctx.needs_input_grad[5] else None  # Gᵀ P
+        ops = kernels.cpu_ops_for(gate, grad)  # grpo's SwiGLU ops: one pass each way for 2 and 3 of PyTorch's
+        if ops is not None:
+            ops.swiglu_forward(gate, up, a, b)  # silu, its product with up
+            silu, product = a, b
+        else:
+            silu = torch.ops.aten.silu.out(gate, out=a)
+            product = torch.mul(silu, up, out=b)
+        grad_w_down = grad.t() @ product if ctx.needs_input_grad[5] else None  # Gᵀ P
         grad_p = torch.mm(grad, w_down, out=b)  # G W_down
-        torch.mul(grad_p, silu, out=gu[:, f:])  # up's gradient
-        torch.ops.aten.silu_backward.grad_input(torch.mul(grad_p, up, out=a), gate, grad_input=gu[:, :f])
+        if ops is not None:
+            ops.swiglu_backward(grad_p, gate, up, silu, gu[:, :f], gu[:, f:])
+        else:
+            torch.mul(grad_p, silu, out=gu[:, f:])  # up's gradient
+            torch.ops.aten.silu_backward.grad_input(torch.mul(grad_p, up, out=a), gate, grad_input=gu[:, :f])
         need_w = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
         grad_w_gate, grad_w_up = (gu.t() @ x).split(f) if need_w else (None, None)
         grad_x = linear(gu, torch.cat([w_gate, w_up]).t()) if ctx.needs_input_grad[2] else None
