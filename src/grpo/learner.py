@@ -14,6 +14,7 @@ from dataclasses import astuple, dataclass, field, replace
 
 import torch
 
+from grpo import kernels
 from grpo.algorithm.importance import WeightSums, importance_metrics, weighted_advantages
 from grpo.algorithm.loss import LossNorm, LossOutput, make_policy_loss
 from grpo.algorithm.schedules import lr_lambda
@@ -300,6 +301,7 @@ class Learner:
                 element_bytes,
                 native=self.policy_forward.kind == "native",
                 checkpointing=self.cfg.model.gradient_checkpointing,
+                fused_norms=device.type == "cpu" and element_bytes == 4 and kernels.cpu_ops() is not None,
             )
             if self.policy_forward.full_logits:  # float32 logits, log-softmax and its exp per token
                 per_token += 3 * 4 * policy.config.vocab_size

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grpo import kernels
 from grpo.config import GRPOConfig
 from grpo.learner import Learner
 from grpo.model.forward import PolicyForward
@@ -99,13 +100,18 @@ def _saved_bytes_per_token(forward: PolicyForward, model, lengths: tuple[int, in
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_activation_estimate_matches_what_autograd_saves(native):
+@pytest.mark.parametrize("cpu_ops", ["1", "0"])  # grpo's CPU RMSNorm (grpo/kernels) keeps less
+def test_activation_estimate_matches_what_autograd_saves(native, cpu_ops, monkeypatch):
+    monkeypatch.setenv("GRPO_CPU_KERNELS", cpu_ops)
+    fused = kernels.cpu_ops() is not None
     # A model whose MLP and attention widths are not all equal, so a wrong coefficient shows.
     model = tiny_llama(vocab_size=64)
     model.config.intermediate_size = 64
     forward = PolicyForward(model, native=native)
     measured = _saved_bytes_per_token(forward, model, (8, 24))
-    estimate = activation_bytes_per_token(model.config, 4, native=native, checkpointing=False)
+    estimate = activation_bytes_per_token(
+        model.config, 4, native=native, checkpointing=False, fused_norms=fused
+    )
     if forward.full_logits:
         estimate += 3 * 4 * model.config.vocab_size
     print(f"native={native}: measured {measured:.0f} B/token, estimate {estimate}")

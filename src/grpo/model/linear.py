@@ -30,8 +30,6 @@ import platform
 import torch
 import torch.nn.functional as F
 
-from grpo import kernels
-
 # x86-64 only: that is where it was measured. On ARM (e.g. Apple silicon) PyTorch's BLAS is
 # Accelerate or OpenBLAS, and oneDNN's AArch64 kernels have not been compared with them here.
 ONEDNN_AVAILABLE = (
@@ -170,21 +168,11 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gate, up, weight = ctx.saved_tensors
-        rows = all(t.dim() == 2 and t.stride(-1) == 1 for t in (gate, up, grad))
-        ops = kernels.cpu_ops_for(gate, up, grad) if rows else None  # grpo's SwiGLU ops: one pass each way
-        if ops is not None:
-            silu, product = torch.empty_like(gate), torch.empty_like(gate)
-            ops.swiglu_forward(gate, up, silu, product)
-        else:
-            silu = F.silu(gate)
-            product = silu * up  # [S, ffn]
+        silu = F.silu(gate)
+        product = silu * up  # [S, ffn]
         onednn = uses_onednn(grad) and weight.dtype == torch.float32
         grad_p = _onednn(grad, weight.t(), None) if onednn else grad @ weight  # G W
         grad_w = grad.t() @ product if ctx.needs_input_grad[2] else None  # Gᵀ P
-        if ops is not None and grad_p.stride(-1) == 1:
-            grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(gate)
-            ops.swiglu_backward(grad_p, gate, up, silu, grad_gate, grad_up)
-            return grad_gate, grad_up, grad_w
         grad_up = grad_p * silu if ctx.needs_input_grad[1] else None
         grad_gate = torch.ops.aten.silu_backward(grad_p * up, gate) if ctx.needs_input_grad[0] else None
         return grad_gate, grad_up, grad_w

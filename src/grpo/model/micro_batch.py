@@ -34,7 +34,9 @@ MIN_BUDGET_TOKENS = 256  # below this, per-call overhead dominates whatever the 
 FALLBACK_TOKENS = CPU_SPEED_TOKENS
 
 
-def activation_bytes_per_token(config, element_bytes: int, native: bool, checkpointing: bool) -> int:
+def activation_bytes_per_token(
+    config, element_bytes: int, native: bool, checkpointing: bool, fused_norms: bool = False
+) -> int:
     """Bytes autograd keeps per token for backward, all layers: what one more token in a micro-batch costs.
 
     Per layer, saved for backward: the residual input, both RMSNorm outputs, the attention output and
@@ -43,8 +45,10 @@ def activation_bytes_per_token(config, element_bytes: int, native: bool, checkpo
     keeps gate and up when the native forward recomputes silu(gate)·up (model/linear.py), and also
     silu(gate) and the product in the transformers forward (2 or 4 × ffn). After the layers: the final
     norm's input and output (2·d). With gradient checkpointing only each layer's input stays (d per
-    layer) plus one layer's full set while it is recomputed. tests/unit/test_micro_batch.py checks the
-    sum against what autograd saves."""
+    layer) plus one layer's full set while it is recomputed. fused_norms: the native forward's RMSNorms
+    are grpo's CPU op (grpo/kernels), which keeps its input and one float a row, not the normalised copy
+    too (3·d a layer instead of 5·d, d after the layers instead of 2·d). tests/unit/test_micro_batch.py
+    checks the sum against what autograd saves."""
     d = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or d // heads
@@ -52,11 +56,13 @@ def activation_bytes_per_token(config, element_bytes: int, native: bool, checkpo
     q = heads * head_dim
     ffn = getattr(config, "intermediate_size", 4 * d)
     cq, ckv, cffn = (5, 5, 2) if native else (2, 3, 4)
-    per_layer = 5 * d + cq * q + ckv * kv + cffn * ffn
+    norms = native and fused_norms
+    per_layer = (3 if norms else 5) * d + cq * q + ckv * kv + cffn * ffn
+    after = (1 if norms else 2) * d
     layers = config.num_hidden_layers
     if checkpointing:
-        return element_bytes * (layers * d + per_layer + 2 * d)
-    return element_bytes * (layers * per_layer + 2 * d)
+        return element_bytes * (layers * d + per_layer + after)
+    return element_bytes * (layers * per_layer + after)
 
 
 def default_activation_budget(device: torch.device, gradient_bytes: int = 0) -> int:
