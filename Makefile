@@ -31,7 +31,7 @@ $(BIN)/grpo: pyproject.toml
 	# torch first and pinned: an unpinned resolve would pull the multi-GB CUDA build.
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e .
-	# grpo's CPU decode ops, compiled once per machine (~10-40 s) here rather than in the first rollout
+	# grpo's CPU ops, compiled once per machine (~10-40 s) here rather than in the first rollout
 	$(BIN)/python -m grpo.kernels
 	touch $(BIN)/grpo
 

@@ -1,4 +1,4 @@
-"""grpo's CPU decode ops (grpo/kernels) compute what the PyTorch ops they replace compute, and a machine
+"""grpo's CPU ops (grpo/kernels) compute what the PyTorch ops they replace compute, and a machine
 that cannot build them decodes with PyTorch's ops instead."""
 
 import logging

@@ -1,10 +1,10 @@
 """grpo's own CPU ops, compiled once per machine and loaded into PyTorch's dispatcher.
 
-`cpu_ops()` is `torch.ops.grpo_cpu`: the native decode's attention (with RoPE and the KV-cache write) and
-RMSNorm, each one op (`decode_ops.cpp` says why), or None where they are not available: no C++ compiler
-with OpenMP (Linux's g++ has it; Apple's clang does not), a PyTorch without its headers, a failed build, or
-`GRPO_CPU_KERNELS=0` in the environment. Callers then run the same computation as PyTorch's ops, so a
-missing compiler costs speed, never a run.
+`cpu_ops()` is `torch.ops.grpo_cpu`: the native decode's attention (with RoPE and the KV-cache write),
+RMSNorm and RoPE both ways, and SwiGLU's elementwise work both ways, each one op (`cpu_ops.cpp` says why),
+or None where they are not available: no C++ compiler with OpenMP (Linux's g++ has it; Apple's clang does
+not), a PyTorch without its headers, a failed build, or `GRPO_CPU_KERNELS=0` in the environment. Callers
+then run the same computation as PyTorch's ops, so a missing compiler costs speed, never a run.
 
 The library is built with the system's C++ compiler against the installed PyTorch the first time a
 process asks for it (~10-40 s on two cores; `python -m grpo.kernels` builds it ahead, as `make setup`
@@ -32,7 +32,7 @@ import torch
 
 log = logging.getLogger("grpo")
 
-SOURCE = Path(__file__).with_name("decode_ops.cpp")
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "op": the loaded op or None; "why": why not
 
@@ -122,15 +122,15 @@ def _load() -> object | None:
         path = library_path()
         if not path.exists():
             start = time.perf_counter()
-            log.info("building grpo's CPU decode ops for this machine (once; ~10-40 s): %s", path)
+            log.info("building grpo's CPU ops for this machine (once; ~10-40 s): %s", path)
             build(path)
-            log.info("built grpo's CPU decode ops in %.1f s", time.perf_counter() - start)
+            log.info("built grpo's CPU ops in %.1f s", time.perf_counter() - start)
         torch.ops.load_library(str(path))
         return torch.ops.grpo_cpu
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _state["why"] = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         log.warning(
-            "grpo's CPU decode ops are not available (%s); decoding with PyTorch's ops instead, which is "
+            "grpo's CPU ops are not available (%s); decoding with PyTorch's ops instead, which is "
             "slower on a CPU. Set GRPO_CPU_KERNELS=0 to skip the build.",
             _state["why"],
         )

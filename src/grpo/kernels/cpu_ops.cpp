@@ -1,15 +1,20 @@
-// One decode step's attention on a CPU, as a single op in PyTorch's own thread pool.
+// grpo's CPU ops (torch.ops.grpo_cpu): the native decoder's small elementwise and attention work as one op
+// each, run in PyTorch's own thread pool. Built and loaded by grpo/kernels/__init__.py.
 //
-// Why a C++ op: on a CPU the native decode's attention is ~50 small PyTorch ops a layer (four batched
-// matmuls of one [rep × D] × [D × t] product per row and KV head, the group <-> row transposes, the
-// concatenation of prompt and completion scores, softmax, log-sum-exp), each paying dispatch and an OpenMP
-// fork/join; it was 30% of the eos-off rollout. Here each (row, KV head) item reads its group's prompt keys
-// and values and its own completion keys and values once, for all of its query heads, and the items run
-// in at::parallel_for, the same OpenMP team as every other op (a second thread pool would wait on that
-// team's spinning threads: docs/performance.md, "The decode attention as one fused kernel (numba)").
+// Why C++ ops: on a CPU these are many small PyTorch ops, each paying dispatch and an OpenMP fork/join. The
+// decode's attention was ~50 a layer (four batched matmuls of one [rep × D] × [D × t] product per row and KV
+// head, the group <-> row transposes, the concatenation of prompt and completion scores, softmax,
+// log-sum-exp): 30% of the eos-off rollout. RMSNorm is ~6 ops forward and ~10 backward, RoPE ~5 and ~6,
+// SwiGLU's elementwise work 2 and 3 passes over [tokens, ffn]. Every loop here runs in at::parallel_for,
+// the same OpenMP team as every other op (a second thread pool would wait on that team's spinning threads:
+// docs/performance.md, "The decode attention as one fused kernel (numba)").
 //
-// The numbers are the attention's to float32 rounding: the dot products and the weighted sum of values
-// add in another order than the batched matmuls, and exp is a Cephes-style polynomial (~1 ulp).
+// decode_attention: each (row, KV head) item rotates its key and queries, writes this step's key and value
+// into the cache, and reads its group's prompt keys and values and its own completion keys and values once,
+// for all of its query heads.
+//
+// The numbers are PyTorch's to float32 rounding: sums add in another order, and exp (softmax, SiLU's
+// sigmoid) is a Cephes-style polynomial (~1 ulp). tests/unit/test_cpu_ops.py compares every op.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
