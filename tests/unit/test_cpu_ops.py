@@ -122,16 +122,20 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert decode._cpu_ops(torch.zeros(2, 2)) is None
 
 
+@pytest.mark.parametrize(
+    ("compiler", "why"),
+    [("false", "the C++ compiler failed: false exited with status 1"), ("/no/such/c++", "no C++ compiler found")],
+)
 def test_a_machine_that_cannot_build_them_decodes_with_pytorchs_ops(
-    tmp_path, monkeypatch, caplog, tiny_model, id_tokenizer
+    compiler, why, tmp_path, monkeypatch, caplog, tiny_model, id_tokenizer
 ):
-    """No compiler (or a failing one): a warning that says so and how to skip the build, never an error."""
+    """No compiler, or a failing one: a warning that says so and how to skip the build, never an error."""
     monkeypatch.setenv("GRPO_KERNELS_DIR", str(tmp_path))
-    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
+    monkeypatch.setenv("CXX", compiler)
     monkeypatch.setattr(kernels, "_state", {})
     with caplog.at_level(logging.WARNING, logger="grpo"):
         assert kernels.cpu_ops() is None
-    assert "the C++ compiler failed" in kernels.why_unavailable()
+    assert why in kernels.why_unavailable()
     assert "GRPO_CPU_KERNELS=0" in caplog.text and "PyTorch's ops instead" in caplog.text
     assert list(tmp_path.iterdir()) == []  # no half-written library left to load next time
     out = NativeEngine(tiny_model, id_tokenizer).generate([[2, 7]], 2, SamplingParams(max_new_tokens=3))

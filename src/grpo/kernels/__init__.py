@@ -100,11 +100,18 @@ def build(path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".tmp")
     os.close(fd)
     try:
-        done = subprocess.run(_build_command(Path(tmp)), capture_output=True, text=True, check=False)
+        command = _build_command(Path(tmp))
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"no C++ compiler found ({command[0]!r}; install g++, or point CXX at one)"
+            ) from None
         if done.returncode != 0:
             output = done.stderr or done.stdout or ""
             first = next((line for line in output.splitlines() if "error" in line.lower()), "")
-            raise RuntimeError(f"the C++ compiler failed: {first.strip()}\n{output[-3000:]}")
+            first = first.strip() or f"{command[0]} exited with status {done.returncode}"
+            raise RuntimeError(f"the C++ compiler failed: {first}\n{output[-3000:]}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
