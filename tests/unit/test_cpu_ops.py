@@ -124,7 +124,10 @@ def test_switched_off_by_the_environment(monkeypatch):
 
 @pytest.mark.parametrize(
     ("compiler", "why"),
-    [("false", "the C++ compiler failed: false exited with status 1"), ("/no/such/c++", "no C++ compiler found")],
+    [
+        ("false", "the C++ compiler failed: false exited with status 1"),
+        ("/no/such/c++", "no C++ compiler found"),
+    ],
 )
 def test_a_machine_that_cannot_build_them_decodes_with_pytorchs_ops(
     compiler, why, tmp_path, monkeypatch, caplog, tiny_model, id_tokenizer
