@@ -264,9 +264,10 @@ def vm_hwm_mb() -> float:
     return peak_rss_mb()
 
 
-def matrix_pair(name: str):
-    """A matrix cell's workload for the stage benchmarks (compiled_step.py, replay_step.py): the cell, its
-    tokenizer, its prompts' token ids, and a float32 policy and reference loaded from the cell's model."""
+def matrix_policy(name: str):
+    """A matrix cell's workload for the rollout benchmarks (compiled_decode.py, decode_ops.py,
+    matrix_ragged.py): the cell, its tokenizer, its prompts' token ids, and a float32 model loaded from the
+    cell's model."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -275,7 +276,17 @@ def matrix_pair(name: str):
     tok = matrix_tokenizer(path, False)
     texts = make_prompts(tok, cell["prompt"], MATRIX_PROMPTS)
     prompts = [tok(x, add_special_tokens=False)["input_ids"] for x in texts]
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return cell, tok, prompts, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def matrix_pair(name: str):
+    """`matrix_policy` with a float32 reference too, for the stage benchmarks (compiled_step.py,
+    replay_step.py): the cell, its tokenizer, its prompts' token ids, the policy and the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cell, tok, prompts, policy = matrix_policy(name)
+    path = make_matrix_model(cell["eos"], cell["completion"])
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return cell, tok, prompts, policy, reference
 

@@ -20,8 +20,7 @@ import statistics
 import time
 
 import torch
-from common import MATRIX_PROMPTS, make_matrix_model, make_prompts, matrix_cell, matrix_tokenizer
-from transformers import AutoModelForCausalLM
+from common import matrix_policy
 
 from grpo.model.compiled import compile_report
 from grpo.model.replay import ReplayTape
@@ -56,14 +55,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.process_time if args.cpu_time else time.perf_counter
-    cell = matrix_cell(args.cell)
-    path = make_matrix_model(cell["eos"], cell["completion"])
-    tok = matrix_tokenizer(path, False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    prompts = [
-        tok(x, add_special_tokens=False)["input_ids"]
-        for x in make_prompts(tok, cell["prompt"], MATRIX_PROMPTS)
-    ]
+    cell, tok, prompts, model = matrix_policy(args.cell)
     variants = args.variants.split(",")
     engines = {v: engine(v, model, tok) for v in variants}
     sampling = SamplingParams(max_new_tokens=cell["completion"], temperature=1.0, top_k=0, top_p=1.0)

@@ -15,8 +15,7 @@ import statistics
 import time
 
 import torch
-from common import MATRIX_PROMPTS, make_matrix_model, make_prompts, matrix_cell, matrix_tokenizer
-from transformers import AutoModelForCausalLM
+from common import matrix_policy
 
 from grpo import kernels
 from grpo.model.replay import ReplayTape
@@ -31,14 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     if kernels.cpu_ops() is None:
         raise SystemExit(f"grpo's CPU ops are not available: {kernels.why_unavailable()}")
-    cell = matrix_cell(args.cell)
-    path = make_matrix_model(cell["eos"], cell["completion"])
-    tok = matrix_tokenizer(path, False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    prompts = [
-        tok(x, add_special_tokens=False)["input_ids"]
-        for x in make_prompts(tok, cell["prompt"], MATRIX_PROMPTS)
-    ]
+    cell, tok, prompts, model = matrix_policy(args.cell)
     engine = NativeEngine(model, tok)
     engine.tape = ReplayTape()
     sampling = SamplingParams(max_new_tokens=cell["completion"], temperature=1.0, top_k=0, top_p=1.0)

@@ -16,8 +16,7 @@ import statistics
 import time
 
 import torch
-from common import MATRIX_BASE, MATRIX_PROMPTS, make_matrix_model, make_prompts, matrix_tokenizer
-from transformers import AutoModelForCausalLM
+from common import matrix_policy
 
 from grpo.model import shared_prompt
 from grpo.model.decoder import NativeDecoder, pack_shared_prompts
@@ -50,14 +49,7 @@ def main() -> None:
         CLOCK = time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
-    cell = MATRIX_BASE
-    path = make_matrix_model(True, cell["completion"])
-    tok = matrix_tokenizer(path, False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    prompts = [
-        tok(t, add_special_tokens=False)["input_ids"]
-        for t in make_prompts(tok, cell["prompt"], MATRIX_PROMPTS)
-    ]
+    cell, tok, prompts, model = matrix_policy("base")
     engine = native.NativeEngine(model, tok)
     sampling = SamplingParams(max_new_tokens=cell["completion"], temperature=1.0, top_k=0, top_p=1.0)
 

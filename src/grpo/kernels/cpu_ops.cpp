@@ -289,7 +289,6 @@ at::Tensor rope_map(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
   const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t x0 = x.stride(0), x1 = x.stride(1), c0 = cos.stride(0), s0 = sin.stride(0);
-  const float sign = backward ? -1.0f : 1.0f;
   at::parallel_for(0, s * heads, std::max<int64_t>(1, 32768 / d), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / heads, h = i % heads;
@@ -303,7 +302,7 @@ at::Tensor rope_map(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
 #pragma omp simd
       for (int64_t k = 0; k < half; ++k) o[k] = xr[k] * c[k] + xr[k + half] * sn[k + half];
 #pragma omp simd
-      for (int64_t k = half; k < d; ++k) o[k] = xr[k] * c[k] + sign * xr[k - half] * sn[k - half];
+      for (int64_t k = half; k < d; ++k) o[k] = xr[k] * c[k] - xr[k - half] * sn[k - half];
     }
   });
   return out;
